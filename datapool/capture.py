@@ -1,0 +1,276 @@
+"""Write-behind capture: the gateway hands over records and never waits for the database.
+
+One writer task drains an in-memory queue in batches and writes each batch in one transaction.
+While the database is unreachable, batches go to an append-only spool file (fsync'd per batch);
+once the database answers again the spool is replayed in order, and because the pool skips
+turn ids it already holds, a batch that was written but not yet cleared from the spool is
+never stored twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.records import TurnRecord
+from datapool.sessions import Stitcher
+
+log = logging.getLogger("nextstate.capture")
+
+
+class Spool:
+    """An append-only JSONL file of records waiting for the database.
+
+    Each process takes its own file (``capture-N.jsonl``, guarded by an flock on
+    ``capture-N.lock``), so gateways sharing a data directory never interleave writes, and a
+    restarted gateway picks up the file its predecessor left behind.
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._lock_file: IO[bytes] | None = None
+        self.path: Path | None = None
+        self.records = 0
+        self.bytes = 0
+        # records that could not even be spooled (disk full, read-only) wait here, in order
+        self.memory: list[TurnRecord] = []
+        self.error: str | None = None
+        try:
+            self._claim()
+        except OSError as exc:
+            self.error = f"spool directory {directory} unusable: {exc}"
+            log.error("%s; captured turns will be held in memory while the database is down", self.error)
+
+    def _claim(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for i in range(256):
+            lock = open(self.directory / f"capture-{i}.lock", "ab")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            self._lock_file = lock
+            self.path = self.directory / f"capture-{i}.jsonl"
+            if self.path.exists():
+                self.bytes = self.path.stat().st_size
+                with open(self.path, "rb") as f:
+                    self.records = sum(1 for _ in f)
+            return
+        raise OSError("no free spool slot (256 gateways on one data directory?)")
+
+    @property
+    def pending(self) -> bool:
+        return self.records > 0 or bool(self.memory)
+
+    def append(self, batch: Sequence[TurnRecord]) -> None:
+        if self.memory or self.path is None:
+            self.memory.extend(batch)  # keep order: nothing may overtake what waits in memory
+            return
+        data = b"".join(
+            json.dumps(r.to_json(), ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+            for r in batch
+        )
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.error = f"cannot write spool {self.path}: {exc}"
+            log.error("%s; holding %d turns in memory", self.error, len(batch))
+            self.memory.extend(batch)
+            return
+        self.error = None
+        self.records += len(batch)
+        self.bytes += len(data)
+
+    def read(self) -> list[TurnRecord]:
+        """Everything waiting, oldest first: the file, then what is held in memory."""
+        out: list[TurnRecord] = []
+        if self.path is not None and self.path.exists():
+            with open(self.path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    try:
+                        out.append(TurnRecord.from_json(json.loads(line)))
+                    except (ValueError, TypeError) as exc:
+                        # only a crash mid-append leaves a torn line, and only as the last one
+                        log.warning("spool %s line %d unreadable, skipped: %s", self.path, n, exc)
+        return out + self.memory
+
+    def reject(self, record: TurnRecord, exc: Exception) -> None:
+        """Park a record the database refuses (never retried automatically; kept for a person)."""
+        log.error("pool rejected turn %s, parked in rejected.jsonl: %s", record.id, exc)
+        line = {"error": str(exc).splitlines()[0], "record": record.to_json()}
+        with open(self.directory / "rejected.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+    def clear(self, replayed_from_memory: int) -> None:
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
+        self.records = self.bytes = 0
+        del self.memory[:replayed_from_memory]
+
+    def close(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+
+def _unreachable(exc: SQLAlchemyError) -> bool:
+    if isinstance(exc, OperationalError):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+class CaptureWriter:
+    """Batches records into the pool; falls back to the spool while the database is away."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        spool: Spool,
+        *,
+        batch_size: int = 256,
+        flush_interval_s: float = 0.05,
+        retry_interval_s: float = 1.0,
+        on_written: Callable[[int], None] | None = None,
+    ):
+        self.engine = engine
+        self.spool = spool
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.retry_interval_s = retry_interval_s
+        self.on_written = on_written
+        self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
+        self.last_db_error: str | None = None
+        self._last_failure = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def submit(self, record: TurnRecord) -> None:
+        """Hand a record over. Never blocks and never raises."""
+        self.queue.put_nowait(record)
+
+    @property
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="capture-writer")
+
+    async def stop(self) -> None:
+        """Write (or spool) everything submitted so far, then stop."""
+        if self._task is None:
+            return
+        self.queue.put_nowait(None)
+        await self._task
+        self._task = None
+        self.spool.close()
+
+    async def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch, stopping = await self._collect()
+            try:
+                await asyncio.to_thread(self._persist, batch)
+            except Exception:  # the writer must outlive any one bad batch
+                log.exception("capture writer failed on a batch of %d; spooling it", len(batch))
+                await asyncio.to_thread(self.spool.append, batch)
+
+    async def _collect(self) -> tuple[list[TurnRecord], bool]:
+        """The next batch: waits for a first record (or, with a spool to replay, a retry tick),
+        then takes what arrives within flush_interval_s, up to batch_size."""
+        batch: list[TurnRecord] = []
+        timeout = self.retry_interval_s if self.spool.pending else None
+        try:
+            first = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return batch, False
+        if first is None:
+            return batch, True
+        batch.append(first)
+        deadline = time.monotonic() + self.flush_interval_s
+        while len(batch) < self.batch_size:
+            try:
+                item = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = await asyncio.wait_for(self.queue.get(), remaining)
+                except TimeoutError:
+                    break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _persist(self, batch: list[TurnRecord]) -> None:
+        if self.spool.pending:
+            if batch:
+                self.spool.append(batch)
+            if time.monotonic() - self._last_failure >= self.retry_interval_s:
+                self._replay()
+            return
+        if not batch:
+            return
+        try:
+            self._write(batch)
+        except SQLAlchemyError as exc:
+            self._failed(exc)
+            self.spool.append(batch)
+
+    def _write(self, batch: Sequence[TurnRecord]) -> None:
+        """Write a batch; raises only when the database is unreachable. A batch the database
+        rejects for its content is split, and a record rejected on its own is parked in the
+        spool's rejects file instead of blocking every turn behind it."""
+        try:
+            self._transaction(batch)
+        except SQLAlchemyError as exc:
+            if _unreachable(exc):
+                raise
+            if len(batch) == 1:
+                self.spool.reject(batch[0], exc)
+                return
+            for record in batch:
+                self._write([record])
+
+    def _transaction(self, batch: Sequence[TurnRecord]) -> None:
+        with OrmSession(self.engine) as db, db.begin():
+            written = Stitcher(db).write(batch)
+        self.last_db_error = None
+        if self.on_written:
+            self.on_written(written)
+
+    def _failed(self, exc: Exception) -> None:
+        self._last_failure = time.monotonic()
+        first = self.last_db_error is None
+        self.last_db_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if first:
+            log.warning("pool unreachable, spooling captured turns: %s", self.last_db_error)
+
+    def _replay(self) -> None:
+        pending = self.spool.read()
+        from_memory = len(self.spool.memory)
+        try:
+            for i in range(0, len(pending), self.batch_size):
+                self._write(pending[i : i + self.batch_size])
+        except SQLAlchemyError as exc:
+            self._failed(exc)
+            return
+        self.spool.clear(from_memory)
+        log.info("pool reachable again: replayed %d spooled turns", len(pending))

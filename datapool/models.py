@@ -1,0 +1,101 @@
+"""The pool's schema. Alembic (``migrations/``) is the only way it reaches a database."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere; Python None is SQL NULL.
+Json = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Session(Base):
+    """A trajectory: the turns of one conversation or episode."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # how the gateway knew the session: "header", "path" or "inferred" (from the message prefix)
+    source: Mapped[str] = mapped_column(String(16))
+    task_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    group_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", Json, default=dict)
+
+    __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
+
+
+class Turn(Base):
+    """One model call, as the gateway saw it."""
+
+    __tablename__ = "turns"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
+    # the turn whose reply this turn's request continued; its next_state came from this turn
+    parent_turn_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    turn_type: Mapped[str] = mapped_column(String(8), default="main")  # "main" | "side"
+    endpoint: Mapped[str] = mapped_column(String(16))  # "chat" | "completions"
+    status: Mapped[str] = mapped_column(String(16))  # "ok" | "error" | "cancelled"
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    model: Mapped[str] = mapped_column(String(256))  # as the client asked
+    upstream_model: Mapped[str | None] = mapped_column(String(256))  # as the upstream served
+    policy_version: Mapped[str | None] = mapped_column(String(256), index=True)
+    capture: Mapped[str] = mapped_column(String(16))  # "white-box" | "black-box"
+    request: Mapped[dict[str, Any]] = mapped_column(Json)
+    response: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    next_state: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    prompt_token_ids: Mapped[list[int] | None] = mapped_column(Json)
+    token_ids: Mapped[list[int] | None] = mapped_column(Json)
+    logprobs: Mapped[list[float] | None] = mapped_column(Json)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    usage: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    error: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    # hash of this request's messages up to its last assistant message: how an earlier turn
+    # whose reply arrives later (another replica, a replayed spool) finds its continuation
+    link_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+
+    __table_args__ = (Index("ix_turns_session_created", "session_id", "created_at"),)
+
+
+class TurnContinuation(Base):
+    """Hash of (request messages + reply of one choice): the prefix a continuing request starts with."""
+
+    __tablename__ = "turn_continuations"
+
+    hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    turn_id: Mapped[str] = mapped_column(
+        ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True
+    )
+    choice_index: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
+
+
+class PolicyVersion(Base):
+    """A servable policy: the base model, or base + adapter / checkpoint produced by the trainer."""
+
+    __tablename__ = "policy_versions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(256), unique=True)  # the model name vLLM serves it as
+    base_model: Mapped[str] = mapped_column(String(256))
+    kind: Mapped[str] = mapped_column(String(16))  # "base" | "lora" | "full"
+    path: Mapped[str | None] = mapped_column(String(1024))
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("policy_versions.id"))
+    # "candidate" | "active" | "retired" | "rolled_back"
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    stats: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)

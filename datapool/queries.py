@@ -1,0 +1,141 @@
+"""Read side of the pool: sessions and their turns, as the admin API serves them."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import func, or_, and_, select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.models import Session, Turn
+
+
+@dataclass(frozen=True)
+class SessionFilter:
+    task_id: str | None = None
+    capture: str | None = None  # "white-box" | "black-box": sessions with such a turn
+    model: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+
+def _iso(value: datetime | None) -> str | None:
+    # SQLite hands datetimes back without their zone; everything in the pool is UTC
+    if value is None:
+        return None
+    return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
+
+
+def encode_cursor(created_at: datetime, session_id: str) -> str:
+    return base64.urlsafe_b64encode(f"{created_at.isoformat()}|{session_id}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """Raises ValueError for a cursor this module did not make."""
+    try:
+        stamp, sid = base64.urlsafe_b64decode(cursor.encode()).decode().split("|", 1)
+        return datetime.fromisoformat(stamp), sid
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"invalid cursor {cursor!r}") from exc
+
+
+def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
+    return {
+        "id": s.id,
+        "source": s.source,
+        "task_id": s.task_id,
+        "group_id": s.group_id,
+        "created_at": _iso(s.created_at),
+        "updated_at": _iso(s.updated_at),
+        "ended_at": _iso(s.ended_at),
+        "turn_count": turn_count,
+        "metadata": s.meta,
+    }
+
+
+def turn_view(t: Turn) -> dict[str, Any]:
+    response = t.response or {}
+    choices = response.get("choices") or []
+    first = choices[0] if choices else {}
+    message = first.get("message") or {}
+    return {
+        "id": t.id,
+        "session_id": t.session_id,
+        "parent_turn_id": t.parent_turn_id,
+        "turn_type": t.turn_type,
+        "endpoint": t.endpoint,
+        "status": t.status,
+        "created_at": _iso(t.created_at),
+        "model": t.model,
+        "upstream_model": t.upstream_model,
+        "policy_version": t.policy_version,
+        "capture": t.capture,
+        "request": t.request,
+        "response": None
+        if t.response is None
+        else {
+            "id": response.get("id"),
+            "content": message.get("content") if t.endpoint == "chat" else first.get("text"),
+            "reasoning_content": message.get("reasoning_content"),
+            "tool_calls": message.get("tool_calls"),
+            "finish_reason": first.get("finish_reason"),
+            "choices": choices,
+        },
+        "next_state": t.next_state,
+        "prompt_token_ids": t.prompt_token_ids,
+        "token_ids": t.token_ids,
+        "logprobs": t.logprobs,
+        "latency_ms": t.latency_ms,
+        "usage": t.usage,
+        "error": t.error,
+    }
+
+
+def list_sessions(
+    db: OrmSession, *, limit: int, cursor: str | None, filters: SessionFilter
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Newest first; returns the page and the cursor of the next one (None at the end)."""
+    counts = (
+        select(Turn.session_id, func.count().label("n"))
+        .group_by(Turn.session_id)
+        .subquery()
+    )
+    q = select(Session, func.coalesce(counts.c.n, 0)).outerjoin(counts, counts.c.session_id == Session.id)
+    if filters.task_id:
+        q = q.where(Session.task_id == filters.task_id)
+    if filters.since:
+        q = q.where(Session.created_at >= filters.since)
+    if filters.until:
+        q = q.where(Session.created_at < filters.until)
+    turn_conds = []
+    if filters.capture:
+        turn_conds.append(Turn.capture == filters.capture)
+    if filters.model:
+        turn_conds.append(or_(Turn.model == filters.model, Turn.upstream_model == filters.model))
+    if turn_conds:
+        q = q.where(select(Turn.id).where(Turn.session_id == Session.id, *turn_conds).exists())
+    if cursor:
+        at, sid = decode_cursor(cursor)
+        q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
+    rows = db.execute(q.order_by(Session.created_at.desc(), Session.id.desc()).limit(limit + 1)).all()
+    page = [session_summary(s, n) for s, n in rows[:limit]]
+    next_cursor = encode_cursor(rows[limit - 1][0].created_at, rows[limit - 1][0].id) if len(rows) > limit else None
+    return page, next_cursor
+
+
+def get_session(db: OrmSession, session_id: str) -> dict[str, Any] | None:
+    s = db.get(Session, session_id)
+    if s is None:
+        return None
+    turns = db.scalars(
+        select(Turn).where(Turn.session_id == session_id).order_by(Turn.created_at, Turn.id)
+    ).all()
+    return session_summary(s, len(turns)) | {"turns": [turn_view(t) for t in turns]}
+
+
+def get_turn(db: OrmSession, turn_id: str) -> dict[str, Any] | None:
+    t = db.get(Turn, turn_id)
+    return turn_view(t) if t else None

@@ -1,0 +1,123 @@
+"""The gateway application: one upstream client, one capture queue, one session resolver."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.capture import CaptureWriter, Spool
+from datapool.db import make_engine
+from datapool.models import PolicyVersion
+from gateway import errors
+from gateway.metrics import Metrics
+from gateway.upstream import ActiveVersion, Upstreams, load_model_list
+from nextstate.settings import Settings
+
+log = logging.getLogger("nextstate.gateway")
+
+POLICY_REFRESH_S = 2.0
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs, built once per process."""
+
+    settings: Settings
+    engine: Engine
+    http: httpx.AsyncClient
+    upstreams: Upstreams
+    writer: CaptureWriter
+    metrics: Metrics
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _active_version(engine: Engine) -> ActiveVersion | None:
+    with OrmSession(engine) as db:
+        row = db.scalars(
+            select(PolicyVersion)
+            .where(PolicyVersion.status == "active", PolicyVersion.kind != "base")
+            .order_by(PolicyVersion.created_at.desc())
+            .limit(1)
+        ).first()
+        return ActiveVersion(name=row.name) if row else None
+
+
+async def _follow_policy(gw: Gateway) -> None:
+    # The alias is read from the pool so every replica agrees; a stale value for a couple of
+    # seconds is fine because a version is published only after vLLM loaded it.
+    while True:
+        try:
+            gw.upstreams.active_version = await asyncio.to_thread(_active_version, gw.engine)
+        except SQLAlchemyError:
+            pass  # the pool is down: keep serving the last known version
+        await asyncio.sleep(POLICY_REFRESH_S)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    model_list, policy_model = (None, settings.policy_model)
+    if settings.model_list is not None:
+        model_list, listed_policy = load_model_list(settings.model_list)
+        policy_model = settings.policy_model or listed_policy
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s),
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
+        )
+        engine = make_engine(settings.resolved_database_url)
+        metrics = Metrics()
+        spool = Spool(settings.resolved_spool_dir)
+        writer = CaptureWriter(
+            engine,
+            spool,
+            batch_size=settings.capture_batch_size,
+            flush_interval_s=settings.capture_flush_interval_s,
+            retry_interval_s=settings.spool_retry_interval_s,
+            on_written=metrics.captured.inc,
+        )
+        metrics.watch(lambda: writer.depth, lambda: spool.records + len(spool.memory), lambda: spool.bytes)
+        upstreams = Upstreams(
+            http,
+            model_list=model_list,
+            upstream_url=settings.upstream_url,
+            upstream_model=settings.upstream_model,
+            policy_model=policy_model,
+        )
+        gw = Gateway(settings, engine, http, upstreams, writer, metrics)
+        app.state.gateway = gw
+        writer.start()
+        follower = asyncio.create_task(_follow_policy(gw), name="policy-alias")
+        try:
+            yield
+        finally:
+            follower.cancel()
+            await writer.stop()
+            await http.aclose()
+            engine.dispose()
+
+    app = FastAPI(
+        title="nextstate gateway",
+        summary="OpenAI-compatible proxy that captures every call into the datapool.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    from gateway.routes import admin, health, openai
+
+    app.include_router(openai.router)
+    app.include_router(admin.router)
+    app.include_router(health.router)
+    return app

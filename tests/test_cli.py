@@ -1,0 +1,60 @@
+"""The command line: every subcommand documents itself, and bad usage fails with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from nextstate.cli import main
+
+COMMANDS = [[], ["gateway"], ["up"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
+            ["vllm", "setup"], ["vllm", "serve"]]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=lambda a: " ".join(a) or "nextstate")
+def test_help(args: list[str]) -> None:
+    result = CliRunner().invoke(main, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage: " in result.output and len(result.output.splitlines()) > 4
+
+
+def test_console_script_runs() -> None:
+    out = subprocess.run([sys.executable, "-m", "nextstate.cli", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for command in ("gateway", "up", "db", "vllm"):
+        assert command in out
+
+
+def test_gateway_without_upstream_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NEXTSTATE_UPSTREAM_URL", raising=False)
+    monkeypatch.delenv("NEXTSTATE_MODEL_LIST", raising=False)
+    result = CliRunner().invoke(main, ["gateway"])
+    assert result.exit_code == 2
+    assert "--upstream" in result.output
+
+
+def test_db_upgrade_and_current(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "empty"
+    result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
+    assert result.exit_code == 0 and "0001" in result.output
+    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0001"
+
+
+def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from nextstate.settings import Settings
+
+    cfg = tmp_path / "nextstate.yaml"
+    cfg.write_text("port: 9001\nadmin_token: from-file\n")
+    monkeypatch.setenv("NEXTSTATE_CONFIG", str(cfg))
+    monkeypatch.setenv("NEXTSTATE_ADMIN_TOKEN", "from-env")
+    monkeypatch.setenv("NEXTSTATE_API_KEYS", "k1, k2")
+    s = Settings()
+    assert (s.port, s.admin_token, s.api_keys) == (9001, "from-env", ["k1", "k2"])
+    assert Settings(port=9002).port == 9002
+    monkeypatch.setenv("NEXTSTATE_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(ValueError, match="no such file"):
+        Settings()

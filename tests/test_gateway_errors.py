@@ -1,0 +1,139 @@
+"""Bad input, failing upstreams, auth and secrets: each error in OpenAI's shape, nothing half-written."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from openai import OpenAI
+
+from tests.conftest import RunningVLLM
+from tests.processes import GatewayProcess, SilentUpstream, free_port, wait_for
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert {"type", "param", "code"} <= set(err)
+    return err
+
+
+@pytest.fixture(scope="module")
+def silent() -> Iterator[SilentUpstream]:
+    up = SilentUpstream()
+    yield up
+    up.close()
+
+
+@pytest.fixture(scope="module")
+def error_gateway(vllm_server: RunningVLLM, silent: SilentUpstream,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """One real vLLM model, one upstream that never answers, one nobody listens on."""
+    d = tmp_path_factory.mktemp("errgw")
+    model_list = d / "models.yaml"
+    model_list.write_text(yaml.safe_dump({"model_list": [
+        {"model_name": "smollm2", "litellm_params": {"model": "hosted_vllm/smollm2",
+                                                     "api_base": vllm_server.base_url}},
+        {"model_name": "slow", "litellm_params": {"model": "hosted_vllm/slow", "api_base": silent.base_url}},
+        {"model_name": "down", "litellm_params": {"model": "hosted_vllm/down",
+                                                  "api_base": f"http://127.0.0.1:{free_port()}/v1"}},
+    ]}))
+    with GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=model_list,
+                        env={"NEXTSTATE_MAX_BODY_BYTES": "4096", "NEXTSTATE_UPSTREAM_TIMEOUT_S": "1.5"}) as gw:
+        yield gw
+
+
+def _rows(gw: GatewayProcess) -> list[tuple[Any, ...]]:
+    db = sqlite3.connect(gw.data_dir / "pool.db")
+    try:
+        return db.execute("SELECT status, error, response, token_ids, model FROM turns").fetchall()
+    finally:
+        db.close()
+
+
+def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: GatewayProcess) -> None:
+    url = f"{error_gateway.base_url}/chat/completions"
+    ok = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    err = _error(httpx.post(url, content=b'{"model": "smollm2", "messages": [', timeout=10), 400)
+    assert "JSON" in err["message"]
+    err = _error(httpx.post(url, json={"model": "smollm2"}, timeout=10), 400)
+    assert "messages" in err["message"] and err["param"] == "messages"
+    err = _error(httpx.post(url, json=ok | {"messages": [{"role": "wizard", "content": "x"}]}, timeout=10), 400)
+    assert "role" in err["message"]
+    err = _error(httpx.post(url, json=ok | {"api_base": "http://evil.example/v1"}, timeout=10), 400)
+    assert "api_base" in err["message"]
+    err = _error(httpx.post(url, json=ok | {"model": "gpt-17"}, timeout=10), 404)
+    assert err["code"] == "model_not_found" and "gpt-17" in err["message"]
+    big = ok | {"messages": [{"role": "user", "content": "x" * 5000}]}
+    err = _error(httpx.post(url, json=big, timeout=10), 413)
+    assert "4096" in err["message"]
+    err = _error(httpx.post(url, json=ok | {"model": "down"}, timeout=10), 502)
+    assert "unreachable" in err["message"]
+    err = _error(httpx.post(url, json=ok | {"model": "slow"}, timeout=10), 504)
+    assert "timed out" in err["message"]
+    err = _error(httpx.post(url, json=ok | {"model": "slow", "stream": True}, timeout=10), 504)
+    # an error vLLM itself raises about the request comes back with vLLM's status and message
+    err = _error(httpx.post(url, json=ok | {"max_tokens": 10**6}, timeout=30), 400)
+    assert "max_tokens" in err["message"] or "context" in err["message"]
+    # the gateway is fine after all that
+    assert httpx.post(url, json=ok, timeout=60).status_code == 200
+
+    def all_written() -> list[tuple[Any, ...]] | None:
+        rows = _rows(error_gateway)
+        return rows if len(rows) == 5 else None
+
+    rows = wait_for(all_written)
+    # 400/404/413 from the gateway store nothing; upstream failures store a complete error turn
+    errors = sorted((r for r in rows if r[0] == "error"), key=lambda r: r[4])
+    assert [r[4] for r in errors] == ["down", "slow", "slow", "smollm2"]
+    for status, error, response, token_ids, _ in errors:
+        assert error is not None and response is None and token_ids is None
+    assert [r[0] for r in rows].count("ok") == 1
+
+
+def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> None:
+    r = httpx.get(f"{error_gateway.url}/readyz", timeout=20)
+    assert r.status_code == 503
+    checks = r.json()["checks"]
+    assert checks["pool"] == "ok"
+    assert any(v != "ok" for v in checks["upstreams"].values())
+    assert httpx.get(f"{error_gateway.url}/healthz", timeout=5).json() == {"status": "ok"}
+
+
+def test_metrics_exposes_latency_and_capture_gauges(error_gateway: GatewayProcess) -> None:
+    text = httpx.get(f"{error_gateway.url}/metrics", timeout=5).text
+    for name in ("nextstate_request_seconds_bucket", "nextstate_upstream_seconds_bucket",
+                 "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes"):
+        assert name in text
+
+
+def test_api_keys_admin_token_and_no_secrets_stored(vllm_server: RunningVLLM, tmp_path: Path) -> None:
+    key, admin = "sk-test-secret-0451", "admin-secret-0452"
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                        upstream_url=vllm_server.base_url,
+                        env={"NEXTSTATE_API_KEYS": f"other-key,{key}", "NEXTSTATE_ADMIN_TOKEN": admin}) as gw:
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        err = _error(httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10), 401)
+        assert err["code"] == "invalid_api_key"
+        _error(httpx.post(f"{gw.base_url}/chat/completions", json=body, timeout=10,
+                          headers={"Authorization": "Bearer wrong"}), 401)
+        raw = OpenAI(base_url=gw.base_url, api_key=key, max_retries=0).chat.completions.with_raw_response.create(
+            model="smollm2", messages=body["messages"], max_tokens=1)
+        assert raw.parse().choices
+        _error(httpx.get(f"{gw.url}/api/sessions", timeout=5), 401)
+        auth = {"Authorization": f"Bearer {admin}"}
+        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{raw.headers['x-turn-id']}", headers=auth,
+                                   timeout=5).status_code == 200)
+        log = gw.log_tail(10_000)
+    stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log")
+    assert key.encode() not in stored and admin.encode() not in stored
+    assert key not in log and admin not in log

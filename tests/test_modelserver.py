@@ -1,0 +1,148 @@
+"""End-to-end tests of the policy model server: a real vLLM serving SmolLM2-135M-Instruct.
+
+The first run installs vLLM and converts the model into the cache directory
+($NEXTSTATE_CACHE_DIR or ~/.cache/nextstate), which takes a few minutes; later runs reuse it.
+The HTTP tests use the suite's one vLLM server (the `vllm_server` fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import RunningVLLM
+from nextstate.modelserver import (
+    READY_STAMP,
+    VLLMServer,
+    default_cache_dir,
+    ensure_model,
+    ensure_vllm_env,
+    serve_command,
+    serve_env,
+)
+
+MESSAGES = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
+
+# Runs under the vLLM venv's python: render MESSAGES with the saved tokenizer's template.
+RENDER_SCRIPT = """
+import json, sys
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+text = tokenizer.apply_chat_template(
+    json.loads(sys.argv[2]), tokenize=False, add_generation_prompt=True
+)
+ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+print(json.dumps({"text": text, "ids": ids}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed() -> tuple[Path, Path]:
+    """(python of the vLLM venv, converted model directory), from the shared cache."""
+    cache_dir = default_cache_dir()
+    python = ensure_vllm_env(cache_dir)
+    return python, ensure_model(cache_dir, python)
+
+
+def _chat(server: RunningVLLM, **extra: object) -> Any:
+    body = {"model": "smollm2", "messages": MESSAGES, "temperature": 0, **extra}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    return response.json()
+
+
+def test_serve_command_and_env() -> None:
+    cmd = serve_command(Path("/venv/bin/python"), Path("/m"), port=1234, extra_args=["--x"])
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for flag in (
+        "--model /m",
+        "--served-model-name smollm2",
+        "--host 127.0.0.1",
+        "--port 1234",
+        "--max-model-len 2048",
+        "--dtype bfloat16",
+        "--gpu-memory-utilization 0.15",
+        "--enable-lora",
+        "--max-lora-rank 16",
+        "--tool-call-parser hermes",
+    ):
+        assert flag in joined
+    assert cmd[-1] == "--x"
+    env = serve_env({"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+
+
+def test_setup_is_cached(installed: tuple[Path, Path]) -> None:
+    python, model_dir = installed
+    started = time.monotonic()
+    assert ensure_vllm_env(default_cache_dir()) == python
+    assert ensure_model(default_cache_dir(), python) == model_dir
+    assert time.monotonic() - started < 5
+    for name in ("config.json", "model.safetensors", "tokenizer.json", READY_STAMP):
+        assert (model_dir / name).is_file()
+    assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_start_fails_fast_with_log_tail(installed: tuple[Path, Path], tmp_path: Path) -> None:
+    python, _ = installed
+    broken = VLLMServer(python, tmp_path / "no-model", log_path=tmp_path / "vllm.log")
+    with pytest.raises(RuntimeError, match="exited with code"):
+        broken.start(timeout=300)
+    assert broken.pid is None
+    assert "no-model" in (tmp_path / "vllm.log").read_text()
+
+
+def test_models_lists_served_name(vllm_server: RunningVLLM) -> None:
+    response = httpx.get(f"{vllm_server.base_url}/models", timeout=10)
+    assert response.status_code == 200
+    assert "smollm2" in [model["id"] for model in response.json()["data"]]
+
+
+def test_greedy_chat_completion_returns_token_ids(vllm_server: RunningVLLM) -> None:
+    result = _chat(vllm_server, max_tokens=32, logprobs=True, return_token_ids=True)
+    assert result["prompt_token_ids"]
+    choice = result["choices"][0]
+    assert choice["token_ids"]
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"])
+    assert len(choice["token_ids"]) == result["usage"]["completion_tokens"]
+    assert "Paris" in choice["message"]["content"]
+    again = _chat(vllm_server, max_tokens=32, return_token_ids=True)
+    assert again["choices"][0]["token_ids"] == choice["token_ids"]
+
+
+def test_chat_template_matches_server_tokenization(
+    vllm_server: RunningVLLM, installed: tuple[Path, Path]
+) -> None:
+    python, model_dir = installed
+    rendered = json.loads(
+        subprocess.run(
+            [str(python), "-c", RENDER_SCRIPT, str(model_dir), json.dumps(MESSAGES)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=serve_env(),
+        ).stdout
+    )
+    root = vllm_server.base_url.removesuffix("/v1")
+    tokens = httpx.post(
+        f"{root}/tokenize",
+        json={"model": "smollm2", "messages": MESSAGES, "add_generation_prompt": True},
+        timeout=30,
+    ).json()["tokens"]
+    assert tokens == rendered["ids"]
+    text = httpx.post(
+        f"{root}/detokenize", json={"model": "smollm2", "tokens": tokens}, timeout=30
+    ).json()["prompt"]
+    assert text == rendered["text"]
+    assert _chat(vllm_server, max_tokens=1, return_token_ids=True)["prompt_token_ids"] == tokens
