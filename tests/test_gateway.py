@@ -262,3 +262,22 @@ def test_session_list_pages_newest_first(gateway: GatewayProcess) -> None:
     assert [s for s in seen if s in sids] == list(reversed(sids))
     bad = httpx.get(f"{gateway.url}/api/sessions", params={"cursor": "nope"}, timeout=5)
     assert bad.status_code == 400 and "cursor" in bad.json()["error"]["message"]
+
+
+def test_sampling_parameters_pass_through(gateway: GatewayProcess, vllm_server: RunningVLLM) -> None:
+    """n, seed, stop, response_format and fields only vLLM knows (top_k) reach vLLM unchanged."""
+    body = {"model": "smollm2", "messages": unique_user("List two fruits as JSON."), "max_tokens": 24,
+            "temperature": 1.0, "seed": 7, "n": 2, "stop": ["}"], "top_k": 5,
+            "response_format": {"type": "json_object"}}
+    ref = direct(vllm_server, "/chat/completions", body | {"return_token_ids": True})
+    raw = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120)
+    got = raw.json()
+    assert [c["message"]["content"] for c in got["choices"]] == [c["message"]["content"] for c in ref["choices"]]
+    assert len(got["choices"]) == 2 and "}" not in got["choices"][0]["message"]["content"]
+    stored = turn(gateway, raw.headers["x-turn-id"])
+    assert stored["request"]["params"] | {"model": "smollm2"} == {
+        k: v for k, v in body.items() if k != "messages"}
+    assert stored["token_ids"] == ref["choices"][0]["token_ids"]
+    second = stored["response"]["choices"][1]
+    assert second["token_ids"] == ref["choices"][1]["token_ids"]
+    assert len(second["logprobs"]) == len(second["token_ids"])
