@@ -148,6 +148,7 @@ class CaptureWriter:
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
         on_written: Callable[[int], None] | None = None,
+        on_ready: Callable[[list[str]], None] | None = None,
     ):
         self.engine = engine
         self.spool = spool
@@ -155,6 +156,7 @@ class CaptureWriter:
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
         self.on_written = on_written
+        self.on_ready = on_ready  # called with turns whose next state just became known
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
         self.last_db_error: str | None = None
         self._last_failure = 0.0
@@ -251,10 +253,13 @@ class CaptureWriter:
 
     def _transaction(self, batch: Sequence[TurnRecord]) -> None:
         with OrmSession(self.engine) as db, db.begin():
-            written = Stitcher(db).write(batch)
+            stitcher = Stitcher(db)
+            written = stitcher.write(batch)
         self.last_db_error = None
         if self.on_written:
             self.on_written(written)
+        if self.on_ready and stitcher.ready:
+            self.on_ready(stitcher.ready)
 
     def _failed(self, exc: Exception) -> None:
         self._last_failure = time.monotonic()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -35,6 +35,10 @@ class Session(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", Json, default=dict)
+    # terminal reward O of the episode (task success, test verdict), posted by a verifier or user
+    outcome: Mapped[float | None] = mapped_column(Float)
+    outcome_source: Mapped[str | None] = mapped_column(String(256))
+    outcome_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
 
@@ -68,6 +72,8 @@ class Turn(Base):
     # hash of this request's messages up to its last assistant message: how an earlier turn
     # whose reply arrives later (another replica, a replayed spool) finds its continuation
     link_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    # the `id` the client received (chatcmpl-...), so feedback can name the turn by it
+    response_id: Mapped[str | None] = mapped_column(String(256), index=True)
 
     __table_args__ = (Index("ix_turns_session_created", "session_id", "created_at"),)
 
@@ -99,3 +105,50 @@ class PolicyVersion(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     stats: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+
+
+class Vote(Base):
+    """One judgement of a turn: a PRM judge's vote, or a person's feedback."""
+
+    __tablename__ = "votes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))  # "prm" | "feedback"
+    # makes re-delivery harmless: "prm:<judge>:<prompt version>:<i>" is written once per turn
+    dedupe_key: Mapped[str] = mapped_column(String(512))
+    judge: Mapped[str] = mapped_column(String(256))  # judge model, python path, or "user"
+    prompt_version: Mapped[str | None] = mapped_column(String(64))
+    vote_index: Mapped[int] = mapped_column(Integer, default=0)
+    value: Mapped[int | None] = mapped_column(Integer)  # +1 / 0 / -1; NULL: unparsable
+    rationale: Mapped[str | None] = mapped_column(Text)
+    hint: Mapped[str | None] = mapped_column(Text)
+    raw: Mapped[str | None] = mapped_column(Text)  # what the judge said, kept when unparsable
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("uq_votes_turn_dedupe", "turn_id", "dedupe_key", unique=True),)
+
+
+class Judgement(Base):
+    """The signal made of a turn's votes: its process reward, hint and teacher logprobs."""
+
+    __tablename__ = "judgements"
+
+    turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True)
+    # "pending" (queued) | "waiting" (no next state yet) | "scored" | "tie" | "unparsable"
+    # | "skipped" (side or failed turn) | "dead" (kept failing; see last_error)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    reward: Mapped[float | None] = mapped_column(Float)  # the turn's process reward r_t
+    prm_reward: Mapped[float | None] = mapped_column(Float)  # the judges' majority alone
+    vote_mean: Mapped[float | None] = mapped_column(Float)  # (1/m) sum_i r_t^(i)
+    integrated_reward: Mapped[float | None] = mapped_column(Float)  # O + vote_mean
+    hint: Mapped[str | None] = mapped_column(Text)
+    hint_source: Mapped[str | None] = mapped_column(String(16))  # "feedback" | "prm"
+    teacher_prompt_ids: Mapped[list[int] | None] = mapped_column(Json)
+    teacher_logprobs: Mapped[list[float] | None] = mapped_column(Json)
+    judge: Mapped[str | None] = mapped_column(String(256))
+    prompt_version: Mapped[str | None] = mapped_column(String(64))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, or_, and_, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.models import Session, Turn
+from datapool.models import Judgement, Session, Turn, Vote
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,37 @@ def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
         "ended_at": _iso(s.ended_at),
         "turn_count": turn_count,
         "metadata": s.meta,
+        "outcome": s.outcome,
+        "outcome_source": s.outcome_source,
+    }
+
+
+def vote_view(v: Vote) -> dict[str, Any]:
+    return {"kind": v.kind, "value": v.value, "rationale": v.rationale, "hint": v.hint,
+            "judge": v.judge, "prompt_version": v.prompt_version, "index": v.vote_index,
+            "parsed": v.value is not None, "raw": v.raw if v.value is None else None,
+            "created_at": _iso(v.created_at)}
+
+
+def judgement_view(j: Judgement | None, votes: list[Vote]) -> dict[str, Any]:
+    """A turn's scoring: its votes, process reward r_t, hint, teacher logprobs, integrated reward."""
+    if j is None:
+        return {"status": None, "votes": [vote_view(v) for v in votes]}
+    return {
+        "status": j.status,
+        "reward": j.reward,
+        "prm_reward": j.prm_reward,
+        "vote_mean": j.vote_mean,
+        "integrated_reward": j.integrated_reward,
+        "hint": j.hint,
+        "hint_source": j.hint_source,
+        "has_teacher_logprobs": j.teacher_logprobs is not None,
+        "teacher_logprobs": j.teacher_logprobs,
+        "judge": j.judge,
+        "prompt_version": j.prompt_version,
+        "attempts": j.attempts,
+        "last_error": j.last_error,
+        "votes": [vote_view(v) for v in votes],
     }
 
 
@@ -126,16 +157,34 @@ def list_sessions(
     return page, next_cursor
 
 
+def _judged(db: OrmSession, turns: list[Turn]) -> list[dict[str, Any]]:
+    ids = [t.id for t in turns]
+    judgements = {j.turn_id: j for j in db.scalars(select(Judgement).where(Judgement.turn_id.in_(ids)))}
+    votes: dict[str, list[Vote]] = {}
+    for v in db.scalars(select(Vote).where(Vote.turn_id.in_(ids)).order_by(Vote.id)):
+        votes.setdefault(v.turn_id, []).append(v)
+    return [turn_view(t) | {"judgement": judgement_view(judgements.get(t.id), votes.get(t.id, []))}
+            for t in turns]
+
+
 def get_session(db: OrmSession, session_id: str) -> dict[str, Any] | None:
     s = db.get(Session, session_id)
     if s is None:
         return None
-    turns = db.scalars(
+    turns = list(db.scalars(
         select(Turn).where(Turn.session_id == session_id).order_by(Turn.created_at, Turn.id)
-    ).all()
-    return session_summary(s, len(turns)) | {"turns": [turn_view(t) for t in turns]}
+    ).all())
+    return session_summary(s, len(turns)) | {"turns": _judged(db, turns)}
 
 
 def get_turn(db: OrmSession, turn_id: str) -> dict[str, Any] | None:
     t = db.get(Turn, turn_id)
-    return turn_view(t) if t else None
+    return _judged(db, [t])[0] if t else None
+
+
+def list_judgements(db: OrmSession, *, status: str | None, limit: int) -> list[dict[str, Any]]:
+    q = select(Judgement).order_by(Judgement.updated_at.desc()).limit(limit)
+    if status:
+        q = q.where(Judgement.status == status)
+    return [{"turn_id": j.turn_id, "status": j.status, "reward": j.reward, "attempts": j.attempts,
+             "last_error": j.last_error, "updated_at": _iso(j.updated_at)} for j in db.scalars(q)]

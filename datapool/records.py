@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -34,7 +34,7 @@ class TurnRecord:
     latency_ms: float | None = None
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    session_done: bool = False  # the client said this is the session's last turn
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()

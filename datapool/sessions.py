@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
+from datapool.scoring import end_session, mark_pending
 
 Message = dict[str, Any]
 
@@ -119,6 +120,8 @@ class Stitcher:
     def __init__(self, db: OrmSession):
         self.db = db
         self.dialect = db.get_bind().dialect.name
+        # turns whose next state became known in this batch: to be scored once it commits
+        self.ready: list[str] = []
 
     def write(self, records: Sequence[TurnRecord]) -> int:
         """Insert the records not yet stored (a replayed spool may repeat some); returns how many."""
@@ -131,6 +134,7 @@ class Stitcher:
         self._lock(prepared)
         for record, candidates, continuations in prepared:
             self._write_one(record, candidates, continuations)
+        self.ready = mark_pending(self.db, self.ready)
         return len(fresh)
 
     @staticmethod
@@ -220,11 +224,13 @@ class Stitcher:
             usage=r.usage,
             error=r.error,
             link_hash=candidates[0][1] if candidates else None,
+            response_id=(r.response or {}).get("id"),
         )
         self.db.add(turn)
         self.db.flush()
         if parent is not None and r.turn_type == "main" and parent.next_state is None:
             parent.next_state = _next_state(turn, prefix_end)
+            self.ready.append(parent.id)
 
         for choice, h in enumerate(continuations):
             self.db.add(TurnContinuation(hash=h, turn_id=turn.id, choice_index=choice))
@@ -236,6 +242,8 @@ class Stitcher:
             .where(Session.id == turn.session_id, Session.updated_at < r.created_at)
             .values(updated_at=r.created_at)
         )
+        if r.session_done:
+            self.ready += end_session(self.db, turn.session_id)
 
     def _find_parent(
         self, candidates: list[tuple[int, str]], session_id: str | None
@@ -298,3 +306,4 @@ class Stitcher:
             orphan.parent_turn_id = turn.id
             if orphan.turn_type == "main" and turn.next_state is None:
                 turn.next_state = _next_state(orphan, len(turn.request.get("messages") or []) + 1)
+                self.ready.append(turn.id)

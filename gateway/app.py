@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine
 from datapool.models import PolicyVersion
+from datapool.worker import Enqueuer
 from gateway import errors
 from gateway.metrics import Metrics
 from gateway.upstream import ActiveVersion, Upstreams, load_model_list
@@ -37,6 +38,7 @@ class Gateway:
     upstreams: Upstreams
     writer: CaptureWriter
     metrics: Metrics
+    enqueuer: Enqueuer
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -81,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         engine = make_engine(settings.resolved_database_url)
         metrics = Metrics()
         spool = Spool(settings.resolved_spool_dir)
+        enqueuer = Enqueuer(settings)
         writer = CaptureWriter(
             engine,
             spool,
@@ -88,6 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             flush_interval_s=settings.capture_flush_interval_s,
             retry_interval_s=settings.spool_retry_interval_s,
             on_written=metrics.captured.inc,
+            on_ready=enqueuer.send,
         )
         metrics.watch(lambda: writer.depth, lambda: spool.records + len(spool.memory), lambda: spool.bytes)
         upstreams = Upstreams(
@@ -97,7 +101,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             upstream_model=settings.upstream_model,
             policy_model=policy_model,
         )
-        gw = Gateway(settings, engine, http, upstreams, writer, metrics)
+        metrics.watch_pool(engine)
+        gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer)
         app.state.gateway = gw
         writer.start()
         follower = asyncio.create_task(_follow_policy(gw), name="policy-alias")
@@ -115,9 +120,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    from gateway.routes import admin, health, openai
+    from gateway.routes import admin, feedback, health, openai
 
     app.include_router(openai.router)
+    app.include_router(feedback.router)
     app.include_router(admin.router)
     app.include_router(health.router)
     return app

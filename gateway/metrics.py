@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -41,8 +47,50 @@ class Metrics:
             "nextstate_spool_bytes", "Size of the capture spool file.", registry=self.registry
         )
 
+    def watch_pool(self, engine: Engine) -> None:
+        self.registry.register(PoolCollector(engine))
+
     def watch(self, depth: Callable[[], float], spool_records: Callable[[], float],
               spool_bytes: Callable[[], float]) -> None:
         self.queue_depth.set_function(depth)
         self.spool_records.set_function(spool_records)
         self.spool_bytes.set_function(spool_bytes)
+
+
+class PoolCollector(Collector):
+    """Scoring state of the whole pool (every worker's work), read at scrape time, cached briefly."""
+
+    TTL_S = 10.0
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._at = 0.0
+        self._judgements: list[tuple[str, int]] = []
+        self._votes: list[tuple[str, bool, int]] = []
+
+    def _refresh(self) -> None:
+        from datapool.models import Judgement, Vote
+
+        with OrmSession(self.engine) as db:
+            self._judgements = [(s, n) for s, n in db.execute(
+                select(Judgement.status, func.count()).group_by(Judgement.status))]
+            self._votes = [(k, bool(p), n) for k, p, n in db.execute(
+                select(Vote.kind, Vote.value.is_not(None), func.count()).group_by(Vote.kind, Vote.value.is_not(None)))]
+        self._at = time.monotonic()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if time.monotonic() - self._at > self.TTL_S:
+            try:
+                self._refresh()
+            except SQLAlchemyError:
+                pass  # pool down: report the last known counts
+        judgements = GaugeMetricFamily("nextstate_judgements", "Turns by scoring state (tie and "
+                                       "unparsable included, dead = dead-lettered).", labels=["status"])
+        for status, n in self._judgements:
+            judgements.add_metric([status], n)
+        yield judgements
+        votes = GaugeMetricFamily("nextstate_votes", "Votes in the pool by kind and whether they parsed.",
+                                  labels=["kind", "parsed"])
+        for kind, parsed, n in self._votes:
+            votes.add_metric([kind, str(parsed).lower()], n)
+        yield votes

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import OpenAIError
 
@@ -64,8 +64,9 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = None
 
 
-def parse_body(raw: bytes, schema: type[BaseModel]) -> dict[str, Any]:
-    """Decode and check a request body; returns the JSON object as the client sent it."""
+def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400) -> dict[str, Any]:
+    """Decode and check a request body; returns the JSON object as the client sent it.
+    Malformed JSON is a 400; a body that breaks the schema gets ``invalid_status``."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -78,7 +79,8 @@ def parse_body(raw: bytes, schema: type[BaseModel]) -> dict[str, Any]:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise OpenAIError(
-            400, f"invalid request: {where}: {first['msg']}", code="invalid_request", param=where or None
+            invalid_status, f"invalid request: {where + ': ' if where else ''}{first['msg']}",
+            code="invalid_request", param=where or None,
         ) from exc
     bad = CONTROL_PARAMS.intersection(body)
     if bad:
@@ -86,3 +88,40 @@ def parse_body(raw: bytes, schema: type[BaseModel]) -> dict[str, Any]:
             400, f"parameter not allowed through the gateway: {', '.join(sorted(bad))}", param=min(bad)
         )
     return body
+
+
+class FeedbackRequest(BaseModel):
+    """A person's verdict on a reply, named by the response `id` the client got or by turn id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    turn_id: str | None = Field(default=None, min_length=1, max_length=64)
+    rating: Literal["up", "down", 1, -1] | None = None
+    text: str | None = Field(default=None, min_length=1, max_length=4000)
+
+    @model_validator(mode="after")
+    def _one_target_and_something_to_say(self) -> "FeedbackRequest":
+        if (self.response_id is None) == (self.turn_id is None):
+            raise ValueError("give exactly one of response_id and turn_id")
+        if self.rating is None and self.text is None:
+            raise ValueError("give a rating (up/down) or text, or both")
+        return self
+
+    @property
+    def value(self) -> int | None:
+        return {"up": 1, "down": -1, 1: 1, -1: -1}.get(self.rating) if self.rating is not None else None
+
+
+class OutcomeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    outcome: float = Field(allow_inf_nan=False)
+    source: str | None = Field(default=None, max_length=256)
+
+    @field_validator("outcome", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("outcome must be a number")
+        return value

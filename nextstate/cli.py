@@ -100,6 +100,42 @@ def gateway(upstream_url: str | None, model_list: Path | None, port: int | None,
     _serve_gateway(settings, migrate)
 
 
+@main.command()
+@click.option("--database-url", metavar="DSN", help="The pool. [env NEXTSTATE_DATABASE_URL]")
+@click.option("--broker-url", metavar="URL",
+              help="Celery broker (default: SQLite file in the data dir). [env NEXTSTATE_BROKER_URL]")
+@click.option("--concurrency", type=int, help="Scoring tasks at once (default 4). [env NEXTSTATE_WORKER_CONCURRENCY]")
+@click.option("--beat/--no-beat", default=True, show_default=True,
+              help="Also run the periodic sweep (re-queues lost tasks, ends idle sessions). "
+                   "Run it in one worker of a fleet.")
+@click.option("--log-level", default="info", show_default=True)
+def worker(database_url: str | None, broker_url: str | None, concurrency: int | None, beat: bool,
+           log_level: str) -> None:
+    """Run a Celery worker that scores turns: m judge votes per turn given its next state,
+    the majority reward, hints, and teacher logprobs for hinted turns.
+
+    \b
+    The judge is set in the environment: NEXTSTATE_JUDGE_BACKEND=llm (default; NEXTSTATE_JUDGE_MODEL,
+    default the local vLLM) or =python with NEXTSTATE_JUDGE_PYTHON=module:function.
+    NEXTSTATE_JUDGE_VOTES sets m (default 3).
+    """
+    from datapool.worker import build_worker_app
+
+    _logging(log_level)
+    settings = _settings(database_url=database_url, broker_url=broker_url, worker_concurrency=concurrency)
+    try:
+        app = build_worker_app(settings)
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise click.UsageError(f"cannot set up the judge: {exc}") from exc
+    argv = ["worker", "--pool", "threads", "--concurrency", str(settings.worker_concurrency),
+            "--loglevel", log_level.upper(), "--without-gossip", "--without-mingle",
+            "--queues", settings.queue]
+    if beat:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        argv += ["--beat", "--schedule", str(settings.data_dir / f"beat-{settings.queue}")]
+    app.worker_main(argv)
+
+
 @main.group()
 def db() -> None:
     """The pool's schema (Alembic migrations)."""

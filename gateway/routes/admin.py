@@ -12,8 +12,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries
+from datapool.models import Session
+from datapool.scoring import apply_outcome, end_session, mark_pending
 from gateway.app import gateway_of
 from gateway.errors import OpenAIError
+from gateway.protocol import OutcomeRequest, parse_body
 
 
 def require_admin(request: Request) -> None:
@@ -80,3 +83,50 @@ async def get_turn(request: Request, turn_id: str) -> dict[str, Any]:
     if found is None:
         raise OpenAIError(404, f"no turn {turn_id!r}", code="turn_not_found")
     return found
+
+
+async def _session_signal(request: Request, session_id: str, change: Any) -> list[str]:
+    """Apply a change to a session and queue its newly scoreable turns; 404 for an unknown id."""
+    gw = gateway_of(request)
+
+    def run() -> list[str] | None:
+        with OrmSession(gw.engine) as db, db.begin():
+            if db.get(Session, session_id) is None:
+                return None
+            return mark_pending(db, change(db))
+
+    try:
+        ready = await asyncio.to_thread(run)
+    except SQLAlchemyError as exc:
+        raise OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}") from exc
+    if ready is None:
+        raise OpenAIError(404, f"no session {session_id!r}", code="session_not_found")
+    await asyncio.to_thread(gw.enqueuer.send, ready)
+    return ready
+
+
+@router.post("/sessions/{session_id}/outcome")
+async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
+    """The session's terminal outcome O (a number; optional `source`). Every scored turn gets the
+    integrated reward R_t = O + mean of its votes; turns still without a next state are scored."""
+    body = OutcomeRequest.model_validate(parse_body(await request.body(), OutcomeRequest, invalid_status=422))
+    queued = await _session_signal(request, session_id,
+                                   lambda db: apply_outcome(db, session_id, body.outcome, body.source))
+    return {"session_id": session_id, "outcome": body.outcome, "queued": queued}
+
+
+@router.post("/sessions/{session_id}/end")
+async def post_end(request: Request, session_id: str) -> dict[str, Any]:
+    """Mark the session ended, so its last turn is scored with the end as its next state."""
+    queued = await _session_signal(request, session_id, lambda db: end_session(db, session_id))
+    return {"session_id": session_id, "ended": True, "queued": queued}
+
+
+@router.get("/judgements")
+async def list_judgements(
+    request: Request,
+    status: str | None = Query(None, pattern="^(pending|waiting|scored|tie|unparsable|skipped|dead)$"),
+    limit: int = Query(100, ge=1, le=1000),
+) -> dict[str, Any]:
+    """Scoring state of turns, newest change first; `status=dead` lists the dead-lettered ones."""
+    return {"data": await _read(request, queries.list_judgements, status=status, limit=limit)}

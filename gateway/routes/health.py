@@ -47,4 +47,6 @@ async def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(gateway_of(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    # the pool collector may query the database: keep that off the event loop
+    body = await asyncio.to_thread(generate_latest, gateway_of(request).metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

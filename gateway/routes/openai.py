@@ -141,6 +141,7 @@ async def _proxy(request: Request, endpoint: str, path_session: str | None) -> R
         task_id=request.headers.get("x-task-id"),
         group_id=request.headers.get("x-group-id"),
         turn_type=turn_type,
+        session_done=request.headers.get("x-session-done", "").strip().lower() in ("1", "true", "yes"),
         upstream_model=target.served_name,
         policy_version=target.policy_version,
     )

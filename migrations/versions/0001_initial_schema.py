@@ -14,7 +14,7 @@ down_revision = None
 branch_labels = None
 depends_on = None
 
-JSON = sa.JSON().with_variant(postgresql.JSONB(), 'postgresql')
+JSON = sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), 'postgresql')
 
 
 def upgrade() -> None:

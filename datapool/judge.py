@@ -1,0 +1,241 @@
+"""Process-reward judges: m votes on a turn given its next state, and how votes become signal.
+
+A vote is +1 / 0 / -1 with a rationale and, when the next state says what the action should
+have been, a hint. The turn's process reward is the strict majority of the parsed votes; a tie
+or a turn whose votes are all unparsable gets no reward (and is recorded as such).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import json
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+CONTEXT_MESSAGES = 6  # how much of the conversation before the action the judge sees
+
+
+@dataclass(frozen=True)
+class Vote:
+    value: int | None  # +1 / 0 / -1; None when the judge's answer could not be read
+    rationale: str = ""
+    hint: str | None = None
+    raw: str | None = None
+
+
+def coerce_vote(result: Any) -> Vote:
+    """What a python judge may return for one vote: a Vote, an int, or a mapping with `vote`."""
+    if isinstance(result, Vote):
+        return result
+    if isinstance(result, bool):
+        raise TypeError("a vote is +1, 0 or -1, not a bool")
+    if isinstance(result, int):
+        return Vote(_checked(result))
+    if isinstance(result, dict):
+        return Vote(_checked(result.get("vote", result.get("value"))), str(result.get("rationale") or ""),
+                    result.get("hint") or None)
+    raise TypeError(f"cannot read a vote from {result!r}")
+
+
+def _checked(value: Any) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value not in (-1, 0, 1):
+        raise ValueError(f"a vote is +1, 0 or -1, not {value!r}")
+    return value
+
+
+_VOTE_RE = re.compile(r'"?vote"?\s*[:=]\s*"?([+-]?[01])\b', re.IGNORECASE)
+
+
+def parse_vote(text: str) -> Vote:
+    """Read an LLM judge's answer: the JSON it was asked for, or failing that a `vote: N` in
+    the text. Anything else is an unparsable vote (value None), kept with its raw text."""
+    try:
+        start, end = text.index("{"), text.rindex("}") + 1
+        obj = json.loads(text[start:end])
+        value = obj.get("vote")
+        if isinstance(value, str):
+            value = int(value.strip().lstrip("+"))
+        hint = obj.get("hint")
+        return Vote(_checked(value), str(obj.get("rationale") or "")[:2000],
+                    hint.strip() if isinstance(hint, str) and hint.strip() else None, raw=text)
+    except (ValueError, AttributeError, TypeError):
+        pass
+    m = _VOTE_RE.search(text)
+    if m:
+        return Vote(int(m.group(1)), "", None, raw=text)
+    return Vote(None, "", None, raw=text)
+
+
+@dataclass(frozen=True)
+class Tally:
+    status: str  # "scored" | "tie" | "unparsable"
+    majority: int | None
+    mean: float | None  # mean of the parsed votes: (1/m) sum_i r^(i)
+    counts: dict[int, int]
+
+
+def tally(values: Sequence[int | None]) -> Tally:
+    parsed = [v for v in values if v is not None]
+    if not parsed:
+        return Tally("unparsable", None, None, {})
+    counts = Counter(parsed)
+    ranked = counts.most_common()
+    mean = sum(parsed) / len(parsed)
+    if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:
+        return Tally("tie", None, mean, dict(counts))
+    return Tally("scored", ranked[0][0], mean, dict(counts))
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+
+def choose_hint(hints: Sequence[str]) -> str | None:
+    """The hint the voters agree on most: the one with the highest mean word-overlap (Jaccard)
+    with the other hints — the medoid. Ties go to the earliest vote. One hint is chosen as is."""
+    hints = [h for h in hints if h and h.strip()]
+    if len(hints) <= 1:
+        return hints[0] if hints else None
+    bags = [_words(h) for h in hints]
+
+    def agreement(i: int) -> float:
+        return sum(
+            len(bags[i] & bags[j]) / max(len(bags[i] | bags[j]), 1) for j in range(len(hints)) if j != i
+        )
+
+    return hints[max(range(len(hints)), key=lambda i: (agreement(i), -i))]
+
+
+def next_state_role(next_state: dict[str, Any]) -> str:
+    messages = next_state.get("messages") or []
+    roles = {m.get("role") for m in messages}
+    if any(m.get("role") == "tool" and _looks_like_error(m) for m in messages):
+        return "an error from a tool"
+    if "tool" in roles:
+        return "tool output"
+    if "user" in roles:
+        return "the user's reply"
+    if next_state.get("feedback"):
+        return "the user's feedback"
+    if next_state.get("end"):
+        return "the session ended"
+    return "what came next"
+
+
+def _looks_like_error(message: dict[str, Any]) -> bool:
+    return bool(re.search(r"\b(error|exception|traceback|failed)\b", _text(message.get("content")), re.I))
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _render_message(m: dict[str, Any]) -> str:
+    out = f"[{m.get('role')}] {_text(m.get('content'))}".rstrip()
+    for call in m.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        out += f"\n  -> calls {fn.get('name')}({fn.get('arguments')})"
+    return out
+
+
+def render_prompt(template: str, turn: dict[str, Any], next_state: dict[str, Any]) -> str:
+    messages = (turn.get("request") or {}).get("messages") or []
+    context = "\n".join(_render_message(m) for m in messages[-CONTEXT_MESSAGES:]) or "(none)"
+    response = turn.get("response") or {}
+    action = _render_message({"role": "assistant", "content": response.get("content"),
+                              "tool_calls": response.get("tool_calls")})
+    parts = [_render_message(m) for m in next_state.get("messages") or ()]
+    for fb in next_state.get("feedback") or ():
+        rating = {1: "thumbs up", -1: "thumbs down"}.get(fb.get("value"), "")
+        parts.append(f"[user feedback] {rating} {fb.get('text') or ''}".rstrip())
+    if next_state.get("end"):
+        parts.append("[the session ended here]")
+    if next_state.get("outcome") is not None:
+        parts.append(f"[episode outcome: {next_state['outcome']}]")
+    return template.format(context=context, action=action, next_state_role=next_state_role(next_state),
+                           next_state="\n".join(parts) or "(nothing)")
+
+
+class Judge(Protocol):
+    name: str
+    prompt_version: str | None
+
+    async def vote(self, turn: dict[str, Any], next_state: dict[str, Any], index: int) -> Vote:
+        """Vote number ``index`` on the turn; raises when the judge could not be asked."""
+        ...
+
+
+class PythonJudge:
+    """A function ``(turn, next_state) -> vote`` (or ``(turn, next_state, vote_index)``), named by
+    ``module:function``; for verifiable tasks and deterministic tests. It returns a Vote, an int,
+    or a mapping with ``vote``/``rationale``/``hint``; exceptions are judge errors (retried)."""
+
+    prompt_version = None
+
+    def __init__(self, path: str):
+        module, _, attr = path.partition(":")
+        if not module or not attr:
+            raise ValueError(f"judge_python must be `module:function`, not {path!r}")
+        self.name = path
+        self.fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+        self._takes_index = len(inspect.signature(self.fn).parameters) >= 3
+
+    async def vote(self, turn: dict[str, Any], next_state: dict[str, Any], index: int) -> Vote:
+        args = (turn, next_state, index) if self._takes_index else (turn, next_state)
+        return coerce_vote(await asyncio.to_thread(self.fn, *args))
+
+
+VOTE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "vote": {"type": "integer", "enum": [-1, 0, 1]},
+        "rationale": {"type": "string", "maxLength": 300},
+        "hint": {"type": ["string", "null"], "maxLength": 600},
+    },
+    "required": ["vote", "rationale", "hint"],
+    "additionalProperties": False,
+}
+
+
+class LLMJudge:
+    """Any LiteLLM model; asked for JSON matching VOTE_SCHEMA (vLLM enforces it by guided
+    decoding), each vote an independent sample."""
+
+    def __init__(self, model: str, *, prompt: str, api_base: str | None = None,
+                 api_key: str | None = None, temperature: float = 1.0, max_tokens: int = 256):
+        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        self.name = model
+        self.prompt_version = prompt
+        self.template = (PROMPTS_DIR / f"{prompt}.md").read_text()
+        self.api_base = api_base
+        self.api_key = api_key
+        self.temperature = temperature
+        self.max_tokens = max_tokens
+
+    async def vote(self, turn: dict[str, Any], next_state: dict[str, Any], index: int) -> Vote:
+        import litellm
+
+        resp = await litellm.acompletion(
+            model=self.name,
+            messages=[{"role": "user", "content": render_prompt(self.template, turn, next_state)}],
+            api_base=self.api_base,
+            api_key=self.api_key,
+            temperature=self.temperature,
+            max_tokens=self.max_tokens,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "vote", "schema": VOTE_SCHEMA, "strict": True}},
+            num_retries=0,
+        )
+        return parse_vote(resp.choices[0].message.content or "")

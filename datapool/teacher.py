@@ -1,0 +1,266 @@
+"""Teacher logprobs for hindsight on-policy distillation (OPD).
+
+For a hinted turn, the teacher is the policy itself under an enhanced context: the turn's own
+request messages with the hint appended to the last user message. The teacher logprob of each
+response token ``a_t`` is ``log pi(a_t | s + hint, a_<t)``, obtained exactly (no sampling, no
+re-tokenization of the response) by asking vLLM for ``prompt_logprobs`` over
+``teacher_prompt_ids + response_token_ids``:
+
+1. ``POST {root}/tokenize`` with the teacher messages and ``add_generation_prompt`` renders the
+   chat template exactly as the server does for chat completions → ``teacher_prompt_ids``.
+2. ``POST {api_base}/completions`` with ``prompt`` = the concatenated token ids,
+   ``max_tokens=1`` and ``prompt_logprobs=0`` returns, for every prompt position, the logprob
+   of the token actually at that position; the last ``len(response_token_ids)`` entries are the
+   teacher logprobs.
+
+The response token ids are the captured ``token_ids`` of the turn (white-box capture), used
+verbatim, including a trailing end-of-turn token if the capture has one.
+
+Only the standard library and httpx are used, so a Celery worker can import this without the
+gateway or the trainer.
+
+Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextstate):
+
+* With ``--enable-lora``, a ``prompt_logprobs`` request that is scheduled in the same step as
+  any other running request kills the EngineCore (``einsum(): subscript b has size N ...`` in
+  ``punica_cpu.add_lora_logits``: the LoRA logits mapping has one row per request, prompt
+  logprobs one per prompt token); every in-flight request then fails with 500 and the server
+  must be restarted. A lone request is fine (size 1 broadcasts). Send teacher requests only to
+  a replica that gets no concurrent traffic, one at a time. Related upstream reports:
+  vllm-project/vllm#17766, #16668, #29955.
+* When a LoRA adapter targets ``lm_head``, vLLM's ``prompt_logprobs`` may omit the adapter's
+  lm_head delta (vllm-project/vllm#51594, open); adapters that leave ``lm_head`` alone are
+  unaffected.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "HINT_TEMPLATE",
+    "TeacherError",
+    "TeacherResult",
+    "api_root",
+    "teacher_logprobs",
+    "teacher_messages",
+]
+
+HINT_TEMPLATE = "[Hint for your reply: {hint}]"
+"""How a hint is written into the teacher context: a bracketed, clearly labelled line."""
+
+_STRING_SEPARATOR = "\n\n"
+
+
+class TeacherError(Exception):
+    """Teacher logprobs could not be computed.
+
+    ``status_code`` is the HTTP status of the vLLM reply that caused it, or ``None`` for
+    transport errors, malformed replies and bad arguments. A caller may treat 5xx and ``None``
+    from transport errors as retryable and 4xx as permanent.
+    """
+
+    def __init__(self, message: str, *, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass(frozen=True)
+class TeacherResult:
+    """The teacher's view of one turn's response.
+
+    ``prompt_token_ids``: the rendered teacher context (messages + hint + generation prompt).
+    ``logprobs``: one logprob per response token, aligned with ``response_token_ids``.
+    """
+
+    prompt_token_ids: list[int]
+    logprobs: list[float]
+
+
+def _marked_hint(hint: str) -> str:
+    return HINT_TEMPLATE.format(hint=hint.strip())
+
+
+def teacher_messages(messages: list[dict[str, Any]], hint: str) -> list[dict[str, Any]]:
+    """Return a deep copy of *messages* with *hint* appended to the last user message.
+
+    The hint is written with :data:`HINT_TEMPLATE` so the model sees it as a hint, not as part
+    of what the user said. String content gets ``"\\n\\n" + marked hint`` appended; list
+    content (OpenAI content parts) gets a new ``{"type": "text", ...}`` part appended; a user
+    message without content gets the marked hint as its content. If there is no user message
+    at all, a new user message holding the marked hint is appended. *messages* is never
+    mutated.
+    """
+    out = copy.deepcopy(messages)
+    marked = _marked_hint(hint)
+    for message in reversed(out):
+        if message.get("role") != "user":
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content.append({"type": "text", "text": marked})
+        elif isinstance(content, str) and content:
+            message["content"] = content + _STRING_SEPARATOR + marked
+        else:
+            message["content"] = marked
+        return out
+    out.append({"role": "user", "content": marked})
+    return out
+
+
+def api_root(api_base: str) -> str:
+    """The server root of an OpenAI base URL: ``http://h:p/v1`` → ``http://h:p``.
+
+    vLLM serves ``/tokenize`` and ``/detokenize`` at the root, not under ``/v1``. A base that
+    does not end in ``/v1`` is returned unchanged (without a trailing slash).
+    """
+    base = api_base.rstrip("/")
+    return base[: -len("/v1")] if base.endswith("/v1") else base
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's error message if the body is an OpenAI-style error, else the raw text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("detail"), str):
+            return body["detail"]
+    return json.dumps(body)[:500]
+
+
+async def _post_json(
+    http: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str], what: str
+) -> dict[str, Any]:
+    try:
+        response = await http.post(url, json=payload, headers=headers)
+    except httpx.HTTPError as exc:
+        raise TeacherError(f"{what}: request to {url} failed: {exc!r}") from exc
+    if response.status_code >= 400:
+        raise TeacherError(
+            f"{what}: {url} answered {response.status_code}: {_error_message(response)}",
+            status_code=response.status_code,
+        )
+    try:
+        body = response.json()
+    except ValueError as exc:
+        raise TeacherError(f"{what}: {url} answered with non-JSON: {response.text[:200]!r}") from exc
+    if not isinstance(body, dict):
+        raise TeacherError(f"{what}: {url} answered with {type(body).__name__}, expected an object")
+    return body
+
+
+def _actual_logprob(entry: Any, token_id: int, position: int) -> float:
+    """The logprob of *token_id* in one ``prompt_logprobs`` entry (keys are token ids as strings)."""
+    if not isinstance(entry, dict):
+        raise TeacherError(f"prompt_logprobs[{position}] is {entry!r}, expected an object")
+    info = entry.get(str(token_id))
+    if info is None:
+        info = entry.get(token_id)  # tolerate int keys
+    if not isinstance(info, dict) or "logprob" not in info:
+        raise TeacherError(
+            f"prompt_logprobs[{position}] has no entry for the actual token {token_id} "
+            f"(keys: {sorted(entry)[:5]})"
+        )
+    value = info["logprob"]
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TeacherError(f"prompt_logprobs[{position}] logprob is {value!r}, expected a number")
+    value = float(value)
+    if math.isnan(value):
+        raise TeacherError(f"prompt_logprobs[{position}] logprob is NaN")
+    return value
+
+
+async def teacher_logprobs(
+    http: httpx.AsyncClient,
+    api_base: str,
+    model: str,
+    messages: list[dict[str, Any]],
+    response_token_ids: list[int],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    api_key: str | None = None,
+) -> TeacherResult:
+    """Logprobs of *response_token_ids* under the teacher context *messages*.
+
+    *messages* are the TEACHER messages: the caller applies :func:`teacher_messages` (or
+    passes the original messages to score the response under the unhinted policy). *tools*
+    are the turn's tool definitions, rendered into the template exactly as in the original
+    request. *api_base* is the OpenAI base (``…/v1``) of the vLLM server serving *model* (a
+    base model or a loaded LoRA adapter name); ``/tokenize`` is called at its root. With
+    *api_key*, both calls send ``Authorization: Bearer <api_key>``. Timeouts are those of
+    *http*.
+
+    Raises :class:`TeacherError` for empty *response_token_ids*, HTTP/transport errors
+    (carrying the server's message), malformed replies and length mismatches. The rendered
+    teacher prompt plus the response must fit the server's ``max_model_len`` minus one token
+    (the one generated token the completion call needs).
+    """
+    if not response_token_ids:
+        raise TeacherError("response_token_ids is empty: nothing to score")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in response_token_ids):
+        raise TeacherError("response_token_ids must be a list of ints")
+    base = api_base.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    tokenize_payload: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "add_generation_prompt": True,
+    }
+    if tools:
+        tokenize_payload["tools"] = tools
+    tokenized = await _post_json(
+        http, f"{api_root(base)}/tokenize", tokenize_payload, headers, "teacher tokenize"
+    )
+    prompt_ids = tokenized.get("tokens")
+    if not isinstance(prompt_ids, list) or not prompt_ids or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+    ):
+        raise TeacherError(f"teacher tokenize: reply has no token list: {str(tokenized)[:200]}")
+
+    response_ids = list(response_token_ids)
+    completion = await _post_json(
+        http,
+        f"{base}/completions",
+        {
+            "model": model,
+            "prompt": prompt_ids + response_ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "prompt_logprobs": 0,
+        },
+        headers,
+        "teacher prompt_logprobs",
+    )
+    try:
+        entries = completion["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError) as exc:
+        raise TeacherError(
+            f"teacher prompt_logprobs: reply has no choices[0].prompt_logprobs: {str(completion)[:200]}"
+        ) from exc
+    total = len(prompt_ids) + len(response_ids)
+    if not isinstance(entries, list) or len(entries) != total:
+        got = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise TeacherError(
+            f"teacher prompt_logprobs: expected {total} entries "
+            f"({len(prompt_ids)} prompt + {len(response_ids)} response), got {got}"
+        )
+    offset = len(prompt_ids)
+    logprobs = [
+        _actual_logprob(entries[offset + i], token_id, offset + i)
+        for i, token_id in enumerate(response_ids)
+    ]
+    return TeacherResult(prompt_token_ids=list(prompt_ids), logprobs=logprobs)
