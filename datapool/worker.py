@@ -34,21 +34,27 @@ def make_celery(settings: Settings) -> Celery:
         task_default_queue=settings.queue,
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=2,
-        broker_transport_options={
-            # Redis: a task unacknowledged this long (its worker died) goes back on the queue;
-            # the restore scan runs every interval (kombu's default throttle makes it 10x rarer)
-            "visibility_timeout": settings.broker_visibility_timeout_s,
-            "unacked_restore_interval": 30,
-            "unacked_restore_throttle": 1,
-            # a broker that is down or hangs must fail a send fast, not block the capture writer
-            "socket_timeout": 5,
-            "socket_connect_timeout": 2,
-            "max_retries": 0,
-        },
+        broker_transport_options=_transport_options(settings),
         worker_hijack_root_logger=False,
         beat_schedule={"sweep": {"task": SWEEP_TASK, "schedule": settings.sweep_interval_s}},
     )
     return app
+
+
+def _transport_options(settings: Settings) -> dict[str, Any]:
+    if not settings.resolved_broker_url.startswith(("redis://", "rediss://")):
+        return {}  # kombu's SQLAlchemy transport hands its options to create_engine
+    return {
+        # Redis: a task unacknowledged this long (its worker died) goes back on the queue;
+        # the restore scan runs every interval (kombu's default throttle makes it 10x rarer)
+        "visibility_timeout": settings.broker_visibility_timeout_s,
+        "unacked_restore_interval": 30,
+        "unacked_restore_throttle": 1,
+        # a broker that is down or hangs must fail a send fast, not block the capture writer
+        "socket_timeout": 5,
+        "socket_connect_timeout": 2,
+        "max_retries": 0,
+    }
 
 
 class Enqueuer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,31 +165,67 @@ def db_current(database_url: str | None) -> None:
 
 @main.command()
 @click.option("--port", type=int, help="Gateway port (default 8400). [env NEXTSTATE_PORT]")
-@click.option("--vllm-port", type=int, help="vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
+@click.option("--vllm-port", type=int, help="Policy vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
 @click.option("--database-url", metavar="DSN", help="Pool (default: SQLite in the data dir).")
+@click.option("--scoring/--no-scoring", default=True, show_default=True,
+              help="Also run a scoring worker (LLM judge on the local vLLM) and the teacher vLLM replica.")
 @click.option("--log-level", default="info", show_default=True)
-def up(port: int | None, vllm_port: int | None, database_url: str | None, log_level: str) -> None:
-    """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway.
+def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool, log_level: str) -> None:
+    """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
+    and a scoring worker.
 
+    \b
     The first run installs vLLM (the CPU build where there is no GPU) in its own virtualenv and
-    converts the model once; both are cached in the cache dir. Prints `base_url: ...` when the
-    gateway is ready. Ctrl-C stops everything.
+    converts the model once; both are cached in the cache dir. Processes:
+      vLLM (policy, LoRA hot-loading)    127.0.0.1:8401
+      vLLM (teacher replica, scoring)    127.0.0.1:8402   one request at a time
+      worker (Celery, SQLite broker)     scores turns with the LLM judge
+      gateway                            127.0.0.1:8400   prints `base_url: ...` when ready
+    Ctrl-C stops everything.
     """
+    import contextlib
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
     from datapool.db import upgrade
-    from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env
+    from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
 
     _logging(log_level)
     settings = _settings(port=port, vllm_port=vllm_port, database_url=database_url)
     python = ensure_vllm_env(settings.cache_dir)
     model_dir = ensure_model(settings.cache_dir, python)
     upgrade(settings.resolved_database_url)
-    log_path = settings.data_dir / "logs" / "vllm.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    click.echo(f"starting vLLM on 127.0.0.1:{settings.vllm_port} (log: {log_path}) ...")
-    with VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
-                    port=settings.vllm_port, log_path=log_path) as server:
-        settings = settings.model_copy(update={"upstream_url": server.base_url,
-                                               "upstream_model": settings.vllm_served_name})
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = [VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
+                          port=settings.vllm_port, log_path=logs / "vllm.log")]
+    if scoring:
+        servers.append(VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
+                                  port=settings.teacher_vllm_port, log_path=logs / "vllm-teacher.log",
+                                  extra_args=TEACHER_ARGS))
+    click.echo(f"starting vLLM on 127.0.0.1:{settings.vllm_port}"
+               + (f" and its teacher replica on :{settings.teacher_vllm_port}" if scoring else "")
+               + f" (logs in {logs}) ...")
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for started in [pool.submit(server.start) for server in servers]:
+                started.result()
+        settings = settings.model_copy(update={
+            "upstream_url": servers[0].base_url, "upstream_model": settings.vllm_served_name,
+            "teacher_url": servers[-1].base_url if scoring else None})
+        if scoring:
+            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
+                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
+                   "NEXTSTATE_TEACHER_URL": servers[1].base_url,
+                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url}
+            worker_log = open(logs / "worker.log", "ab")
+            worker = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "worker", "--log-level", log_level],
+                                      env=env, stdout=worker_log, stderr=subprocess.STDOUT)
+            stack.callback(worker.wait, 30)
+            stack.callback(worker.terminate)
+            click.echo(f"worker: LLM judge on {settings.vllm_served_name} (log: {logs / 'worker.log'})")
         click.echo(f"pool: {settings.resolved_database_url}")
         click.echo(f"model: {settings.vllm_served_name} (also as `policy`)")
         _serve_gateway(settings, migrate=False)

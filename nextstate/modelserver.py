@@ -547,7 +547,12 @@ def setup_command(cache_dir: Path) -> None:
     show_default=True,
     help="Model name clients pass as `model`.",
 )
-def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str) -> None:
+@click.option(
+    "--teacher",
+    is_flag=True,
+    help="Serve as the teacher replica for scoring: one request at a time (--max-num-seqs 1).",
+)
+def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, teacher: bool) -> None:
     """Run vLLM in the foreground; Ctrl-C stops it.
 
     Serves the OpenAI-compatible API with runtime LoRA loading (POST
@@ -555,9 +560,15 @@ def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str) -
     CACHE_DIR/logs/vllm-serve.log; the API URL is printed once the server is ready.
     """
     python, model_dir = _prepare(cache_dir)
-    log_path = cache_dir / "logs" / "vllm-serve.log"
+    log_path = cache_dir / "logs" / f"vllm-serve-{port}.log"
     server = VLLMServer(
-        python, model_dir, served_name=served_name, host=host, port=port, log_path=log_path
+        python,
+        model_dir,
+        served_name=served_name,
+        host=host,
+        port=port,
+        log_path=log_path,
+        extra_args=TEACHER_ARGS if teacher else (),
     )
     click.echo(f"vllm: starting (log: {log_path})")
     try:

@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     # model server (vLLM) started by `nextstate up`
     vllm_port: int = Field(default=8401, description="Port of the vLLM server `nextstate up` starts.")
     vllm_served_name: str = Field(default="smollm2", description="Model name vLLM serves the base under.")
+    teacher_vllm_port: int = Field(
+        default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -102,8 +102,10 @@ def test_chat_reply_and_token_ids_match_vllm(gateway: GatewayProcess, vllm_serve
     assert stored["response"]["content"] == content
     assert stored["token_ids"] == ref["choices"][0]["token_ids"]
     assert stored["prompt_token_ids"] == ref["prompt_token_ids"]
+    # a separate request may be batched differently; bf16 logits then differ in the last bits
+    # (exact equality with what vLLM returned for the same request: test_client_sees_...)
     ref_lp = [t["logprob"] for t in ref["choices"][0]["logprobs"]["content"]]
-    assert stored["logprobs"] == pytest.approx(ref_lp, abs=1e-3)
+    assert stored["logprobs"] == pytest.approx(ref_lp, abs=0.25)
     assert stored["usage"]["completion_tokens"] == len(stored["token_ids"])
     assert stored["policy_version"] == "smollm2"
     # the prompt ids are vLLM's own rendering of these messages with the chat template
@@ -124,10 +126,14 @@ def test_client_sees_exactly_what_vllm_sends(gateway: GatewayProcess, vllm_serve
         ref.pop(key), got.pop(key)
     assert got == ref
 
-    # a client that asks for them gets them, as vLLM would give them
+    # a client that asks for them gets them, as vLLM gave them — the very values the pool keeps
     body |= {"logprobs": True, "return_token_ids": True}
-    got = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120).json()
-    assert got["prompt_token_ids"] and got["choices"][0]["token_ids"] and got["choices"][0]["logprobs"]
+    raw = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120)
+    got = raw.json()
+    stored = turn(gateway, raw.headers["x-turn-id"])
+    assert stored["prompt_token_ids"] == got["prompt_token_ids"]
+    assert stored["token_ids"] == got["choices"][0]["token_ids"]
+    assert stored["logprobs"] == [t["logprob"] for t in got["choices"][0]["logprobs"]["content"]]
 
 
 def _events(resp: httpx.Response) -> list[Any]:

@@ -17,7 +17,8 @@ def test_migrations_round_trip_and_match_models(database_url: str) -> None:
     with engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], f"models and migrations disagree: {diff}"
-    assert {"sessions", "turns", "turn_continuations", "policy_versions"} <= set(inspect(engine).get_table_names())
+    assert {"sessions", "turns", "turn_continuations", "policy_versions", "votes", "judgements"} <= set(
+        inspect(engine).get_table_names())
     engine.dispose()
 
     command.downgrade(alembic_config(database_url), "base")
