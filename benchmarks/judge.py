@@ -65,7 +65,8 @@ from tests.processes import GatewayProcess, WorkerProcess, wait_for  # noqa: E40
 FINAL = frozenset({"scored", "tie", "unparsable", "dead"})
 PYTHON_JUDGE = "tests.judges:verdict"
 
-# (question, correction); a conversation's user reply is either a thanks or the correction
+# (question, correction); a conversation's user reply is either a thanks or the correction.
+# Keep the number of questions odd (see converse).
 QUESTIONS: list[tuple[str, str]] = [
     ("What is the capital of France?", "No, you should answer with just the city name: Paris."),
     ("How many legs does a spider have?", "No, you should give the number first: eight legs."),
@@ -169,7 +170,7 @@ def stack(cfg: Config, backend: str, root: Path, name: str) -> Iterator[Stack]:
 def converse(base_url: str, model: str, index: int) -> str:
     """One two-turn conversation; returns turn 1's id (its next state is the user's reply)."""
     question, correction = QUESTIONS[index % len(QUESTIONS)]
-    corrects = (index + index // len(QUESTIONS)) % 2 == 1  # each question gets both kinds of reply
+    corrects = index % 2 == 1  # half the replies; len(QUESTIONS) is odd, so each question gets both kinds
     reply = correction if corrects else THANKS[index % len(THANKS)]
     chat = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
     messages: list[Any] = [{"role": "system", "content": f"Be brief. (conversation {uuid.uuid4().hex[:8]})"},

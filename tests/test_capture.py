@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
-import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
@@ -16,7 +14,7 @@ from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
-from tests.pg import ThrowawayPostgres, throwaway_unavailable_reason
+from tests.pg import ThrowawayPostgres
 
 
 def _record(i: int) -> TurnRecord:
@@ -31,16 +29,6 @@ def _record(i: int) -> TurnRecord:
         response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
                                           "finish_reason": "stop"}]},
     )
-
-
-@pytest.fixture
-def cluster() -> Iterator[ThrowawayPostgres]:
-    reason = throwaway_unavailable_reason()
-    if reason:
-        pytest.skip(f"needs the PostgreSQL server binaries to start a throwaway cluster: {reason}")
-    with ThrowawayPostgres() as pg:
-        upgrade(pg.dsn)
-        yield pg
 
 
 def _stored_ids(url: str) -> list[str]:
@@ -60,17 +48,17 @@ async def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untype
         await asyncio.sleep(0.05)
 
 
-async def test_database_outage_spools_and_replays_exactly_once(cluster: ThrowawayPostgres, tmp_path: Path) -> None:
-    engine = make_engine(cluster.dsn)
+async def test_database_outage_spools_and_replays_exactly_once(pg_cluster: ThrowawayPostgres, tmp_path: Path) -> None:
+    engine = make_engine(pg_cluster.dsn)
     spool = Spool(tmp_path / "spool")
     writer = CaptureWriter(engine, spool, flush_interval_s=0.01, retry_interval_s=0.2)
     writer.start()
     records = [_record(i) for i in range(60)]
     for r in records[:20]:
         writer.submit(r)
-    await _until(lambda: len(_stored_ids(cluster.dsn)) == 20)
+    await _until(lambda: len(_stored_ids(pg_cluster.dsn)) == 20)
 
-    cluster.kill()
+    pg_cluster.kill()
     for r in records[20:40]:
         writer.submit(r)
     await _until(lambda: spool.records == 20)
@@ -79,29 +67,29 @@ async def test_database_outage_spools_and_replays_exactly_once(cluster: Throwawa
         writer.submit(r)
     await _until(lambda: spool.records == 40)
 
-    cluster.restart()
+    pg_cluster.restart()
     await _until(lambda: not spool.pending)
     await writer.stop()
     engine.dispose()
-    stored = _stored_ids(cluster.dsn)
+    stored = _stored_ids(pg_cluster.dsn)
     assert sorted(stored) == sorted(r.id for r in records)
 
 
-async def test_leftover_spool_is_replayed_by_the_next_process(cluster: ThrowawayPostgres, tmp_path: Path) -> None:
+async def test_leftover_spool_is_replayed_by_the_next_process(pg_cluster: ThrowawayPostgres, tmp_path: Path) -> None:
     # a gateway that died with turns in its spool: the next one on this data dir replays them
     records = [_record(i) for i in range(5)]
     dead = Spool(tmp_path / "spool")
     dead.append(records)
     dead.append(records[3:])  # written twice (e.g. replay interrupted after commit): stored once
     dead.close()
-    engine = make_engine(cluster.dsn)
+    engine = make_engine(pg_cluster.dsn)
     writer = CaptureWriter(engine, Spool(tmp_path / "spool"), retry_interval_s=0.1)
     assert writer.spool.pending
     writer.start()
     await _until(lambda: not writer.spool.pending)
     await writer.stop()
     engine.dispose()
-    assert sorted(_stored_ids(cluster.dsn)) == sorted(r.id for r in records)
+    assert sorted(_stored_ids(pg_cluster.dsn)) == sorted(r.id for r in records)
 
 
 async def test_torn_last_line_is_skipped(tmp_path: Path) -> None:

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import yaml
 from openai import OpenAI
 from sqlalchemy import text
 
-from datapool.db import make_engine, upgrade
+from datapool.db import make_engine
 from tests.conftest import RunningVLLM
-from tests.pg import ThrowawayPostgres, throwaway_unavailable_reason
+from tests.pg import ThrowawayPostgres
 from tests.processes import GatewayProcess, wait_for
 
 
@@ -82,20 +80,10 @@ def test_two_gateways_sharing_postgres_stitch_one_session(
         assert [t["next_state"]["turn_id"] for t in s["turns"][:3]] == ids[1:]
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[ThrowawayPostgres]:
-    reason = throwaway_unavailable_reason()
-    if reason:
-        pytest.skip(f"needs the PostgreSQL server binaries to start a throwaway cluster: {reason}")
-    with ThrowawayPostgres() as pg:
-        upgrade(pg.dsn)
-        yield pg
-
-
-def test_database_goes_away_mid_traffic(vllm_server: RunningVLLM, cluster: ThrowawayPostgres, tmp_path: Path) -> None:
+def test_database_goes_away_mid_traffic(vllm_server: RunningVLLM, pg_cluster: ThrowawayPostgres, tmp_path: Path) -> None:
     """Kill PostgreSQL under load: every request still succeeds, and once it is back the pool
     holds every turn exactly once."""
-    gw = GatewayProcess(tmp_path, database_url=cluster.dsn, upstream_url=vllm_server.base_url,
+    gw = GatewayProcess(tmp_path, database_url=pg_cluster.dsn, upstream_url=vllm_server.base_url,
                         env={"NEXTSTATE_SPOOL_RETRY_INTERVAL_S": "0.3"}).start()
     sent: list[str] = []
     failures: list[str] = []
@@ -118,7 +106,7 @@ def test_database_goes_away_mid_traffic(vllm_server: RunningVLLM, cluster: Throw
     try:
         worker.start()
         wait_for(lambda: len(sent) >= 5, timeout=60)
-        cluster.kill()
+        pg_cluster.kill()
         at_kill = len(sent)
         wait_for(lambda: len(sent) >= at_kill + 8, timeout=60)
         metrics = httpx.get(f"{gw.url}/metrics", timeout=5).text
@@ -127,7 +115,7 @@ def test_database_goes_away_mid_traffic(vllm_server: RunningVLLM, cluster: Throw
         assert spooled > 0
         ready = httpx.get(f"{gw.url}/readyz", timeout=10)
         assert ready.status_code == 503 and ready.json()["checks"]["pool"] != "ok"
-        cluster.restart()
+        pg_cluster.restart()
         done.set()
         worker.join(120)
     finally:
@@ -137,8 +125,8 @@ def test_database_goes_away_mid_traffic(vllm_server: RunningVLLM, cluster: Throw
     assert len(sent) >= 30
     # the gateway stopped cleanly, so everything it captured is in the pool now or was on
     # replay; a fresh gateway on the same data dir replays whatever was left
-    with GatewayProcess(tmp_path, database_url=cluster.dsn, upstream_url=vllm_server.base_url) as gw2:
-        engine = make_engine(cluster.dsn)
+    with GatewayProcess(tmp_path, database_url=pg_cluster.dsn, upstream_url=vllm_server.base_url) as gw2:
+        engine = make_engine(pg_cluster.dsn)
 
         def counts() -> tuple[int, int] | None:
             with engine.connect() as conn:

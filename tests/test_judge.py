@@ -16,21 +16,7 @@ from openai import OpenAI
 from datapool.teacher import teacher_messages
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
-from tests.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url, unique_queue
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """The Redis on 127.0.0.1:6379 if it answers, else a throwaway redis-server."""
-    url = service_redis_url()
-    if url:
-        yield url
-        return
-    reason = redis_unavailable_reason()
-    if reason:
-        pytest.fail(f"Redis is needed: {reason}")
-    with ThrowawayRedis() as server:
-        yield server.url
+from tests.redis_server import unique_queue
 
 
 class Stack:
