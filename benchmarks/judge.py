@@ -421,16 +421,17 @@ def print_load(load: Load, cfg: Config) -> None:
           "   Idle and busy blocks alternate: (a) = no worker yet, or worker SIGSTOPped after both vLLMs went\n"
           "   quiet; (b) = LLM-judge worker scoring the backlog. 'other vLLM tok/s' = prompt + generated\n"
           "   tokens per second the policy vLLM processed during the row's blocks besides the probes\n")
-    print(f"{'row':<34}{'n':>4}{'p50':>9}{'p95':>9}{'mean':>9}{'other vLLM tok/s':>18}")
+    print(f"{'row':<34}{'n':>4}{'p50':>9}{'p95':>9}{'max':>9}{'mean':>9}{'other vLLM tok/s':>18}")
     for name, kind, values in (("(a) no worker", "idle", idle), ("(b) LLM judge scoring backlog", "busy", busy)):
         if not values:
-            print(f"{name:<34}{0:>4}{'-':>9}{'-':>9}{'-':>9}{'-':>18}")
+            print(f"{name:<34}{0:>4}{'-':>9}{'-':>9}{'-':>9}{'-':>9}{'-':>18}")
             continue
         print(f"{name:<34}{len(values):>4}{_pct(values, 50):>9.1f}{_pct(values, 95):>9.1f}"
-              f"{statistics.mean(values):>9.1f}{load.other_token_rate(kind):>18.1f}")
+              f"{max(values):>9.1f}{statistics.mean(values):>9.1f}{load.other_token_rate(kind):>18.1f}")
     if idle and busy:
         print(f"{'ratio (b) / (a)':<34}{'':>4}{_pct(busy, 50) / _pct(idle, 50):>8.2f}x"
-              f"{_pct(busy, 95) / _pct(idle, 95):>8.2f}x{statistics.mean(busy) / statistics.mean(idle):>8.2f}x")
+              f"{_pct(busy, 95) / _pct(idle, 95):>8.2f}x{max(busy) / max(idle):>8.2f}x"
+              f"{statistics.mean(busy) / statistics.mean(idle):>8.2f}x")
     print(f"\n   blocks in order: {' '.join(b.kind for b in load.blocks)}\n"
           f"   busy blocks discarded (backlog ran out): {load.discarded_busy}; idle blocks started before "
           f"vLLM went quiet: {load.undrained_idle};\n"
