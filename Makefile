@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
+# torch first, pinned, so the trainer's extra does not pull a multi-GB CUDA build on a CPU machine
+TORCH  ?= torch==2.13.0
 
 .PHONY: up test install install-test clean
 
@@ -24,8 +26,9 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli"
+	$(PIP) install '$(TORCH)' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -e '.[test,train]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl"
 	touch $(VENV)/.installed $@
 
 clean:

@@ -152,3 +152,45 @@ class Judgement(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TrainingRun(Base):
+    """One `nextstate train` run: what it optimised, from which version, what it produced."""
+
+    __tablename__ = "training_runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    objective: Mapped[str] = mapped_column(String(16))  # "rl" | "opd" | "combined"
+    backend: Mapped[str] = mapped_column(String(16))  # "local" | "verl"
+    config: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    status: Mapped[str] = mapped_column(String(16), index=True)  # "running" | "done" | "failed"
+    base_version: Mapped[str | None] = mapped_column(String(256))
+    produced_version: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TrainingLease(Base):
+    """A turn handed to a run's batch. Acked once the optimizer step that used it committed;
+    an unacked lease past its expiry (the trainer died) is handed out again."""
+
+    __tablename__ = "training_leases"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"), primary_key=True)
+    turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True)
+    leased_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    acked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    step: Mapped[int | None] = mapped_column(Integer)  # the optimizer step that trained on it
+
+
+class TrainingStep(Base):
+    """Per-step metrics of a run (loss, mean advantage, clip fraction, KL, tokens/s, ...)."""
+
+    __tablename__ = "training_steps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -137,6 +137,116 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
     app.worker_main(argv)
 
 
+@main.command()
+@click.option("--objective", type=click.Choice(["rl", "opd", "combined"]), required=True,
+              help="rl: binary RL (PPO clip on r, GRPO within task groups); opd: hindsight OPD toward "
+                   "the teacher logprobs of hinted turns; combined: w_rl·r + w_opd·(teacher − student).")
+@click.option("--steps", type=int, help="Stop after this many optimizer steps.")
+@click.option("--epochs", type=int, default=1, show_default=True,
+              help="Passes over the pool; each pass trains every matching turn once.")
+@click.option("--batch-size", type=int, default=8, show_default=True, help="Turns per optimizer step.")
+@click.option("--micro-batch-size", type=int, default=4, show_default=True, help="Turns per forward pass.")
+@click.option("--lr", type=float, default=5e-5, show_default=True)
+@click.option("--full", is_flag=True, help="Full fine-tuning instead of LoRA.")
+@click.option("--lora-rank", type=int, default=8, show_default=True)
+@click.option("--kl-coef", type=float, default=0.0, show_default=True, help="k3 KL to the base policy (LoRA only).")
+@click.option("--w-rl", type=float, default=1.0, show_default=True, help="combined: weight of the reward term.")
+@click.option("--w-opd", type=float, default=1.0, show_default=True, help="combined: weight of the OPD term.")
+@click.option("--loss-agg-mode", default="token-mean", show_default=True,
+              help="veRL's loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, ...")
+@click.option("--since", type=click.DateTime(), help="Only turns captured at or after this time (UTC).")
+@click.option("--until", type=click.DateTime(), help="Only turns captured before this time (UTC).")
+@click.option("--min-abs-reward", type=float, help="Only turns with |reward| at least this.")
+@click.option("--capture", type=click.Choice(["white-box", "black-box"]), help="Only this capture kind.")
+@click.option("--task-id", help="Only sessions of this task.")
+@click.option("--lease-s", type=float, default=600.0, show_default=True,
+              help="A leased batch not acked this long goes back to the pool (the trainer died).")
+@click.option("--resume", metavar="RUN_ID", help="Continue a run whose trainer died (releases its leases).")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The base model (default: the converted SmolLM2 in the cache dir).")
+@click.option("--publish/--no-publish", default=True, show_default=True,
+              help="Hot-load the new version into vLLM and make it the active `policy`.")
+@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL",
+              help="vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher replica.")
+@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@click.option("--log-level", default="info", show_default=True)
+def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro_batch_size: int, lr: float,
+          full: bool, lora_rank: int, kl_coef: float, w_rl: float, w_opd: float, loss_agg_mode: str,
+          since: Any, until: Any, min_abs_reward: float | None, capture: str | None, task_id: str | None,
+          lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
+          database_url: str | None, log_level: str) -> None:
+    """Train the policy offline from the scored turns in the pool, then publish it.
+
+    \b
+    Leases scored turns in batches (each trained once per pass; a crashed run's batch returns
+    to the pool), optimises the objective with the local backend (torch + peft, LoRA by
+    default, CPU or one GPU), records per-step metrics in the pool and TensorBoard
+    (<data dir>/tensorboard), writes the new version to a new directory and — with
+    --publish — loads it into vLLM and switches the `policy` alias to it.
+    """
+    from datetime import timezone
+
+    from datapool.db import make_engine
+    from trainer.lease import Filters
+    from trainer.local import LocalConfig
+    from trainer.objectives import ObjectiveConfig
+    from trainer.offline import train_offline
+
+    _logging(log_level)
+    settings = _settings(database_url=database_url)
+    if model_dir is None:
+        from nextstate.modelserver import ensure_model, ensure_vllm_env
+
+        model_dir = ensure_model(settings.cache_dir, ensure_vllm_env(settings.cache_dir))
+    engine = make_engine(settings.resolved_database_url)
+    utc = (lambda d: d.replace(tzinfo=timezone.utc) if d is not None else None)
+    filters = Filters(since=utc(since), until=utc(until), min_abs_reward=min_abs_reward, capture=capture,
+                      task_id=task_id, needs_teacher=objective == "opd")
+    cfg = ObjectiveConfig(objective=objective, w_rl=w_rl, w_opd=w_opd, kl_coef=kl_coef, loss_agg_mode=loss_agg_mode)
+    local = LocalConfig(model_dir=model_dir, lora=not full, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
+                        lr=lr, micro_batch_size=micro_batch_size)
+    board_dir = settings.data_dir / "tensorboard"
+    writer = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(board_dir))
+    except ImportError:
+        click.echo("tensorboard not installed: metrics go to the pool only", err=True)
+
+    def on_step(step: int, m: dict[str, float]) -> None:
+        click.echo(f"step {step}: loss {m.get('pg_loss', float('nan')):.4f}  adv {m['advantage_mean']:+.3f}  "
+                   f"clip {m.get('pg_clipfrac', 0.0):.3f}  kl {m.get('kl', 0.0):.4f}  "
+                   f"{m['tokens_per_s']:.0f} tok/s  ({int(m['samples'])} turns)")
+        if writer is not None:
+            for key, value in m.items():
+                writer.add_scalar(f"train/{key}", value, step)
+
+    result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=batch_size,
+                           max_steps=steps, epochs=epochs, lease_s=lease_s,
+                           output_root=settings.data_dir / "runs", resume=resume, on_step=on_step)
+    if writer is not None:
+        writer.close()
+    if result.output_dir is None:
+        click.echo("nothing to train on: no scored turn matches (see `GET /api/judgements`)")
+        return
+    click.echo(f"run {result.run_id}: {result.steps} steps over {result.turns} turns; saved {result.output_dir}")
+    if publish:
+        if full:
+            raise click.UsageError("publishing full weights is not supported yet; use LoRA or --no-publish")
+        from trainer.offline import active_adapter
+        from trainer.publish import publish_adapter
+
+        urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
+        parent = active_adapter(engine)
+        version = publish_adapter(engine, result.output_dir, base_model=settings.upstream_model
+                                  or settings.vllm_served_name, vllm_urls=urls,
+                                  parent=parent.name if parent else None,
+                                  stats={"run_id": result.run_id, "steps": result.steps, "turns": result.turns,
+                                         "objective": objective})
+        click.echo(f"published {version['name']}: the `policy` alias serves it now")
+
+
 @main.group()
 def db() -> None:
     """The pool's schema (Alembic migrations)."""
@@ -235,6 +345,11 @@ def _register_optional() -> None:
     from nextstate.modelserver import vllm_cli
 
     main.add_command(vllm_cli)
+    try:
+        from trainer.policy_cli import policy_cli
+    except ImportError:  # the trainer's extra is not installed
+        return
+    main.add_command(policy_cli)
 
 
 _register_optional()

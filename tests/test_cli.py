@@ -40,8 +40,8 @@ def test_db_upgrade_and_current(tmp_path) -> None:  # type: ignore[no-untyped-de
     url = f"sqlite:///{tmp_path / 'p.db'}"
     assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "empty"
     result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
-    assert result.exit_code == 0 and "0002" in result.output
-    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0002"
+    assert result.exit_code == 0 and "0003" in result.output
+    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0003"
 
 
 def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

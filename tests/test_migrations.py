@@ -26,4 +26,4 @@ def test_migrations_round_trip_and_match_models(database_url: str) -> None:
     assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
     engine.dispose()
     command.upgrade(alembic_config(database_url), "head")
-    assert current_revision(database_url) == "0002"
+    assert current_revision(database_url) == "0003"

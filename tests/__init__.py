@@ -1,0 +1,1 @@
+"""nextstate test suite (a regular package, so it wins over the `tests` package veRL installs)."""

@@ -1,0 +1,123 @@
+"""Batches from the pool: lease scored turns, ack them once the step that used them committed.
+
+PostgreSQL: candidate judgements are locked ``FOR UPDATE SKIP LOCKED``, so trainers running at
+once never take the same turn. SQLite: the lease transaction takes the database's write lock
+first (an UPDATE of the run row), which serialises lessees the same way. A lease not acked by
+its expiry (the trainer died) is handed out again; an acked one never is, so within a run
+every turn is trained on exactly once.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import Engine, exists, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which scored turns a run trains on."""
+
+    since: datetime | None = None
+    until: datetime | None = None
+    min_abs_reward: float | None = None
+    capture: str | None = None  # "white-box" | "black-box"
+    task_id: str | None = None
+    needs_teacher: bool = False  # OPD: only hinted turns with teacher logprobs
+
+
+def start_run(engine: Engine, *, objective: str, backend: str, config: dict[str, Any],
+              base_version: str | None) -> str:
+    run_id = uuid.uuid4().hex
+    with OrmSession(engine) as db, db.begin():
+        db.add(TrainingRun(id=run_id, objective=objective, backend=backend, config=config, status="running",
+                           base_version=base_version, created_at=utcnow()))
+    return run_id
+
+
+def resume_run(engine: Engine, run_id: str) -> TrainingRun:
+    """Continue a run whose trainer died: its unacked leases are released at once."""
+    with OrmSession(engine) as db, db.begin():
+        run = db.get(TrainingRun, run_id)
+        if run is None:
+            raise LookupError(f"no training run {run_id!r}")
+        db.execute(update(TrainingLease).where(TrainingLease.run_id == run_id, TrainingLease.acked_at.is_(None))
+                   .values(expires_at=utcnow()))
+        run.status = "running"
+        db.expunge(run)
+        return run
+
+
+def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
+    q = (select(Judgement.turn_id).join(Turn, Turn.id == Judgement.turn_id)
+         .where(Judgement.reward.is_not(None) | Judgement.teacher_logprobs.is_not(None),
+                Turn.turn_type == "main", Turn.status == "ok"))
+    if filters.needs_teacher:
+        q = q.where(Judgement.teacher_logprobs.is_not(None))
+    else:
+        q = q.where(Judgement.reward.is_not(None))
+    if filters.since:
+        q = q.where(Turn.created_at >= filters.since)
+    if filters.until:
+        q = q.where(Turn.created_at < filters.until)
+    if filters.min_abs_reward is not None:
+        q = q.where(func.abs(Judgement.reward) >= filters.min_abs_reward)
+    if filters.capture:
+        q = q.where(Turn.capture == filters.capture)
+    if filters.task_id:
+        q = q.where(exists().where(Session.id == Turn.session_id, Session.task_id == filters.task_id))
+    taken = exists().where(TrainingLease.run_id == run_id, TrainingLease.turn_id == Judgement.turn_id,
+                           or_(TrainingLease.acked_at.is_not(None), TrainingLease.expires_at > now))
+    return q.where(~taken).order_by(Turn.created_at, Turn.id)
+
+
+def lease(engine: Engine, run_id: str, *, limit: int, lease_s: float = 600.0,
+          filters: Filters = Filters()) -> list[str]:
+    """Up to ``limit`` turn ids for the run's next batch, leased for ``lease_s`` seconds."""
+    now = utcnow()
+    with OrmSession(engine) as db, db.begin():
+        dialect = db.get_bind().dialect.name
+        # take the write lock first on SQLite; on PostgreSQL this only touches the run's own row
+        db.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(status="running"))
+        q = _candidates(run_id, filters, now).limit(limit)
+        if dialect == "postgresql":
+            q = q.with_for_update(of=Judgement, skip_locked=True)
+        ids = list(db.scalars(q))
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        expires = now + timedelta(seconds=lease_s)
+        for tid in ids:
+            stmt = insert(TrainingLease).values(run_id=run_id, turn_id=tid, leased_at=now, expires_at=expires)
+            db.execute(stmt.on_conflict_do_update(index_elements=["run_id", "turn_id"],
+                                                  set_={"leased_at": now, "expires_at": expires}))
+        return ids
+
+
+def ack(db: OrmSession, run_id: str, turn_ids: list[str], step: int) -> None:
+    """Mark turns trained; call in the transaction that records the step."""
+    db.execute(update(TrainingLease).where(TrainingLease.run_id == run_id, TrainingLease.turn_id.in_(turn_ids),
+                                           TrainingLease.acked_at.is_(None))
+               .values(acked_at=utcnow(), step=step))
+
+
+def record_step(engine: Engine, run_id: str, step: int, turn_ids: list[str], metrics: dict[str, Any]) -> None:
+    with OrmSession(engine) as db, db.begin():
+        db.add(TrainingStep(run_id=run_id, step=step, metrics=metrics, created_at=utcnow()))
+        ack(db, run_id, turn_ids, step)
+
+
+def finish_run(engine: Engine, run_id: str, *, status: str, produced_version: str | None = None) -> None:
+    with OrmSession(engine) as db, db.begin():
+        db.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(
+            status=status, produced_version=produced_version, finished_at=utcnow()))
+

@@ -1,0 +1,536 @@
+"""Training objectives: advantages and the PPO-clip loss, on top of veRL's ``core_algos``.
+
+Everything here is a plain function over tensors of shape ``(batch, response_len)`` plus a
+``response_mask`` of the same shape (1 on the reply tokens that are trained on, 0 on padding
+and on tokens that are masked out). Nothing here knows about the pool, the model or the
+backend: the caller turns rows into tensors, computes log-probabilities, and hands them in.
+
+Objectives (docs/design.md, "Objectives"), per response token a_t of a turn:
+
+- **Binary RL** (``objective="rl"``): A = r on every response token (online), or the reward
+  standardized within its GRPO group when samples carry a task group id (veRL's
+  :func:`~verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage`).
+- **Hindsight OPD** (``objective="opd"``): A_t = clip(log π_teacher(a_t | s + hint) −
+  log π_θ(a_t | s), ±opd_clip); the student log-prob is detached, so the advantage is a
+  constant for the surrogate.
+- **Combined** (``objective="combined"``): A_t = w_rl · A_rl + w_opd · A_opd.
+
+All three are optimised with the PPO clipped surrogate (veRL's
+:func:`~verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`) with ratio
+π_θ / π_behaviour, where π_behaviour is the log-prob captured from vLLM at sampling time
+(``old_log_prob``), asymmetric clip ε_low = 0.2, ε_high = 0.28 and veRL's dual-clip bound
+(ratio ≤ ``clip_ratio_c`` for negative advantages). An optional k3 KL to the base policy
+(veRL's ``"low_var_kl"``) is added as ``kl_coef · agg(k3)``; the aggregation
+(``loss_agg_mode``) is any of veRL's modes, applied to both terms.
+
+Rewards: :func:`rewards_for_batch` turns turn-level judgements into one scalar per sample: the
+turn's process reward r, or — for sessions with an outcome O — the integrated reward
+R_t = O + (1/m) Σ_i r_t^(i), standardized per step index across the batch
+(:func:`standardize_per_step`).
+
+Samples without teacher log-probs (no hint, or the teacher call failed) get an OPD term of 0:
+under ``"opd"`` their advantage is 0 on every token (they still count in token-mean
+denominators and in the KL term), under ``"combined"`` they keep only ``w_rl · A_rl``.
+
+The three advantage estimators are registered in veRL's registry
+(``core_algos.register_adv_est``) as ``"nextstate_binary"``, ``"nextstate_opd"`` and
+``"nextstate_combined"``; importing or reloading this module twice is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from verl.trainer.ppo import core_algos as ca
+
+__all__ = [
+    "ADV_BINARY",
+    "ADV_COMBINED",
+    "ADV_ESTIMATOR_FOR_OBJECTIVE",
+    "ADV_OPD",
+    "LOSS_AGG_MODES",
+    "Objective",
+    "ObjectiveConfig",
+    "actor_config",
+    "compute_advantages",
+    "compute_binary_advantage",
+    "compute_combined_advantage",
+    "compute_loss",
+    "compute_opd_advantage",
+    "kl_to_base",
+    "masked_mean",
+    "rewards_for_batch",
+    "scores_to_token_rewards",
+    "standardize_per_step",
+]
+
+Objective = Literal["rl", "opd", "combined"]
+
+#: veRL's loss aggregation modes (``core_algos.agg_loss``).
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+ADV_BINARY = "nextstate_binary"
+ADV_OPD = "nextstate_opd"
+ADV_COMBINED = "nextstate_combined"
+
+#: Which registered advantage estimator each objective uses.
+ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
+    "rl": ADV_BINARY,
+    "opd": ADV_OPD,
+    "combined": ADV_COMBINED,
+}
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What to optimise and how.
+
+    Attributes:
+        objective: ``"rl"`` (binary / GRPO reward), ``"opd"`` (hindsight on-policy
+            distillation) or ``"combined"`` (weighted sum of both advantages).
+        w_rl: weight of the RL advantage under ``"combined"``.
+        w_opd: weight of the OPD advantage under ``"combined"``.
+        clip_low: ε_low of the PPO clip; the ratio is clipped below at 1 − clip_low.
+        clip_high: ε_high of the PPO clip; the ratio is clipped above at 1 + clip_high.
+        clip_ratio_c: veRL's dual-clip bound: for negative advantages the per-token loss is
+            at most −A · clip_ratio_c (must be > 1; veRL's default 3.0).
+        opd_clip: bound on |log π_teacher − log π_θ| per token (the OPD advantage).
+        kl_coef: coefficient of the KL-to-base-policy term; 0 disables it (the KL is still
+            reported as a metric when base log-probs are given).
+        kl_type: veRL ``kl_penalty`` estimator; ``"low_var_kl"`` is k3.
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        grpo: standardize the reward within task groups when group ids are given.
+        grpo_norm_by_std: divide by the group std (GRPO); False only centres (Dr. GRPO).
+        grpo_eps: ε added to the group std.
+        policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
+            ``"vanilla"`` is the PPO clipped surrogate the design calls for.
+    """
+
+    objective: Objective = "rl"
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    opd_clip: float = 5.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    grpo: bool = True
+    grpo_norm_by_std: bool = True
+    grpo_eps: float = 1e-6
+    policy_loss: str = "vanilla"
+
+    def __post_init__(self) -> None:
+        if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
+            raise ValueError(f"objective must be one of {sorted(ADV_ESTIMATOR_FOR_OBJECTIVE)}, "
+                             f"got {self.objective!r}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.opd_clip <= 0.0:
+            raise ValueError(f"opd_clip must be > 0, got {self.opd_clip}")
+        if self.kl_coef < 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+def _as_objective_config(config: Any) -> ObjectiveConfig:
+    """Accept an ObjectiveConfig, None (defaults) or any config object veRL hands an estimator
+    (e.g. its ``AlgoConfig``): fields it has with our names are used, the rest default."""
+    if config is None:
+        return ObjectiveConfig()
+    if isinstance(config, ObjectiveConfig):
+        return config
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(ObjectiveConfig):
+        try:
+            value = getattr(config, f.name, None)
+            if value is None and hasattr(config, "get"):
+                value = config.get(f.name)
+        except Exception:  # noqa: BLE001 - foreign config types (struct DictConfig ...): use defaults
+            value = None
+        if value is not None:
+            values[f.name] = value
+    if "grpo_norm_by_std" not in values:
+        norm = getattr(config, "norm_adv_by_std_in_grpo", None)
+        if norm is not None:
+            values["grpo_norm_by_std"] = bool(norm)
+    return ObjectiveConfig(**values)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over the entries where ``mask`` is set (0 when nothing is set)."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place one scalar per sample on its last response token (veRL's convention for
+    ``token_level_rewards``): ``(batch,) -> (batch, response_len)``.
+
+    Outcome estimators sum this over the response, so the sum of each row is its score; a row
+    with no response tokens gets all zeros.
+    """
+    mask = response_mask.to(torch.bool)
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = scores.to(torch.float32)[rows]
+    return out
+
+
+def standardize_per_step(values: torch.Tensor, step_index: torch.Tensor | Sequence[int],
+                         eps: float = 1e-6) -> torch.Tensor:
+    """Standardize ``values`` (``(batch,)``) within each step index across the batch.
+
+    Every sample with step index k gets ``(v − mean_k) / (std_k + eps)``, where mean_k and the
+    (unbiased, as in veRL's GRPO) std_k are over the samples with step index k. A step index
+    with a single sample has no spread: its std counts as 0, so that sample is only centred,
+    which makes it exactly 0. Likewise, a step whose samples are all equal gives 0s.
+    """
+    values = values.to(torch.float32)
+    steps = torch.as_tensor(step_index, device=values.device)
+    if steps.shape != values.shape:
+        raise ValueError(f"step_index shape {tuple(steps.shape)} != values shape {tuple(values.shape)}")
+    out = torch.empty_like(values)
+    for step in torch.unique(steps):
+        sel = steps == step
+        group = values[sel]
+        mean = group.mean()
+        std = group.std() if group.numel() > 1 else torch.zeros((), dtype=values.dtype, device=values.device)
+        out[sel] = (group - mean) / (std + eps)
+    return out
+
+
+def rewards_for_batch(
+    r: torch.Tensor,
+    *,
+    outcome: torch.Tensor | None = None,
+    has_outcome: torch.Tensor | None = None,
+    vote_mean: torch.Tensor | None = None,
+    step_index: torch.Tensor | Sequence[int] | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One scalar reward per sample (``(batch,)``) from turn-level judgements.
+
+    Args:
+        r: the turn's process reward (majority of its PRM votes, +1 / 0 / −1, or a label's
+            override). This is the binary reward used for samples without an outcome.
+        outcome: the session's terminal reward O per sample (any value where there is none).
+        has_outcome: which samples' sessions have an outcome; default: all of them when
+            ``outcome`` is given.
+        vote_mean: (1/m) Σ_i r_t^(i), the mean of the turn's m votes; defaults to ``r``.
+        step_index: the turn's position in its session; required when outcomes are given.
+        eps: added to the per-step std.
+
+    Returns:
+        ``r`` for samples without an outcome; for samples with one, the integrated reward
+        R_t = O + vote_mean, standardized per step index among those samples
+        (:func:`standardize_per_step`; a step index with one such sample gives 0).
+    """
+    rewards = r.to(torch.float32).clone()
+    if outcome is None:
+        return rewards
+    if step_index is None:
+        raise ValueError("step_index is required with outcomes (the integrated reward is standardized per step)")
+    with_outcome = (torch.ones_like(rewards, dtype=torch.bool) if has_outcome is None
+                    else has_outcome.to(torch.bool))
+    if not bool(with_outcome.any()):
+        return rewards
+    votes = rewards if vote_mean is None else vote_mean.to(torch.float32)
+    integrated = outcome.to(torch.float32) + votes
+    steps = torch.as_tensor(step_index, device=rewards.device)
+    rewards[with_outcome] = standardize_per_step(integrated[with_outcome], steps[with_outcome], eps=eps)
+    return rewards
+
+
+def _group_index(index: Any, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Normalise group ids: None / NaN entries become unique singleton ids. Returns the ids as
+    an object array and, per sample, the size of its group; None when no sample has a group."""
+    if index is None:
+        return None
+    ids = list(np.asarray(index, dtype=object).reshape(-1))
+    if len(ids) != batch:
+        raise ValueError(f"index has {len(ids)} entries for a batch of {batch}")
+
+    def missing(v: Any) -> bool:
+        return v is None or (isinstance(v, float) and np.isnan(v))
+
+    if all(missing(v) for v in ids):
+        return None
+    normalised = np.empty(batch, dtype=object)
+    for i, v in enumerate(ids):
+        normalised[i] = ("__nextstate_singleton__", i) if missing(v) else v
+    counts: dict[Any, int] = {}
+    for v in normalised:
+        counts[v] = counts.get(v, 0) + 1
+    sizes = np.array([counts[v] for v in normalised])
+    return normalised, sizes
+
+
+# -------------------------------------------------------------------------------- advantages
+
+
+def compute_binary_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | Sequence[Any] | None = None,
+    config: ObjectiveConfig | Any | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Binary RL advantage (registered as ``"nextstate_binary"``).
+
+    The sample's reward is ``token_level_rewards.sum(-1)`` (see :func:`scores_to_token_rewards`).
+    Without group ids (or with ``config.grpo`` off) A = r on every response token and 0
+    elsewhere. With group ids, samples sharing one are standardized by veRL's
+    ``compute_grpo_outcome_advantage``: A = (r − mean_g) / (std_g + ε) (unbiased std). Samples
+    whose id is None / NaN, or who are alone in their group, keep A = r.
+
+    Returns ``(advantages, returns)``, both ``(batch, response_len)``, like veRL's estimators.
+    """
+    cfg = _as_objective_config(config)
+    mask = response_mask.to(torch.float32)
+    scores = token_level_rewards.to(torch.float32).sum(dim=-1)
+    advantages = scores.unsqueeze(-1) * mask
+    groups = _group_index(index, scores.shape[0]) if cfg.grpo else None
+    if groups is not None:
+        ids, sizes = groups
+        grpo, _ = ca.compute_grpo_outcome_advantage(
+            token_level_rewards=token_level_rewards.to(torch.float32),
+            response_mask=mask,
+            index=ids,
+            epsilon=cfg.grpo_eps,
+            norm_adv_by_std_in_grpo=cfg.grpo_norm_by_std,
+        )
+        grouped = torch.as_tensor(sizes > 1, device=advantages.device).unsqueeze(-1)
+        advantages = torch.where(grouped, grpo.to(advantages.dtype), advantages)
+    return advantages, advantages
+
+
+def compute_opd_advantage(
+    token_level_rewards: torch.Tensor | None = None,
+    response_mask: torch.Tensor | None = None,
+    index: np.ndarray | Sequence[Any] | None = None,
+    config: ObjectiveConfig | Any | None = None,
+    *,
+    teacher_log_prob: torch.Tensor | None = None,
+    student_log_prob: torch.Tensor | None = None,
+    teacher_mask: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hindsight OPD advantage (registered as ``"nextstate_opd"``).
+
+    A_t = clip(log π_teacher(a_t) − log π_θ(a_t), −opd_clip, +opd_clip) on response tokens,
+    with both log-probs detached (the advantage is a constant of the surrogate).
+
+    Args:
+        token_level_rewards: unused (kept for veRL's estimator signature).
+        response_mask: ``(batch, response_len)``.
+        index: unused.
+        config: supplies ``opd_clip``.
+        teacher_log_prob: ``(batch, response_len)`` log-probs of the sampled tokens under the
+            hinted context; None means no sample has any (all advantages 0).
+        student_log_prob: ``(batch, response_len)`` log-probs under the current policy.
+        teacher_mask: which samples (``(batch,)``) or tokens (``(batch, response_len)``) have
+            teacher log-probs; default all. Non-finite teacher entries count as missing too.
+            Where missing, the OPD advantage is 0.
+    """
+    if response_mask is None:
+        raise ValueError("response_mask is required")
+    cfg = _as_objective_config(config)
+    mask = response_mask.to(torch.float32)
+    if teacher_log_prob is None:
+        zeros = torch.zeros_like(mask)
+        return zeros, zeros
+    if student_log_prob is None:
+        raise ValueError("student_log_prob is required with teacher_log_prob")
+    teacher = teacher_log_prob.detach().to(torch.float32)
+    student = student_log_prob.detach().to(torch.float32)
+    present = torch.isfinite(teacher) & response_mask.to(torch.bool)
+    if teacher_mask is not None:
+        tm = teacher_mask.to(torch.bool)
+        present = present & (tm.unsqueeze(-1) if tm.dim() == 1 else tm)
+    gap = torch.clamp(teacher - student, min=-cfg.opd_clip, max=cfg.opd_clip)
+    advantages = torch.where(present, gap, torch.zeros_like(gap)) * mask
+    return advantages, advantages
+
+
+def compute_combined_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | Sequence[Any] | None = None,
+    config: ObjectiveConfig | Any | None = None,
+    *,
+    teacher_log_prob: torch.Tensor | None = None,
+    student_log_prob: torch.Tensor | None = None,
+    teacher_mask: torch.Tensor | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combined advantage (registered as ``"nextstate_combined"``):
+    A_t = w_rl · A_rl + w_opd · A_opd, with A_rl from :func:`compute_binary_advantage`
+    (GRPO when group ids are given) and A_opd from :func:`compute_opd_advantage` (0 for
+    samples or tokens without teacher log-probs)."""
+    cfg = _as_objective_config(config)
+    rl, _ = compute_binary_advantage(token_level_rewards, response_mask, index=index, config=cfg)
+    opd, _ = compute_opd_advantage(None, response_mask, config=cfg, teacher_log_prob=teacher_log_prob,
+                                   student_log_prob=student_log_prob, teacher_mask=teacher_mask)
+    advantages = cfg.w_rl * rl + cfg.w_opd * opd
+    return advantages, advantages
+
+
+def compute_advantages(
+    cfg: ObjectiveConfig,
+    *,
+    response_mask: torch.Tensor,
+    token_level_rewards: torch.Tensor | None = None,
+    index: np.ndarray | Sequence[Any] | None = None,
+    teacher_log_prob: torch.Tensor | None = None,
+    student_log_prob: torch.Tensor | None = None,
+    teacher_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages ``(batch, response_len)`` for ``cfg.objective``, through veRL's registry
+    (``core_algos.get_adv_estimator_fn``). ``token_level_rewards`` is required for ``"rl"`` and
+    ``"combined"``; the teacher/student log-probs are used by ``"opd"`` and ``"combined"``."""
+    name = ADV_ESTIMATOR_FOR_OBJECTIVE[cfg.objective]
+    if cfg.objective != "opd" and token_level_rewards is None:
+        raise ValueError(f"objective {cfg.objective!r} needs token_level_rewards")
+    fn = ca.get_adv_estimator_fn(name)
+    advantages, _ = fn(token_level_rewards=token_level_rewards, response_mask=response_mask, index=index,
+                       config=cfg, teacher_log_prob=teacher_log_prob, student_log_prob=student_log_prob,
+                       teacher_mask=teacher_mask)
+    return advantages
+
+
+def _register_adv_est(name: str, fn: Callable[..., Any]) -> None:
+    """``ca.register_adv_est(name)(fn)``, idempotent across imports and reloads: an earlier
+    registration of the same function (same module and qualified name) is replaced, while a
+    foreign function under the same name still raises, as veRL does."""
+    existing = ca.ADV_ESTIMATOR_REGISTRY.get(name)
+    if existing is not None and existing is not fn:
+        same = (getattr(existing, "__module__", None) == fn.__module__
+                and getattr(existing, "__qualname__", None) == fn.__qualname__)
+        if same:
+            del ca.ADV_ESTIMATOR_REGISTRY[name]
+    ca.register_adv_est(name)(fn)
+
+
+_register_adv_est(ADV_BINARY, compute_binary_advantage)
+_register_adv_est(ADV_OPD, compute_opd_advantage)
+_register_adv_est(ADV_COMBINED, compute_combined_advantage)
+
+
+# ------------------------------------------------------------------------------------- loss
+
+
+def actor_config(cfg: ObjectiveConfig, global_batch_info: dict[str, Any] | None = None) -> Any:
+    """The veRL ``ActorConfig`` its policy losses read: clip ratios, dual-clip bound, loss
+    aggregation and ``global_batch_info`` (dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor: pass them when a global batch is split across ranks or micro-batches,
+    so the aggregated loss is normalised over the whole batch; empty means this batch alone).
+    """
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio=cfg.clip_low,
+        clip_ratio_low=cfg.clip_low,
+        clip_ratio_high=cfg.clip_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+        loss_agg_mode=cfg.loss_agg_mode,
+        use_kl_loss=cfg.kl_coef > 0,
+        kl_loss_coef=cfg.kl_coef,
+        kl_loss_type=cfg.kl_type,
+        global_batch_info=dict(global_batch_info or {}),
+    )
+
+
+def kl_to_base(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimate to the base policy (veRL ``kl_penalty``). For ``"low_var_kl"``
+    (k3): exp(ref − logp) − (ref − logp) − 1, with veRL's clamps (|ref − logp| ≤ 20, ≤ 10)."""
+    return ca.kl_penalty(log_prob, ref_log_prob, kl_type)
+
+
+def compute_loss(
+    cfg: ObjectiveConfig,
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    ref_log_prob: torch.Tensor | None = None,
+    *,
+    global_batch_info: dict[str, Any] | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate (+ optional KL to the base policy), aggregated by ``cfg.loss_agg_mode``.
+
+    Per token, with ratio ρ = exp(log_prob − old_log_prob) (old_log_prob: the behaviour
+    policy's captured log-probs) and A the advantage:
+    L = max(−A·ρ, −A·clip(ρ, 1 − clip_low, 1 + clip_high)), and for A < 0 additionally
+    L = min(L, −A·clip_ratio_c) (veRL's dual clip). The loss is
+    ``agg(L) + kl_coef · agg(kl_to_base(log_prob, ref_log_prob))``.
+
+    Args:
+        cfg: the objective configuration.
+        log_prob: ``(batch, response_len)`` log-probs of the sampled tokens under π_θ (with grad).
+        old_log_prob: same shape, behaviour-policy log-probs (no grad needed).
+        advantages: same shape, from :func:`compute_advantages`.
+        response_mask: same shape, 1 on trained tokens.
+        ref_log_prob: base-policy log-probs; required when ``cfg.kl_coef > 0``, else only
+            reported as the ``kl`` metric.
+        global_batch_info: see :func:`actor_config`.
+        rollout_is_weights: optional per-token importance weights (veRL rollout correction).
+
+    Returns:
+        ``(loss, metrics)``; metrics are floats: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share
+        of tokens where the clip is active), ``pg_clipfrac_lower`` (dual clip active),
+        ``ppo_kl`` (mean of old − new log-prob), ``adv_mean`` (masked mean advantage), and
+        with ``ref_log_prob`` also ``kl`` (masked mean k3) and ``kl_loss`` (aggregated).
+    """
+    if cfg.kl_coef > 0 and ref_log_prob is None:
+        raise ValueError("kl_coef > 0 needs ref_log_prob (the base policy's log-probs)")
+    actor_cfg = actor_config(cfg, global_batch_info)
+    mask = response_mask.to(torch.bool)
+    policy_loss_fn = ca.get_policy_loss_fn(cfg.policy_loss)
+    pg_loss, pg_metrics = policy_loss_fn(
+        old_log_prob=old_log_prob.detach(),
+        log_prob=log_prob,
+        advantages=advantages.detach(),
+        response_mask=mask,
+        loss_agg_mode=cfg.loss_agg_mode,
+        config=actor_cfg,
+        rollout_is_weights=rollout_is_weights,
+    )
+    loss = pg_loss
+    metrics: dict[str, float] = {k.removeprefix("actor/"): float(v) for k, v in pg_metrics.items()}
+    metrics["pg_loss"] = float(pg_loss.detach())
+    metrics["adv_mean"] = float(masked_mean(advantages.detach().to(torch.float32), mask))
+    if ref_log_prob is not None:
+        kld = kl_to_base(log_prob, ref_log_prob.detach(), cfg.kl_type)
+        kl_loss = ca.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode,
+                              **actor_cfg.global_batch_info)
+        metrics["kl"] = float(masked_mean(kld.detach(), mask))
+        metrics["kl_loss"] = float(kl_loss.detach())
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_loss
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics

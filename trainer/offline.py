@@ -1,0 +1,91 @@
+"""Offline training: lease scored turns from the pool, optimise, publish the new version."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.models import PolicyVersion
+from trainer import lease as leases
+from trainer.local import LocalConfig, LocalTrainer
+from trainer.objectives import ObjectiveConfig
+from trainer.samples import load_samples
+
+log = logging.getLogger("nextstate.trainer")
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    steps: int
+    turns: int
+    output_dir: Path | None
+    version: str | None
+    metrics: list[dict[str, float]]
+
+
+def active_adapter(engine: Engine) -> PolicyVersion | None:
+    """The active LoRA version, which a new run continues from."""
+    with OrmSession(engine) as db:
+        row = db.scalars(select(PolicyVersion).where(PolicyVersion.status == "active", PolicyVersion.kind == "lora")
+                         .order_by(PolicyVersion.created_at.desc()).limit(1)).first()
+        if row is not None:
+            db.expunge(row)
+        return row
+
+
+def train_offline(
+    engine: Engine,
+    *,
+    objective: ObjectiveConfig,
+    local: LocalConfig,
+    filters: leases.Filters,
+    batch_size: int = 8,
+    max_steps: int | None = None,
+    epochs: int = 1,
+    lease_s: float = 600.0,
+    output_root: Path,
+    resume: str | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> RunResult:
+    """Train until ``max_steps`` or the pool has no untrained scored turn left (``epochs``
+    passes: each pass is a run of its own, so a turn is trained once per pass)."""
+    parent = active_adapter(engine)
+    if local.lora and parent is not None and parent.path and local.init_adapter is None:
+        local.init_adapter = Path(parent.path)
+    trainer = LocalTrainer(local, objective)
+    config = {"objective": asdict(objective), "batch_size": batch_size, "lr": local.lr, "lora": local.lora,
+              "lora_rank": local.lora_rank, "filters": {k: str(v) for k, v in asdict(filters).items() if v}}
+    metrics: list[dict[str, float]] = []
+    turns = 0
+    run_id = ""
+    for epoch in range(epochs):
+        if resume and epoch == 0:
+            run_id = leases.resume_run(engine, resume).id
+        else:
+            run_id = leases.start_run(engine, objective=objective.objective, backend="local", config=config,
+                                      base_version=parent.name if parent else None)
+        while max_steps is None or len(metrics) < max_steps:
+            ids = leases.lease(engine, run_id, limit=batch_size, lease_s=lease_s, filters=filters)
+            if not ids:
+                break
+            with OrmSession(engine) as db:
+                samples = load_samples(db, ids, trainer.tokenizer)
+            step = trainer.step(samples)
+            step["epoch"] = float(epoch)
+            leases.record_step(engine, run_id, trainer.step_count, ids, step | {"turn_ids": ids})
+            metrics.append(step)
+            turns += len(ids)
+            if on_step:
+                on_step(trainer.step_count, step)
+        leases.finish_run(engine, run_id, status="done")
+    if not metrics:
+        return RunResult(run_id, 0, 0, None, None, [])
+    out = trainer.save(output_root / f"run-{run_id}")
+    return RunResult(run_id, len(metrics), turns, out, None, metrics)

@@ -1,0 +1,97 @@
+"""From pool rows to token samples.
+
+White-box turns are used exactly as vLLM produced them: the stored ``prompt_token_ids``,
+sampled ``token_ids`` and behaviour logprobs. Black-box turns (text only) are re-rendered with
+the policy's chat template and only the assistant reply is trained. For white-box turns both
+paths agree: rendering the stored messages gives vLLM's own prompt ids (tested).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.models import Judgement, Session, Turn
+
+
+@dataclass
+class Sample:
+    turn_id: str
+    session_id: str
+    group_id: str | None
+    step_index: int  # the turn's position among its session's main turns
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behaviour_logprobs: list[float] | None  # None: black-box; the trainer uses its own (ratio 1)
+    teacher_logprobs: list[float] | None
+    reward: float | None  # r_t: the majority (or a person's rating)
+    integrated_reward: float | None  # O + mean votes, when the session has an outcome
+    capture: str
+
+
+def render_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Any = None) -> list[int]:
+    """The policy's chat template applied to ``messages``, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template(list(messages), tools=tools, add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def render_reply_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], reply: dict[str, Any],
+                     tools: Any = None, *, finished: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, reply ids) of a black-box turn: the reply's tokens as the template writes
+    them after the prompt, up to and including the end-of-turn token — which a reply cut off
+    by max_tokens (``finished=False``) never produced, so it is left out."""
+    prompt = render_prompt_ids(tokenizer, messages, tools)
+    message = {"role": "assistant", "content": reply.get("content") or ""}
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    full = list(tokenizer.apply_chat_template([*messages, message], tools=tools, tokenize=True,
+                                              return_dict=False))
+    if full[: len(prompt)] != prompt:
+        raise ValueError("the chat template does not render the reply after the prompt it renders alone")
+    response = full[len(prompt):]
+    eos = tokenizer.eos_token_id
+    if eos in response:
+        # what follows end-of-turn is template glue
+        response = response[: response.index(eos) + (1 if finished else 0)]
+    return prompt, response
+
+
+def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None) -> list[Sample]:
+    """Samples for these turns, in the order given. Black-box turns need ``tokenizer``."""
+    turns = {t.id: t for t in db.scalars(select(Turn).where(Turn.id.in_(turn_ids)))}
+    judgements = {j.turn_id: j for j in db.scalars(select(Judgement).where(Judgement.turn_id.in_(turn_ids)))}
+    sessions = {s.id: s for s in db.scalars(select(Session).where(
+        Session.id.in_({t.session_id for t in turns.values()})))}
+    positions: dict[str, int] = {}
+    for sid in sessions:
+        ids = db.scalars(select(Turn.id).where(Turn.session_id == sid, Turn.turn_type == "main")
+                         .order_by(Turn.created_at, Turn.id)).all()
+        positions.update({tid: i for i, tid in enumerate(ids)})
+    out = []
+    for tid in turn_ids:
+        t, j = turns[tid], judgements.get(tid)
+        if t.capture == "white-box" and t.prompt_token_ids and t.token_ids:
+            prompt, response, behaviour = list(t.prompt_token_ids), list(t.token_ids), list(t.logprobs or [])
+        else:
+            if tokenizer is None:
+                raise ValueError(f"turn {tid} is black-box: re-rendering it needs the policy's tokenizer")
+            choice = ((t.response or {}).get("choices") or [{}])[0]
+            prompt, response = render_reply_ids(tokenizer, t.request.get("messages") or [],
+                                                choice.get("message") or {}, t.request.get("tools"),
+                                                finished=choice.get("finish_reason") != "length")
+            behaviour = None
+        teacher = list(j.teacher_logprobs) if j is not None and j.teacher_logprobs else None
+        out.append(Sample(
+            turn_id=tid, session_id=t.session_id, group_id=sessions[t.session_id].group_id,
+            step_index=positions.get(tid, 0), prompt_ids=prompt, response_ids=response,
+            behaviour_logprobs=behaviour if behaviour and len(behaviour) == len(response) else None,
+            teacher_logprobs=teacher if teacher and len(teacher) == len(response) else None,
+            reward=j.reward if j else None, integrated_reward=j.integrated_reward if j else None,
+            capture=t.capture,
+        ))
+    return out
