@@ -273,6 +273,25 @@ def db_current(database_url: str | None) -> None:
     click.echo(current_revision(_settings(database_url=database_url).resolved_database_url) or "empty")
 
 
+def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
+    """A fresh vLLM has no runtime adapters: load the pool's active version again before the
+    gateway's `policy` alias sends traffic to it."""
+    try:
+        from trainer.publish import active_version, activate
+    except ImportError:
+        return  # no trainer installed, so no versions
+    from datapool.db import make_engine
+
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        current = active_version(engine)
+        if current is not None:
+            activate(engine, current["name"], vllm_urls)
+            click.echo(f"policy: {current['name']} (reloaded into vLLM)")
+    finally:
+        engine.dispose()
+
+
 @main.command()
 @click.option("--port", type=int, help="Gateway port (default 8400). [env NEXTSTATE_PORT]")
 @click.option("--vllm-port", type=int, help="Policy vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
@@ -325,6 +344,7 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
         settings = settings.model_copy(update={
             "upstream_url": servers[0].base_url, "upstream_model": settings.vllm_served_name,
             "teacher_url": servers[-1].base_url if scoring else None})
+        _reload_active_version(settings, [server.base_url for server in servers])
         if scoring:
             env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
                    "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from nextstate.cli import main
 
-COMMANDS = [[], ["gateway"], ["up"], ["worker"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
+COMMANDS = [[], ["gateway"], ["up"], ["worker"], ["train"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
             ["vllm", "setup"], ["vllm", "serve"]]
 
 
@@ -24,7 +24,7 @@ def test_help(args: list[str]) -> None:
 def test_console_script_runs() -> None:
     out = subprocess.run([sys.executable, "-m", "nextstate.cli", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for command in ("gateway", "up", "worker", "db", "vllm"):
+    for command in ("gateway", "up", "worker", "train", "db", "vllm"):
         assert command in out
 
 

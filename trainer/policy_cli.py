@@ -1,0 +1,186 @@
+"""`nextstate policy`: list, publish, promote and roll back the versions the `policy` alias serves.
+
+Registered on the main command with ``main.add_command(policy_cli)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+from sqlalchemy import Engine
+
+from nextstate.settings import Settings
+
+_DB_HELP = "SQLAlchemy URL of the pool (default: SQLite in the data dir). [env NEXTSTATE_DATABASE_URL]"
+_VLLM_HELP = (
+    "Base URL (…/v1) of a vLLM server that must have the version loaded; repeat for each "
+    "(the policy server and the teacher replica). Default: NEXTSTATE_UPSTREAM_URL (or the "
+    "local vLLM, http://127.0.0.1:$NEXTSTATE_VLLM_PORT/v1) plus NEXTSTATE_TEACHER_URL if set."
+)
+
+
+def _settings(database_url: str | None) -> Settings:
+    try:
+        return Settings(**({"database_url": database_url} if database_url else {}))
+    except (ValidationError, ValueError) as exc:
+        raise click.UsageError(f"invalid settings: {exc}") from exc
+
+
+def default_vllm_urls(settings: Settings) -> list[str]:
+    """The servers a version must be loaded into when no --vllm-url is given: the policy
+    server (upstream_url, else the local vLLM) and the teacher replica (teacher_url) if set."""
+    from trainer.publish import normalize_vllm_url
+
+    urls = [settings.local_vllm_url]
+    if settings.teacher_url:
+        urls.append(settings.teacher_url)
+    return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
+
+
+@contextmanager
+def _engine(database_url: str | None) -> Iterator[Engine]:
+    from datapool.db import make_engine
+
+    engine = make_engine(_settings(database_url).resolved_database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _urls(given: Sequence[str], database_url: str | None) -> list[str]:
+    return list(given) if given else default_vllm_urls(_settings(database_url))
+
+
+def _fail(exc: Exception) -> click.ClickException:
+    return click.ClickException(str(exc))
+
+
+def _line(v: dict[str, Any]) -> str:
+    return f"{v['name']} ({v['kind']}, {v['path'] or 'no path'})"
+
+
+@click.group("policy", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def policy_cli() -> None:
+    """The versions the `policy` alias serves: list, publish, promote, roll back.
+
+    A version is a LoRA adapter at a path of its own, loaded into every vLLM server (the
+    policy server and the teacher replica) under the version's name. The pool records which
+    version is active; every gateway follows it within about 2 seconds. A version becomes
+    active only after every vLLM lists it, so the alias never names a model vLLM lacks.
+
+    Statuses: candidate (published, never activated), active, retired (replaced by a newer
+    one), rolled_back (rolled back from; a plain `rollback` never returns to it).
+    """
+
+
+@policy_cli.command("list")
+@click.option("--database-url", metavar="DSN", help=_DB_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the versions as a JSON array.")
+def list_cmd(database_url: str | None, as_json: bool) -> None:
+    """List every policy version, oldest first; `*` marks the one the alias serves."""
+    from trainer.publish import active_version, list_versions
+
+    with _engine(database_url) as engine:
+        versions = list_versions(engine)
+        active = active_version(engine)
+    if as_json:
+        click.echo(json.dumps(versions, indent=2))
+        return
+    serving = active["name"] if active else None
+    click.echo(f"policy serves: {serving or 'the base model'}")
+    if not versions:
+        return
+    rows = [("", "NAME", "KIND", "STATUS", "CREATED", "PARENT", "PATH")]
+    for v in versions:
+        rows.append(("*" if v["name"] == serving else "", v["name"], v["kind"], v["status"],
+                     (v["created_at"] or "")[:19], v["parent"] or "-", v["path"] or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+
+
+@policy_cli.command("publish")
+@click.argument("adapter_dir", type=click.Path(path_type=Path))
+@click.option("--name", help="Version name (default: lora-<UTC time>-<random>).")
+@click.option("--base-model", metavar="NAME",
+              help="Base model the adapter is for, as vLLM serves it (default: "
+                   "$NEXTSTATE_VLLM_SERVED_NAME, smollm2). Every vLLM must serve it.")
+@click.option("--parent", metavar="VERSION", help="Version it was trained from (recorded only).")
+@click.option("--activate/--candidate", default=True, show_default=True,
+              help="Make it the active version, or register it as a candidate only.")
+@click.option("--store", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory the adapter is copied into (default: <data dir>/policies). It must "
+                   "be readable by every vLLM server at the same path.")
+@click.option("--database-url", metavar="DSN", help=_DB_HELP)
+@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
+def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, parent: str | None,
+                activate: bool, store: Path | None, database_url: str | None,
+                vllm_urls: tuple[str, ...]) -> None:
+    """Publish the PEFT LoRA adapter in ADAPTER_DIR as a new version.
+
+    Copies it to a new directory, loads it into every vLLM, and only then registers it
+    (active: the previous active version is retired). On failure nothing is registered and
+    the adapter is unloaded again from the servers that had loaded it.
+    """
+    from trainer.publish import PublishError, publish_adapter
+
+    settings = _settings(database_url)
+    with _engine(database_url) as engine:
+        try:
+            v = publish_adapter(engine, adapter_dir, name=name,
+                                base_model=base_model or settings.vllm_served_name,
+                                vllm_urls=_urls(vllm_urls, database_url), parent=parent, stats={},
+                                activate=activate, store=store)
+        except PublishError as exc:
+            raise _fail(exc) from exc
+    click.echo(f"published {_line(v)} as {v['status']}")
+
+
+@policy_cli.command("promote")
+@click.argument("version")
+@click.option("--database-url", metavar="DSN", help=_DB_HELP)
+@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
+def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ...]) -> None:
+    """Make VERSION the one the `policy` alias serves (`base`: the base model).
+
+    Loads it into every vLLM that lacks it first (after a vLLM restart no adapter is loaded),
+    then marks it active and the previously active version retired. Promoting the active
+    version again just reloads it where it is missing.
+    """
+    from trainer.publish import PublishError, activate
+
+    with _engine(database_url) as engine:
+        try:
+            v = activate(engine, version, _urls(vllm_urls, database_url))
+        except PublishError as exc:
+            raise _fail(exc) from exc
+    click.echo(f"policy serves {_line(v)}" if v else "policy serves the base model")
+
+
+@policy_cli.command("rollback")
+@click.argument("version", required=False)
+@click.option("--database-url", metavar="DSN", help=_DB_HELP)
+@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
+def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple[str, ...]) -> None:
+    """Roll back from the active version, to VERSION if given (`base`: the base model).
+
+    Without VERSION: to the newest retired version older than the active one, or to the base
+    model if there is none. The version rolled back from is marked rolled_back.
+    """
+    from trainer.publish import PublishError, rollback
+
+    with _engine(database_url) as engine:
+        try:
+            result = rollback(engine, _urls(vllm_urls, database_url), to=version)
+        except PublishError as exc:
+            raise _fail(exc) from exc
+    v = result["active"]
+    gone = ", ".join(result["rolled_back"]) or "nothing"
+    click.echo(f"rolled back {gone}; policy serves " + (_line(v) if v else "the base model"))
