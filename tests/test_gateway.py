@@ -286,3 +286,17 @@ def test_sampling_parameters_pass_through(gateway: GatewayProcess, vllm_server: 
     second = stored["response"]["choices"][1]
     assert second["token_ids"] == ref["choices"][1]["token_ids"]
     assert len(second["logprobs"]) == len(second["token_ids"])
+
+
+def test_client_hanging_up_mid_stream_is_stored_as_cancelled(gateway: GatewayProcess) -> None:
+    body = {"model": "smollm2", "messages": unique_user("Write a long story about the sea."),
+            "max_tokens": 300, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, timeout=120) as r:
+        turn_id = r.headers["x-turn-id"]
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+    # the client is gone after a few chunks; what it got is kept, marked cancelled
+    stored = turn(gateway, turn_id)
+    assert stored["status"] == "cancelled" and stored["error"]["type"] == "cancelled"
+    assert 0 < len(stored["token_ids"]) < 300

@@ -264,9 +264,11 @@ class _Call:
 
     async def _relay(self, resp: httpx.Response, wants: ClientWants) -> AsyncIterator[bytes]:
         status, error = "ok", None
+        done = False  # [DONE] relayed: the reply is complete, whatever the client does next
         try:
             async for raw, data in sse_events(resp.aiter_raw()):
                 if data is None or data == b"[DONE]":
+                    done = done or data == b"[DONE]"
                     yield raw
                     continue
                 try:
@@ -285,7 +287,9 @@ class _Call:
             error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}").body()["error"]
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
+            # a client that hangs up after [DONE] got the whole reply
+            if not done:
+                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
             await resp.aclose()
@@ -319,14 +323,17 @@ class _Call:
 
     async def _relay_litellm(self, chunks: Any) -> AsyncIterator[bytes]:
         status, error = "ok", None
+        done = False
         try:
             async for chunk in chunks:
                 obj = chunk.model_dump(mode="json", exclude_none=True)
                 self.acc.feed(obj)
                 yield b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+            done = True
             yield b"data: [DONE]\n\n"
         except (asyncio.CancelledError, GeneratorExit):
-            status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
+            if not done:
+                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         except Exception as exc:
             status = "error"
