@@ -214,10 +214,15 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     except ImportError:
         click.echo("tensorboard not installed: metrics go to the pool only", err=True)
 
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, unit="step", desc=f"train {objective}", dynamic_ncols=True)
+
     def on_step(step: int, m: dict[str, float]) -> None:
-        click.echo(f"step {step}: loss {m.get('pg_loss', float('nan')):.4f}  adv {m['advantage_mean']:+.3f}  "
-                   f"clip {m.get('pg_clipfrac', 0.0):.3f}  kl {m.get('kl', 0.0):.4f}  "
-                   f"{m['tokens_per_s']:.0f} tok/s  ({int(m['samples'])} turns)")
+        bar.set_postfix(loss=f"{m.get('pg_loss', float('nan')):.4f}", adv=f"{m['advantage_mean']:+.3f}",
+                        clip=f"{m.get('pg_clipfrac', 0.0):.3f}", kl=f"{m.get('kl', 0.0):.4f}",
+                        tok_s=f"{m['tokens_per_s']:.0f}", turns=int(m["samples"]))
+        bar.update(1)
         if writer is not None:
             for key, value in m.items():
                 writer.add_scalar(f"train/{key}", value, step)
@@ -225,6 +230,7 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=batch_size,
                            max_steps=steps, epochs=epochs, lease_s=lease_s,
                            output_root=settings.data_dir / "runs", resume=resume, on_step=on_step)
+    bar.close()
     if writer is not None:
         writer.close()
     if result.output_dir is None:
