@@ -7,11 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest

@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session as OrmSession
