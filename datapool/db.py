@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
 from sqlalchemy.engine import make_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -37,6 +40,12 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         pool_pre_ping=True,
         connect_args={"connect_timeout": 5},
     )
+
+
+def dialect_insert(db: Session) -> Any:
+    """``insert`` of the session's dialect, for ``on_conflict_do_nothing`` / ``_do_update``
+    (PostgreSQL and SQLite both have them; the generic insert does not)."""
+    return postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
 def alembic_config(url: str):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy import func, or_, and_, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.models import Judgement, Session, Turn, Vote
+from datapool.models import Judgement, PolicyVersion, Session, Turn, Vote
 
 
 @dataclass(frozen=True)
@@ -175,6 +175,17 @@ def get_session(db: OrmSession, session_id: str) -> dict[str, Any] | None:
         select(Turn).where(Turn.session_id == session_id).order_by(Turn.created_at, Turn.id)
     ).all())
     return session_summary(s, len(turns)) | {"turns": _judged(db, turns)}
+
+
+def active_policy_version(db: OrmSession) -> PolicyVersion | None:
+    """The version the `policy` alias serves (None: the base model). Gateways, the publisher
+    and the trainer all read it here, so they never disagree."""
+    return db.scalars(
+        select(PolicyVersion)
+        .where(PolicyVersion.status == "active", PolicyVersion.kind != "base")
+        .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
+        .limit(1)
+    ).first()
 
 
 def get_turn(db: OrmSession, turn_id: str) -> dict[str, Any] | None:

@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 from sqlalchemy import Engine, and_, exists, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.db import dialect_insert
 from datapool.judge import Judge, Vote, choose_hint, tally
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
@@ -34,17 +34,13 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _insert(db: OrmSession) -> Any:
-    return postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
-
-
 def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     """Record that these turns must be (re)scored; returns them. Call inside the transaction that
     made them ready, then send the tasks after it commits."""
     ids = list(dict.fromkeys(turn_ids))
     now = utcnow()
     for tid in ids:
-        stmt = _insert(db)(Judgement).values(turn_id=tid, status="pending", attempts=0, enqueued_at=now,
+        stmt = dialect_insert(db)(Judgement).values(turn_id=tid, status="pending", attempts=0, enqueued_at=now,
                                               updated_at=now)
         db.execute(stmt.on_conflict_do_update(
             index_elements=["turn_id"], set_={"status": "pending", "enqueued_at": now, "updated_at": now}))
@@ -75,7 +71,7 @@ def effective_next_state(db: OrmSession, turn: Turn, session: Session) -> dict[s
 
 def _store_vote(engine: Engine, turn_id: str, judge: Judge, index: int, vote: Vote) -> None:
     with OrmSession(engine) as db, db.begin():
-        stmt = _insert(db)(VoteRow).values(
+        stmt = dialect_insert(db)(VoteRow).values(
             turn_id=turn_id, kind="prm", dedupe_key=f"prm:{judge.name}:{judge.prompt_version}:{index}",
             judge=judge.name, prompt_version=judge.prompt_version, vote_index=index, value=vote.value,
             rationale=vote.rationale or None, hint=vote.hint, raw=vote.raw, created_at=utcnow())

@@ -16,9 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select, text, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.db import dialect_insert
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.scoring import end_session, mark_pending
@@ -60,11 +60,15 @@ def canonical_message(message: Message) -> dict[str, Any]:
     return out
 
 
+def _feed(h: "hashlib._Hash", message: Message) -> None:
+    h.update(json.dumps(canonical_message(message), sort_keys=True, ensure_ascii=False).encode())
+    h.update(b"\x1e")
+
+
 def _hasher(messages: Iterable[Message]) -> "hashlib._Hash":
     h = hashlib.sha256()
     for m in messages:
-        h.update(json.dumps(canonical_message(m), sort_keys=True, ensure_ascii=False).encode())
-        h.update(b"\x1e")
+        _feed(h, m)
     return h
 
 
@@ -77,8 +81,7 @@ def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     h = hashlib.sha256()
     out: list[tuple[int, str]] = []
     for i, m in enumerate(messages):
-        h.update(json.dumps(canonical_message(m), sort_keys=True, ensure_ascii=False).encode())
-        h.update(b"\x1e")
+        _feed(h, m)
         if m.get("role") == "assistant":
             out.append((i, h.copy().hexdigest()))
     out.reverse()
@@ -91,8 +94,7 @@ def continuation_hashes(messages: Sequence[Message], replies: Sequence[Message])
     out = []
     for reply in replies:
         h = base.copy()
-        h.update(json.dumps(canonical_message(reply), sort_keys=True, ensure_ascii=False).encode())
-        h.update(b"\x1e")
+        _feed(h, reply)
         out.append(h.hexdigest())
     return out
 
@@ -158,8 +160,7 @@ class Stitcher:
             self.db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
 
     def _insert_ignore(self, table: Any, values: dict[str, Any]) -> None:
-        dialect_insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
-        self.db.execute(dialect_insert(table).values(**values).on_conflict_do_nothing())
+        self.db.execute(dialect_insert(self.db)(table).values(**values).on_conflict_do_nothing())
 
     def _write_one(
         self, r: TurnRecord, candidates: list[tuple[int, str]], continuations: list[str]

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI, Request
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine
-from datapool.models import PolicyVersion
+from datapool.queries import active_policy_version
 from datapool.worker import Enqueuer
 from gateway import errors
 from gateway.metrics import Metrics
@@ -47,12 +47,7 @@ def gateway_of(request: Request) -> Gateway:
 
 def _active_version(engine: Engine) -> ActiveVersion | None:
     with OrmSession(engine) as db:
-        row = db.scalars(
-            select(PolicyVersion)
-            .where(PolicyVersion.status == "active", PolicyVersion.kind != "base")
-            .order_by(PolicyVersion.created_at.desc())
-            .limit(1)
-        ).first()
+        row = active_policy_version(db)
         return ActiveVersion(name=row.name) if row else None
 
 

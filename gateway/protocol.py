@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.errors import OpenAIError
@@ -88,6 +89,22 @@ def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400
             400, f"parameter not allowed through the gateway: {', '.join(sorted(bad))}", param=min(bad)
         )
     return body
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                          code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes",
+                              code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class FeedbackRequest(BaseModel):

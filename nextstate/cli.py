@@ -240,14 +240,12 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     if publish:
         if full:
             raise click.UsageError("publishing full weights is not supported yet; use LoRA or --no-publish")
-        from trainer.offline import active_adapter
         from trainer.publish import publish_adapter
 
         urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
-        parent = active_adapter(engine)
         version = publish_adapter(engine, result.output_dir, base_model=settings.upstream_model
                                   or settings.vllm_served_name, vllm_urls=urls,
-                                  parent=parent.name if parent else None,
+                                  parent=result.parent,
                                   stats={"run_id": result.run_id, "steps": result.steps, "turns": result.turns,
                                          "objective": objective})
         click.echo(f"published {version['name']}: the `policy` alias serves it now")

@@ -15,9 +15,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Engine, exists, func, or_, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.db import dialect_insert
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
 
 
@@ -94,7 +94,7 @@ def lease(engine: Engine, run_id: str, *, limit: int, lease_s: float = 600.0,
         if dialect == "postgresql":
             q = q.with_for_update(of=Judgement, skip_locked=True)
         ids = list(db.scalars(q))
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        insert = dialect_insert(db)
         expires = now + timedelta(seconds=lease_s)
         for tid in ids:
             stmt = insert(TrainingLease).values(run_id=run_id, turn_id=tid, leased_at=now, expires_at=expires)

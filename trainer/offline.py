@@ -7,10 +7,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.models import PolicyVersion
+from datapool.queries import active_policy_version
 from trainer import lease as leases
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
@@ -27,16 +27,7 @@ class RunResult:
     output_dir: Path | None
     version: str | None
     metrics: list[dict[str, float]]
-
-
-def active_adapter(engine: Engine) -> PolicyVersion | None:
-    """The active LoRA version, which a new run continues from."""
-    with OrmSession(engine) as db:
-        row = db.scalars(select(PolicyVersion).where(PolicyVersion.status == "active", PolicyVersion.kind == "lora")
-                         .order_by(PolicyVersion.created_at.desc()).limit(1)).first()
-        if row is not None:
-            db.expunge(row)
-        return row
+    parent: str | None  # the version the run started from (None: the base model)
 
 
 def train_offline(
@@ -55,9 +46,12 @@ def train_offline(
 ) -> RunResult:
     """Train until ``max_steps`` or the pool has no untrained scored turn left (``epochs``
     passes: each pass is a run of its own, so a turn is trained once per pass)."""
-    parent = active_adapter(engine)
-    if local.lora and parent is not None and parent.path and local.init_adapter is None:
-        local.init_adapter = Path(parent.path)
+    with OrmSession(engine) as db:  # a new run continues from the version being served
+        parent = active_policy_version(db)
+        parent_name = parent.name if parent else None
+        parent_adapter = parent.path if parent is not None and parent.kind == "lora" else None
+    if local.lora and parent_adapter and local.init_adapter is None:
+        local.init_adapter = Path(parent_adapter)
     trainer = LocalTrainer(local, objective)
     config = {"objective": asdict(objective), "batch_size": batch_size, "lr": local.lr, "lora": local.lora,
               "lora_rank": local.lora_rank, "filters": {k: str(v) for k, v in asdict(filters).items() if v}}
@@ -69,7 +63,7 @@ def train_offline(
             run_id = leases.resume_run(engine, resume).id
         else:
             run_id = leases.start_run(engine, objective=objective.objective, backend="local", config=config,
-                                      base_version=parent.name if parent else None)
+                                      base_version=parent_name)
         while max_steps is None or len(metrics) < max_steps:
             ids = leases.lease(engine, run_id, limit=batch_size, lease_s=lease_s, filters=filters)
             if not ids:
@@ -85,6 +79,6 @@ def train_offline(
                 on_step(trainer.step_count, step)
         leases.finish_run(engine, run_id, status="done")
     if not metrics:
-        return RunResult(run_id, 0, 0, None, None, [])
+        return RunResult(run_id, 0, 0, None, None, [], parent_name)
     out = trainer.save(output_root / f"run-{run_id}")
-    return RunResult(run_id, len(metrics), turns, out, None, metrics)
+    return RunResult(run_id, len(metrics), turns, out, None, metrics, parent_name)

@@ -50,6 +50,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import PolicyVersion
+from datapool.queries import active_policy_version
 
 log = logging.getLogger("nextstate.publish")
 
@@ -248,13 +249,8 @@ def _get(db: OrmSession, name: str) -> PolicyVersion:
 
 
 def _current(db: OrmSession) -> PolicyVersion | None:
-    """The version the gateway serves: as ``gateway.app._active_version`` picks it."""
-    return db.scalars(
-        select(PolicyVersion)
-        .where(PolicyVersion.status == "active", PolicyVersion.kind != "base")
-        .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
-        .limit(1)
-    ).first()
+    """The version the gateway serves."""
+    return active_policy_version(db)
 
 
 def _demote_active(db: OrmSession, status: str, *, keep_id: int | None = None) -> list[str]:

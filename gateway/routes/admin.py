@@ -16,7 +16,7 @@ from datapool.models import Session
 from datapool.scoring import apply_outcome, end_session, mark_pending
 from gateway.app import gateway_of
 from gateway.errors import OpenAIError
-from gateway.protocol import OutcomeRequest, parse_body
+from gateway.protocol import OutcomeRequest, parse_body, read_body
 
 
 def require_admin(request: Request) -> None:
@@ -109,7 +109,8 @@ async def _session_signal(request: Request, session_id: str, change: Any) -> lis
 async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
     """The session's terminal outcome O (a number; optional `source`). Every scored turn gets the
     integrated reward R_t = O + mean of its votes; turns still without a next state are scored."""
-    body = OutcomeRequest.model_validate(parse_body(await request.body(), OutcomeRequest, invalid_status=422))
+    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
+    body = OutcomeRequest.model_validate(parse_body(raw, OutcomeRequest, invalid_status=422))
     queued = await _session_signal(request, session_id,
                                    lambda db: apply_outcome(db, session_id, body.outcome, body.source))
     return {"session_id": session_id, "outcome": body.outcome, "queued": queued}

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.scoring import record_feedback
 from gateway.app import gateway_of
 from gateway.errors import OpenAIError
-from gateway.protocol import FeedbackRequest, parse_body
+from gateway.protocol import FeedbackRequest, parse_body, read_body
 from gateway.routes.openai import require_api_key
 
 router = APIRouter()
@@ -24,7 +24,8 @@ async def feedback(request: Request) -> dict[str, Any]:
     """Thumbs up/down and/or text on a reply, by the response `id` the client received or by the
     turn id (`X-Turn-Id` header of the reply). 404 for an unknown id, 422 for a bad body."""
     gw = gateway_of(request)
-    body = FeedbackRequest.model_validate(parse_body(await request.body(), FeedbackRequest, invalid_status=422))
+    raw = await read_body(request, gw.settings.max_body_bytes)
+    body = FeedbackRequest.model_validate(parse_body(raw, FeedbackRequest, invalid_status=422))
 
     def store() -> tuple[int, str] | None:
         with OrmSession(gw.engine) as db, db.begin():

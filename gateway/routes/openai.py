@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from datapool.records import TurnRecord
 from gateway.app import Gateway, gateway_of
 from gateway.errors import OpenAIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from gateway.recording import (
     Accumulator,
     ClientWants,
@@ -85,21 +85,6 @@ async def completions(request: Request, session_id: str | None = None) -> Respon
     return await _proxy(request, "completions", session_id)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                          code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes",
-                              code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _session(request: Request, path_session: str | None) -> tuple[str | None, str | None]:
     if path_session is not None:
         sid, source = path_session, "path"
@@ -123,7 +108,7 @@ def _turn_type(request: Request) -> str:
 async def _proxy(request: Request, endpoint: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
-    raw = await _read_body(request, gw.settings.max_body_bytes)
+    raw = await read_body(request, gw.settings.max_body_bytes)
     body = parse_body(raw, _SCHEMAS[endpoint])
     session_id, source = _session(request, path_session)
     turn_type = _turn_type(request)
