@@ -65,6 +65,13 @@ def upgrade(url: str, revision: str = "head") -> None:
     command.upgrade(alembic_config(url), revision)
 
 
+def head_revision() -> str:
+    """The newest revision in migrations/: what `upgrade` brings a database to."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
 def current_revision(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 

@@ -39,6 +39,10 @@ class Session(Base):
     outcome: Mapped[float | None] = mapped_column(Float)
     outcome_source: Mapped[str | None] = mapped_column(String(256))
     outcome_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # "online" (live users) | "offline" (a rollout over a task dataset) | "eval" (never trained on)
+    mode: Mapped[str] = mapped_column(String(16), default="online", server_default="online", index=True)
+    # why the session ended when it did not end normally: "timed_out" | "failed" | "cancelled"
+    end_reason: Mapped[str | None] = mapped_column(String(32))
 
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
 
@@ -194,3 +198,39 @@ class TrainingStep(Base):
     step: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Label(Base):
+    """A person's judgement of a turn or a whole session, from the admin UI or API.
+
+    kind: "thumb" (value +1/-1) | "override" (value: the reward that replaces the judge's)
+    | "exclude" (value true/false) | "correction" (value: the corrected reply text, an OPD hint)
+    | "tag" (value: the tag) | "note" (value: text). For every kind but "tag" the newest label
+    of a (target, kind) is the one in force; a label with value null withdraws that kind.
+    """
+
+    __tablename__ = "labels"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    turn_id: Mapped[str | None] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    value: Mapped[Any] = mapped_column(Json, nullable=True)
+    author: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class PolicyEvent(Base):
+    """A decision about a policy version: published, promoted, refused by the eval gate,
+    rolled back (by a person or automatically), with the numbers that justified it."""
+
+    __tablename__ = "policy_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version_id: Mapped[int | None] = mapped_column(ForeignKey("policy_versions.id", ondelete="CASCADE"), index=True)
+    # "publish" | "promote" | "refuse" | "rollback" | "eval"
+    action: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(256))  # "trainer", "eval-gate", "admin:<name>", ...
+    reason: Mapped[str | None] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)

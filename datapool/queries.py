@@ -46,6 +46,8 @@ def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
     return {
         "id": s.id,
         "source": s.source,
+        "mode": s.mode,
+        "end_reason": s.end_reason,
         "task_id": s.task_id,
         "group_id": s.group_id,
         "created_at": _iso(s.created_at),

@@ -8,6 +8,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from datapool.db import head_revision
 from nextstate.cli import main
 
 COMMANDS = [[], ["gateway"], ["up"], ["worker"], ["train"], ["db"], ["db", "upgrade"], ["db", "current"], ["vllm"],
@@ -40,8 +41,8 @@ def test_db_upgrade_and_current(tmp_path) -> None:  # type: ignore[no-untyped-de
     url = f"sqlite:///{tmp_path / 'p.db'}"
     assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "empty"
     result = CliRunner().invoke(main, ["db", "upgrade", "--database-url", url])
-    assert result.exit_code == 0 and "0003" in result.output
-    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == "0003"
+    assert result.exit_code == 0 and head_revision() in result.output
+    assert CliRunner().invoke(main, ["db", "current", "--database-url", url]).output.strip() == head_revision()
 
 
 def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

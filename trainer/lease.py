@@ -35,6 +35,8 @@ class Filters:
     capture: str | None = None  # "white-box" | "black-box"
     task_id: str | None = None
     needs_teacher: bool = False  # OPD: only hinted turns with teacher logprobs
+    # session modes to train on; "eval" sessions are never trained on, whatever is asked
+    modes: tuple[str, ...] = ("online", "offline")
 
 
 def start_run(engine: Engine, *, objective: str, backend: str, config: dict[str, Any],
@@ -77,6 +79,8 @@ def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
         q = q.where(Turn.capture == filters.capture)
     if filters.task_id:
         q = q.where(exists().where(Session.id == Turn.session_id, Session.task_id == filters.task_id))
+    modes = [m for m in filters.modes if m != "eval"]
+    q = q.where(exists().where(Session.id == Turn.session_id, Session.mode.in_(modes)))
     taken = exists().where(TrainingLease.run_id == run_id, TrainingLease.turn_id == Judgement.turn_id,
                            or_(TrainingLease.acked_at.is_not(None), TrainingLease.expires_at > now))
     return q.where(~taken).order_by(Turn.created_at, Turn.id)
