@@ -36,7 +36,7 @@ EXTRA_VARIABLES: tuple[tuple[str, str, str], ...] = (
 # containers never see them under these names.
 COMPOSE_VARIABLES: tuple[tuple[str, str, str], ...] = (
     ("IMAGE_NAME", "nextstate",
-     "Name the gateway/worker/trainer images are built and tagged as (`<name>:<role>-<tag>`)."),
+     "Name the gateway/worker/trainer images are built and tagged as (`<name>-<role>:<tag>`)."),
     ("IMAGE_TAG", "0.1.0", "Tag of the nextstate images."),
     ("POSTGRES_PASSWORD", "change-me", "Password of the `nextstate` PostgreSQL user. Change it."),
     ("POSTGRES_READONLY_PASSWORD", "change-me-too",
