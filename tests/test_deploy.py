@@ -32,6 +32,7 @@ from nextstate.cli import main as cli
 from nextstate.configref import COMPOSE_VARIABLES, entries, env_example, reference_markdown
 from nextstate.healthcheck import check_trainer
 from nextstate.settings import Settings
+from tests.pg import to_conninfo
 from tests.processes import GatewayProcess, SilentUpstream, WorkerProcess, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -282,6 +283,39 @@ def test_dashboard_training_queries_run_on_a_real_pool(pg_url: str) -> None:
         engine.dispose()
 
 
+def test_postgres_init_script_gives_grafana_a_read_only_role() -> None:
+    """deploy/compose/postgres-init runs as the PostgreSQL image runs it: the role it creates
+    reads the tables the migrations create later, and cannot write them."""
+    import psycopg
+
+    from datapool.db import upgrade
+    from tests.pg import ThrowawayPostgres, throwaway_unavailable_reason
+
+    reason = throwaway_unavailable_reason()
+    if reason:
+        pytest.skip(f"needs the PostgreSQL server binaries for a cluster of its own (it creates roles): {reason}")
+    with ThrowawayPostgres() as pg:
+        with psycopg.connect(pg.conninfo, autocommit=True) as conn:
+            # what the image does with POSTGRES_USER / POSTGRES_DB before running the init scripts
+            conn.execute("CREATE ROLE nextstate LOGIN SUPERUSER")
+            conn.execute("CREATE DATABASE nextstate OWNER nextstate")
+        env = {**os.environ, "POSTGRES_USER": "nextstate", "POSTGRES_DB": "nextstate", "PGHOST": pg.host,
+               "PGPORT": str(pg.port), "POSTGRES_READONLY_PASSWORD": "it's a secret"}
+        done = subprocess.run(["sh", str(COMPOSE_DIR / "postgres-init" / "10-readonly-role.sh")], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        owner = f"postgresql+psycopg://nextstate@{pg.host}:{pg.port}/nextstate"
+        upgrade(owner)
+        with psycopg.connect(to_conninfo(owner), autocommit=True) as conn:
+            conn.execute("INSERT INTO training_runs (id, objective, backend, config, status, created_at) "
+                         "VALUES ('r1', 'rl', 'local', '{}', 'done', now())")
+        reader = to_conninfo(f"postgresql+psycopg://nextstate_ro@{pg.host}:{pg.port}/nextstate")
+        with psycopg.connect(reader, autocommit=True) as conn:
+            assert conn.execute("SELECT id FROM training_runs").fetchall() == [("r1",)]
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute("DELETE FROM training_runs")
+
+
 # ---------------------------------------------------------------- Kubernetes
 
 
@@ -469,6 +503,38 @@ def test_dockerfile_targets_are_non_root_pinned_and_health_checked() -> None:
     for source in copied:
         assert (ROOT / source).exists(), source
         assert f"!{source}" in ignore, f"{source} is excluded from the build context by .dockerignore"
+
+
+def test_the_images_build_context_installs_a_package_whose_migrations_run(tmp_path: Path) -> None:
+    """What the Dockerfile copies is enough: the wheel built from it (not the repository) carries
+    the migrations, prompts and health checks, and `nextstate db upgrade` runs from it."""
+    context = tmp_path / "context"
+    context.mkdir()
+    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", (DEPLOY / "Dockerfile").read_text(), re.M):
+        for name in source.split():
+            src = ROOT / name.rstrip("/")
+            if src.is_dir():
+                shutil.copytree(src, context / src.name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(src, context / src.name)
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(context)],
+                   check=True, capture_output=True, timeout=300)
+    (wheel,) = wheels.glob("nextstate-*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    env |= {"PYTHONPATH": str(target), "NEXTSTATE_DATABASE_URL": f"sqlite:///{tmp_path / 'pool.db'}",
+            "NEXTSTATE_DATA_DIR": str(tmp_path / "data")}
+    run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True,  # noqa: E731
+                                       timeout=300, cwd=tmp_path, env=env)
+    where = run("-c", "import nextstate, migrations, datapool.judge as j; print(nextstate.__file__, j.PROMPTS_DIR)")
+    assert where.returncode == 0 and where.stdout.startswith(str(target)), where.stdout + where.stderr
+    upgraded = run("-m", "nextstate.cli", "db", "upgrade")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert re.search(r"pool at revision \w+", upgraded.stdout)
+    assert run("-m", "nextstate.healthcheck", "trainer").returncode == 0
 
 
 def _run_healthcheck(role: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
