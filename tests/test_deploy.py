@@ -73,13 +73,22 @@ def test_every_settings_field_is_in_env_example_and_the_docs() -> None:
         assert re.search(rf"^{env}=", example, re.M) and f"`{env}`" in reference
 
 
-def test_every_nextstate_variable_the_code_names_is_a_documented_setting() -> None:
-    named: dict[str, str] = {}
+# os.environ.get("NEXTSTATE_X"), os.getenv("NEXTSTATE_X"), os.environ["NEXTSTATE_X"] (not assigned),
+# and `[env NEXTSTATE_X]` in --help texts. A variable nextstate only *sets* (for an agent program
+# it launches) is no setting and is not matched.
+_READS = re.compile(r"""(?:environ\.get|getenv|environ\.setdefault)\(\s*["'](NEXTSTATE_\w+)["']"""
+                    r"""|environ\[\s*["'](NEXTSTATE_\w+)["']\s*\](?!\s*=[^=])"""
+                    r"""|\[env (NEXTSTATE_\w+)\]""")
+
+
+def test_every_nextstate_variable_the_code_reads_is_a_documented_setting() -> None:
+    read: dict[str, str] = {}
     for package in ("nextstate", "gateway", "datapool", "trainer", "migrations"):
         for path in (ROOT / package).rglob("*.py"):
-            for env in re.findall(r"NEXTSTATE_[A-Z0-9_]*[A-Z0-9]", path.read_text()):
-                named.setdefault(env, str(path.relative_to(ROOT)))
-    undocumented = {env: where for env, where in named.items() if env not in SETTING_ENVS}
+            for groups in _READS.findall(path.read_text()):
+                read.setdefault(next(g for g in groups if g), str(path.relative_to(ROOT)))
+    assert {"NEXTSTATE_CONFIG", "NEXTSTATE_CACHE_DIR", "NEXTSTATE_DATABASE_URL"} <= set(read)
+    undocumented = {env: where for env, where in read.items() if env not in SETTING_ENVS}
     assert not undocumented, f"read by the code but not a setting (add it to Settings): {undocumented}"
 
 
