@@ -230,6 +230,120 @@ def test_proxy_streams_unbuffered_to_every_gateway() -> None:
     assert re.search(r"server gateway:8400 resolve;", conf) and "resolver 127.0.0.11" in conf
 
 
+@pytest.fixture(scope="module")
+def nginx_bin(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """An nginx binary: the one on PATH, else Debian's package unpacked (not installed: no
+    service started) from `apt-get download nginx`."""
+    found = shutil.which("nginx")
+    if found:
+        return found
+    if not shutil.which("apt-get") or not shutil.which("dpkg"):
+        pytest.skip("no nginx and no apt-get/dpkg to fetch Debian's: install nginx")
+    where = tmp_path_factory.mktemp("nginx-deb")
+    got = subprocess.run(["apt-get", "download", "nginx"], cwd=where, capture_output=True, text=True, timeout=180)
+    debs = list(where.glob("nginx_*.deb"))
+    if got.returncode != 0 or not debs:
+        pytest.skip(f"no nginx, and `apt-get download nginx` failed (run apt-get update?): {got.stderr.strip()[-300:]}")
+    subprocess.run(["dpkg", "-x", str(debs[0]), str(where / "root")], check=True, timeout=60)
+    return str(where / "root" / "usr" / "sbin" / "nginx")
+
+
+class _StepStream:
+    """An upstream that streams SSE events one at a time: event i+1 is sent only once the test
+    saw event i, so a proxy that buffers the stream deadlocks it instead of passing."""
+
+    def __init__(self, events: int):
+        import http.server
+        import threading
+
+        self.events = events
+        self.seen = [threading.Event() for _ in range(events)]
+        self.finished_unbuffered = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for i in range(outer.events):
+                    data = f"data: {i}\n\n".encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                    if not outer.seen[i].wait(10):
+                        break  # the client never saw it: buffered
+                else:
+                    outer.finished_unbuffered.set()
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_proxy_relays_a_stream_event_by_event(nginx_bin: str, tmp_path: Path) -> None:
+    """deploy/compose/nginx.conf in a real nginx, with Docker's DNS (the `resolve` upstream,
+    nginx >= 1.27.3) swapped for a local upstream: it parses, each event of a stream reaches the
+    client before the upstream sends the next, and /metrics stays private."""
+    import httpx
+
+    upstream = _StepStream(events=5)
+    port = free_port()
+    conf = (COMPOSE_DIR / "nginx.conf").read_text()
+    conf = conf.replace("server gateway:8400 resolve;", f"server 127.0.0.1:{upstream.port};")
+    conf = conf.replace("listen 8400;", f"listen 127.0.0.1:{port};")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    temp.chmod(0o777)
+    paths = "".join(f"    {d}_temp_path {temp / d};\n" for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    conf = conf.replace("http {\n", "http {\n" + paths, 1)
+    (tmp_path / "nginx.conf").write_text(conf)
+    cmd = [nginx_bin, "-e", "stderr", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+           "-g", f"daemon off; pid {tmp_path / 'nginx.pid'};"]
+    checked = subprocess.run([*cmd, "-t"], capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _answers(f"{base}/nginx-health"), timeout=20)
+        assert httpx.get(f"{base}/metrics").status_code == 404
+        received = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={"stream": True}, timeout=30) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    i = int(line.removeprefix("data: "))
+                    received.append(i)
+                    upstream.seen[i].set()
+        assert received == list(range(5))
+        assert upstream.finished_unbuffered.is_set()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        upstream.close()
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _metric_names() -> set[str]:
     """Every sample name the gateway's /metrics can expose (gateway/metrics.py)."""
     from gateway.metrics import Metrics, PoolCollector
