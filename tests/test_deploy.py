@@ -532,6 +532,13 @@ def test_overlay_roles_probes_resources_and_secrets(rendered: dict[str, list[dic
     for name in ("vllm", "vllm-teacher", "postgres"):
         _one(docs, "StatefulSet", name)
     assert "--max-num-seqs=1" in _containers(_one(docs, "StatefulSet", "vllm-teacher"))[0]["args"]
+    # vLLM's unauthenticated routes: only nextstate's own roles get in
+    policy = _one(docs, "NetworkPolicy", "vllm")
+    (selected,) = policy["spec"]["podSelector"]["matchExpressions"]
+    assert set(selected["values"]) == {"vllm", "vllm-teacher"}
+    (rule,) = policy["spec"]["ingress"]
+    (allowed,) = rule["from"][0]["podSelector"]["matchExpressions"]
+    assert set(allowed["values"]) == {"gateway", "worker", "worker-beat", "trainer"}
 
     secrets = [d for d in docs if d["kind"] == "Secret"]
     (secret,) = secrets
