@@ -205,6 +205,28 @@ def test_compose_nextstate_environment_is_settings(compose_config: dict[str, Any
     assert services["gateway"]["environment"]["NEXTSTATE_HOST"] == "0.0.0.0"
 
 
+def test_compose_passes_the_users_env_file_to_every_nextstate_container(compose_cmd: list[str],
+                                                                       tmp_path: Path) -> None:
+    """As the docs say: cp .env.example .env, edit; compose reads it for its own variables and
+    hands it to the nextstate containers, where a setting overrides the bundled default."""
+    project = tmp_path / "deploy" / "compose"
+    shutil.copytree(COMPOSE_DIR, project)
+    env = (project / ".env.example").read_text()
+    env += ("POSTGRES_PASSWORD=s3cret\nNEXTSTATE_JUDGE_VOTES=5\n"
+            "NEXTSTATE_DATABASE_URL=postgresql+psycopg://nextstate:s3cret@db.internal:5432/pool\n")
+    (project / ".env").write_text(env)
+    done = subprocess.run([*compose_cmd, "-f", str(project / "compose.yaml"), "config", "--format", "json"],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if not k.startswith(("NEXTSTATE_", "POSTGRES_"))})
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"] == "s3cret"
+    for name in NEXTSTATE_SERVICES:
+        environment = services[name]["environment"]
+        assert environment["NEXTSTATE_JUDGE_VOTES"] == "5", name
+        assert environment["NEXTSTATE_DATABASE_URL"].endswith("@db.internal:5432/pool"), name
+
+
 def test_compose_refuses_to_start_without_a_database_password(compose_cmd: list[str], tmp_path: Path) -> None:
     empty = tmp_path / "empty.env"
     empty.write_text("")
