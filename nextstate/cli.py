@@ -367,6 +367,36 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
         _serve_gateway(settings, migrate=False)
 
 
+@main.group("config")
+def config_group() -> None:
+    """The settings every process reads: print the reference and the compose .env.example,
+    both generated from nextstate/settings.py."""
+
+
+@config_group.command("reference")
+def config_reference() -> None:
+    """Print the configuration reference (Markdown), as committed in docs/configuration.md.
+
+    \b
+    nextstate config reference > docs/configuration.md
+    """
+    from nextstate.configref import reference_markdown
+
+    click.echo(reference_markdown(), nl=False)
+
+
+@config_group.command("env-example")
+def config_env_example() -> None:
+    """Print the documented environment file, as committed in deploy/compose/.env.example.
+
+    \b
+    nextstate config env-example > deploy/compose/.env.example
+    """
+    from nextstate.configref import env_example
+
+    click.echo(env_example(), nl=False)
+
+
 def _register_optional() -> None:
     from nextstate.modelserver import vllm_cli
 
