@@ -267,6 +267,10 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, en
     assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == tuned
     turn = stored_turn(gateway, raw.headers["x-turn-id"])
     assert turn["policy_version"] == name and turn["capture"] == "white-box"
+    assert turn["upstream_model"] == BASE_MODEL  # what vLLM serves the weights as (teacher logprobs ask it)
+    direct = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
+        "model": BASE_MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert stored_turn(gateway, direct.headers["x-turn-id"])["policy_version"] == name
 
     (publish_event,) = events(engine)
     assert publish_event.action == "publish" and publish_event.actor == "trainer"
