@@ -48,7 +48,7 @@ def gateway_of(request: Request) -> Gateway:
 def _active_version(engine: Engine) -> ActiveVersion | None:
     with OrmSession(engine) as db:
         row = active_policy_version(db)
-        return ActiveVersion(name=row.name) if row else None
+        return ActiveVersion(name=row.name, kind=row.kind) if row else None
 
 
 async def _follow_policy(gw: Gateway) -> None:

@@ -41,7 +41,12 @@ class Target:
 
 @dataclass(frozen=True)
 class ActiveVersion:
-    name: str  # the name vLLM serves the version under
+    name: str  # the version's name: vLLM serves a LoRA version under it
+    kind: str = "lora"  # "full": its weights replaced the base's in place, served under the base's name
+
+    @property
+    def full(self) -> bool:
+        return self.kind == "full"
 
 
 def load_model_list(path: Path) -> tuple[list[dict[str, Any]], str | None]:
@@ -158,7 +163,8 @@ class Upstreams:
                                   code="model_not_found", param="model")
             group = self._policy_model
             if self.active_version is not None:
-                served = version = self.active_version.name
+                version = self.active_version.name
+                served = None if self.active_version.full else version
         if group not in self._groups:
             raise OpenAIError(404, f"the model `{model}` does not exist", code="model_not_found",
                               param="model")
@@ -168,7 +174,9 @@ class Upstreams:
         upstream_name = str(params["model"]).removeprefix(VLLM_PREFIX)
         served = served or upstream_name
         if white and version is None:
-            version = served
+            # naming the policy's base directly reaches a full version's weights all the same
+            active = self.active_version
+            version = active.name if active is not None and active.full and group == self._policy_model else served
         return Target(
             group=group,
             white_box=white,

@@ -147,7 +147,9 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 @click.option("--batch-size", type=int, default=8, show_default=True, help="Turns per optimizer step.")
 @click.option("--micro-batch-size", type=int, default=4, show_default=True, help="Turns per forward pass.")
 @click.option("--lr", type=float, default=5e-5, show_default=True)
-@click.option("--full", is_flag=True, help="Full fine-tuning instead of LoRA.")
+@click.option("--full", is_flag=True,
+              help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
+                   "servers need VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`).")
 @click.option("--lora-rank", type=int, default=8, show_default=True)
 @click.option("--kl-coef", type=float, default=0.0, show_default=True, help="k3 KL to the base policy (LoRA only).")
 @click.option("--w-rl", type=float, default=1.0, show_default=True, help="combined: weight of the reward term.")
@@ -240,16 +242,20 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
         return
     click.echo(f"run {result.run_id}: {result.steps} steps over {result.turns} turns; saved {result.output_dir}")
     if publish:
-        if full:
-            raise click.UsageError("publishing full weights is not supported yet; use LoRA or --no-publish")
-        from trainer.publish import publish_adapter
+        from trainer.publish import PublishError, publish_adapter, publish_full
 
         urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
-        version = publish_adapter(engine, result.output_dir, base_model=settings.upstream_model
-                                  or settings.vllm_served_name, vllm_urls=urls,
-                                  parent=result.parent,
-                                  stats={"run_id": result.run_id, "steps": result.steps, "turns": result.turns,
-                                         "objective": objective})
+        stats = {"run_id": result.run_id, "steps": result.steps, "turns": result.turns, "objective": objective}
+        base_model = settings.upstream_model or settings.vllm_served_name
+        try:
+            if full:  # reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
+                version = publish_full(engine, result.output_dir, base_model=base_model, vllm_urls=urls,
+                                       parent=result.parent, stats=stats)
+            else:
+                version = publish_adapter(engine, result.output_dir, base_model=base_model, vllm_urls=urls,
+                                          parent=result.parent, stats=stats)
+        except PublishError as exc:
+            raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
 
 
@@ -292,7 +298,12 @@ def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
     try:
         current = active_version(engine)
         if current is not None:
-            activate(engine, current["name"], vllm_urls)
+            if current["kind"] == "full" and not settings.vllm_dev_mode:
+                raise click.ClickException(
+                    f"the active policy version {current['name']} is a full checkpoint: its weights can only "
+                    "be loaded into a vLLM in dev mode; run with --vllm-dev-mode (NEXTSTATE_VLLM_DEV_MODE=1) "
+                    "or `nextstate policy rollback` first")
+            activate(engine, current["name"], vllm_urls, actor="up", reason="vLLM started")
             click.echo(f"policy: {current['name']} (reloaded into vLLM)")
     finally:
         engine.dispose()
@@ -304,8 +315,13 @@ def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
 @click.option("--database-url", metavar="DSN", help="Pool (default: SQLite in the data dir).")
 @click.option("--scoring/--no-scoring", default=True, show_default=True,
               help="Also run a scoring worker (LLM judge on the local vLLM) and the teacher vLLM replica.")
+@click.option("--vllm-dev-mode/--no-vllm-dev-mode", default=None,
+              help="Start vLLM with its development endpoints (VLLM_SERVER_DEV_MODE=1), needed to publish "
+                   "full fine-tuned weights (`train --full`). Unauthenticated: the servers listen on "
+                   "127.0.0.1 only. [env NEXTSTATE_VLLM_DEV_MODE, default off]")
 @click.option("--log-level", default="info", show_default=True)
-def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool, log_level: str) -> None:
+def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool,
+       vllm_dev_mode: bool | None, log_level: str) -> None:
     """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
     and a scoring worker.
 
@@ -327,17 +343,21 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
 
     _logging(log_level)
     settings = _settings(port=port, vllm_port=vllm_port, database_url=database_url)
+    if vllm_dev_mode is not None:
+        settings = settings.model_copy(update={"vllm_dev_mode": vllm_dev_mode})
     python = ensure_vllm_env(settings.cache_dir)
     model_dir = ensure_model(settings.cache_dir, python)
     upgrade(settings.resolved_database_url)
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     servers = [VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
-                          port=settings.vllm_port, log_path=logs / "vllm.log")]
+                          port=settings.vllm_port, log_path=logs / "vllm.log", dev_mode=settings.vllm_dev_mode)]
     if scoring:
         servers.append(VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
                                   port=settings.teacher_vllm_port, log_path=logs / "vllm-teacher.log",
-                                  extra_args=TEACHER_ARGS))
+                                  extra_args=TEACHER_ARGS, dev_mode=settings.vllm_dev_mode))
+    if settings.vllm_dev_mode:
+        click.echo("vLLM dev mode: /pause, /resume, /collective_rpc are open on 127.0.0.1 (full-weight publishing)")
     click.echo(f"starting vLLM on 127.0.0.1:{settings.vllm_port}"
                + (f" and its teacher replica on :{settings.teacher_vllm_port}" if scoring else "")
                + f" (logs in {logs}) ...")

@@ -287,8 +287,14 @@ def serve_command(
     ]
 
 
-def serve_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) -> dict[str, str]:
     """The environment for the vLLM server: *base* (default ``os.environ``) plus its knobs.
+
+    With *dev_mode*, ``VLLM_SERVER_DEV_MODE=1``: vLLM mounts its development endpoints
+    (``/pause``, ``/resume``, ``/collective_rpc``, ``/weight_info``, ...), which publishing full
+    weights needs (``trainer.full_weights``). They are unauthenticated and can run any worker
+    method: bind such a server to a private address only. Without it the variable is removed
+    from the environment, so an exported one does not turn them on by accident.
 
     Enables runtime LoRA loading (``/v1/load_lora_adapter``) and keeps the server offline
     (no Hugging Face Hub lookups, no usage statistics). On the CPU build the KV cache gets
@@ -306,6 +312,10 @@ def serve_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
         }
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    else:
+        env.pop("VLLM_SERVER_DEV_MODE", None)
     return env
 
 
@@ -366,6 +376,7 @@ class VLLMServer:
         log_path: Path,
         max_model_len: int = 2048,
         extra_args: Sequence[str] = (),
+        dev_mode: bool = False,
     ) -> None:
         self.python = python
         self.model_dir = model_dir
@@ -375,6 +386,7 @@ class VLLMServer:
         self.log_path = log_path
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
+        self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1, see serve_env
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -408,7 +420,7 @@ class VLLMServer:
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(
                 cmd,
-                env=serve_env(),
+                env=serve_env(dev_mode=self.dev_mode),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -552,7 +564,15 @@ def setup_command(cache_dir: Path) -> None:
     is_flag=True,
     help="Serve as the teacher replica for scoring: one request at a time (--max-num-seqs 1).",
 )
-def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, teacher: bool) -> None:
+@click.option(
+    "--dev-mode",
+    is_flag=True,
+    help="Enable vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1: /pause, /resume, "
+    "/collective_rpc, ...), needed to publish fully fine-tuned weights. They are unauthenticated "
+    "and run any worker method: never expose such a server beyond a private address.",
+)
+def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, teacher: bool,
+                      dev_mode: bool) -> None:
     """Run vLLM in the foreground; Ctrl-C stops it.
 
     Serves the OpenAI-compatible API with runtime LoRA loading (POST
@@ -569,7 +589,11 @@ def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, t
         port=port,
         log_path=log_path,
         extra_args=TEACHER_ARGS if teacher else (),
+        dev_mode=dev_mode,
     )
+    if dev_mode and host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"vllm: WARNING: development endpoints are on and reachable at {host}:{port}; "
+                   "anyone who can connect can run worker methods", err=True)
     click.echo(f"vllm: starting (log: {log_path})")
     try:
         server.start()

@@ -143,6 +143,12 @@ class Settings(BaseSettings):
     teacher_vllm_port: int = Field(
         default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
     )
+    vllm_dev_mode: bool = Field(
+        default=False,
+        description="Start the vLLM servers of `nextstate up` with VLLM_SERVER_DEV_MODE=1, which "
+        "publishing fully fine-tuned weights needs (pause, reload_weights, resume). Its endpoints "
+        "are unauthenticated: the servers stay on 127.0.0.1.",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod

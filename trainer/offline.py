@@ -50,8 +50,13 @@ def train_offline(
         parent = active_policy_version(db)
         parent_name = parent.name if parent else None
         parent_adapter = parent.path if parent is not None and parent.kind == "lora" else None
+        parent_full = parent.path if parent is not None and parent.kind == "full" else None
     if local.lora and parent_adapter and local.init_adapter is None:
         local.init_adapter = Path(parent_adapter)
+    # full fine-tuning continues from the full version being served; a LoRA run trains an
+    # adapter of the original base (publishing it restores the base weights under it)
+    if not local.lora and parent_full:
+        local.model_dir = Path(parent_full)
     trainer = LocalTrainer(local, objective)
     config = {"objective": asdict(objective), "batch_size": batch_size, "lr": local.lr, "lora": local.lora,
               "lora_rank": local.lora_rank, "filters": {k: str(v) for k, v in asdict(filters).items() if v}}

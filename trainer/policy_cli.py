@@ -62,6 +62,13 @@ def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc))
 
 
+_pause_option = click.option(
+    "--pause-mode", type=click.Choice(["wait", "keep"]), default="wait", show_default=True,
+    help="Full versions only, while the weights are reloaded: `wait` lets running requests finish "
+         "on the old weights first (new ones queue); `keep` freezes them and they continue on the new "
+         "weights (shorter pause).")
+
+
 def _line(v: dict[str, Any]) -> str:
     return f"{v['name']} ({v['kind']}, {v['path'] or 'no path'})"
 
@@ -71,9 +78,12 @@ def policy_cli() -> None:
     """The versions the `policy` alias serves: list, publish, promote, roll back.
 
     A version is a LoRA adapter at a path of its own, loaded into every vLLM server (the
-    policy server and the teacher replica) under the version's name. The pool records which
-    version is active; every gateway follows it within about 2 seconds. A version becomes
-    active only after every vLLM lists it, so the alias never names a model vLLM lacks.
+    policy server and the teacher replica) under the version's name; or (kind full) a whole
+    fine-tuned checkpoint whose weights are reloaded in place into every vLLM, which keeps
+    serving them under the base model's name (the servers need VLLM_SERVER_DEV_MODE=1:
+    `nextstate vllm serve --dev-mode`). The pool records which version is active; every
+    gateway follows it within about 2 seconds. A version becomes active only after every vLLM
+    serves it, so the alias never names a model vLLM lacks.
 
     Statuses: candidate (published, never activated), active, retired (replaced by a newer
     one), rolled_back (rolled back from; a plain `rollback` never returns to it).
@@ -108,7 +118,7 @@ def list_cmd(database_url: str | None, as_json: bool) -> None:
 
 @policy_cli.command("publish")
 @click.argument("adapter_dir", type=click.Path(path_type=Path))
-@click.option("--name", help="Version name (default: lora-<UTC time>-<random>).")
+@click.option("--name", help="Version name (default: lora-<UTC time>-<random>, or full-... for a checkpoint).")
 @click.option("--base-model", metavar="NAME",
               help="Base model the adapter is for, as vLLM serves it (default: "
                    "$NEXTSTATE_VLLM_SERVED_NAME, smollm2). Every vLLM must serve it.")
@@ -120,24 +130,27 @@ def list_cmd(database_url: str | None, as_json: bool) -> None:
                    "be readable by every vLLM server at the same path.")
 @click.option("--database-url", metavar="DSN", help=_DB_HELP)
 @click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
+@_pause_option
 def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, parent: str | None,
                 activate: bool, store: Path | None, database_url: str | None,
-                vllm_urls: tuple[str, ...]) -> None:
-    """Publish the PEFT LoRA adapter in ADAPTER_DIR as a new version.
+                vllm_urls: tuple[str, ...], pause_mode: str) -> None:
+    """Publish ADAPTER_DIR as a new version: a PEFT LoRA adapter, or a whole fine-tuned
+    checkpoint (config.json + safetensors, no adapter_config.json).
 
-    Copies it to a new directory, loads it into every vLLM, and only then registers it
-    (active: the previous active version is retired). On failure nothing is registered and
-    the adapter is unloaded again from the servers that had loaded it.
+    Copies it to a new directory, loads it into every vLLM (an adapter through
+    /v1/load_lora_adapter; a checkpoint by pausing generation, reloading the weights in place
+    and resuming), and only then registers it (active: the previous active version is
+    retired). On failure nothing is registered and every vLLM serves what it served before.
     """
-    from trainer.publish import PublishError, publish_adapter
+    from trainer.publish import PublishError, publish
 
     settings = _settings(database_url)
     with _engine(database_url) as engine:
         try:
-            v = publish_adapter(engine, adapter_dir, name=name,
-                                base_model=base_model or settings.vllm_served_name,
-                                vllm_urls=_urls(vllm_urls, database_url), parent=parent, stats={},
-                                activate=activate, store=store)
+            v = publish(engine, adapter_dir, name=name,
+                        base_model=base_model or settings.vllm_served_name,
+                        vllm_urls=_urls(vllm_urls, database_url), parent=parent, stats={},
+                        activate=activate, store=store, pause_mode=pause_mode, actor="cli")
         except PublishError as exc:
             raise _fail(exc) from exc
     click.echo(f"published {_line(v)} as {v['status']}")
@@ -147,18 +160,22 @@ def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, par
 @click.argument("version")
 @click.option("--database-url", metavar="DSN", help=_DB_HELP)
 @click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
-def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ...]) -> None:
+@_pause_option
+@click.option("--reason", help="Why (recorded in the policy_events row).")
+def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ...], pause_mode: str,
+                reason: str | None) -> None:
     """Make VERSION the one the `policy` alias serves (`base`: the base model).
 
-    Loads it into every vLLM that lacks it first (after a vLLM restart no adapter is loaded),
-    then marks it active and the previously active version retired. Promoting the active
-    version again just reloads it where it is missing.
+    Loads it into every vLLM that lacks it first (after a vLLM restart no adapter is loaded,
+    and a full version's weights are gone), then marks it active and the previously active
+    version retired. Promoting the active version again just reloads it where it is missing.
     """
     from trainer.publish import PublishError, activate
 
     with _engine(database_url) as engine:
         try:
-            v = activate(engine, version, _urls(vllm_urls, database_url))
+            v = activate(engine, version, _urls(vllm_urls, database_url), pause_mode=pause_mode,  # type: ignore[arg-type]
+                         actor="cli", reason=reason)
         except PublishError as exc:
             raise _fail(exc) from exc
     click.echo(f"policy serves {_line(v)}" if v else "policy serves the base model")
@@ -168,17 +185,22 @@ def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ..
 @click.argument("version", required=False)
 @click.option("--database-url", metavar="DSN", help=_DB_HELP)
 @click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
-def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple[str, ...]) -> None:
+@_pause_option
+@click.option("--reason", help="Why (recorded in the policy_events row).")
+def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple[str, ...], pause_mode: str,
+                 reason: str | None) -> None:
     """Roll back from the active version, to VERSION if given (`base`: the base model).
 
     Without VERSION: to the newest retired version older than the active one, or to the base
-    model if there is none. The version rolled back from is marked rolled_back.
+    model if there is none. The version rolled back from is marked rolled_back. Servers that
+    held a full version's weights reload the target's (or their base weights).
     """
     from trainer.publish import PublishError, rollback
 
     with _engine(database_url) as engine:
         try:
-            result = rollback(engine, _urls(vllm_urls, database_url), to=version)
+            result = rollback(engine, _urls(vllm_urls, database_url), to=version,
+                              pause_mode=pause_mode, actor="cli", reason=reason)  # type: ignore[arg-type]
         except PublishError as exc:
             raise _fail(exc) from exc
     v = result["active"]

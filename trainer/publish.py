@@ -23,6 +23,28 @@ can be reused once the adapter is fixed) and the alias untouched; the trainer's 
 is the place for its history. :func:`activate` and :func:`rollback` likewise change no row
 unless the target is loaded everywhere.
 
+Full weights (kind ``full``). A fully fine-tuned checkpoint cannot be served *beside* the
+base: vLLM holds one set of base weights per server. :func:`publish_full` copies the checkpoint
+to the store and, on every server in ``vllm_urls``, pauses generation, reloads the weights from
+it in place (``reload_weights``) and resumes (see :mod:`trainer.full_weights`; the servers need
+``VLLM_SERVER_DEV_MODE=1``). Only after every server confirms (its ``/weight_info`` names the
+version, a completion answers) is the row made ``active``. How full versions relate to names:
+vLLM keeps serving the weights under its **base served name** (``smollm2``), so the gateway
+sends ``policy`` requests for a full version upstream as the base name and records the version
+name as the turn's ``policy_version``; a request that names the base model directly is served
+by the loaded full weights as well, and is recorded under the full version too. So while a
+full version is active, "the base model" on those servers *is* that version; the original base
+weights come back (reloaded from the server's own ``--model`` directory) when the policy rolls
+back to the base or to a LoRA version, because LoRA versions are adapters of the original base.
+Requests in flight during a reload: with ``pause_mode="wait"`` (the default) they finish on the
+old weights before the reload starts, while new ones queue; with ``"keep"`` they are frozen and
+continue on the new weights (shorter pause, mixed versions within one reply). Requests that
+resolved the alias in the ~2 s before the gateways see the new row are recorded under the
+previous version but served by the new weights.
+
+Every publish, promotion and rollback also writes a ``policy_events`` row (action, actor,
+reason, timings) in the same transaction as the status change.
+
 Paths. vLLM reads ``lora_path`` from its own filesystem: with servers on other hosts, the
 version store (``store``) must be on a filesystem they share, at the same path.
 
@@ -49,8 +71,10 @@ from sqlalchemy import Engine, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.models import PolicyVersion
+from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
+from trainer import full_weights
+from trainer.full_weights import PauseMode, WeightsError
 
 log = logging.getLogger("nextstate.publish")
 
@@ -316,14 +340,14 @@ def _check_name(name: str, base_model: str) -> None:
         raise PublishError(f"version name {name!r} is reserved")
 
 
-def default_name() -> str:
-    """A fresh version name: ``lora-<UTC timestamp>-<random>``; unique across pools sharing a
+def default_name(kind: str = "lora") -> str:
+    """A fresh version name: ``<kind>-<UTC timestamp>-<random>``; unique across pools sharing a
     vLLM, which keeps every adapter ever loaded under its name until restarted."""
-    return f"lora-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
+    return f"{kind}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{secrets.token_hex(3)}"
 
 
 def default_store() -> Path:
-    """Where published adapters are kept by default: ``<data dir>/policies``."""
+    """Where published versions are kept by default: ``<data dir>/policies``."""
     from nextstate.settings import Settings
 
     return Settings().data_dir / "policies"
@@ -341,6 +365,100 @@ def _place(adapter_dir: Path, store: Path, name: str) -> Path:
     return dest.resolve()
 
 
+def _event(db: OrmSession, version_id: int | None, action: str, actor: str, reason: str | None,
+           metrics: dict[str, Any]) -> None:
+    db.add(PolicyEvent(version_id=version_id, action=action, actor=actor, reason=reason, metrics=metrics))
+
+
+# --------------------------------------------------------------------------------------------
+# which weights each server holds (full versions; see trainer.full_weights)
+
+
+def _path_of(engine: Engine) -> Any:
+    """``path_of(http, url, label)``: the checkpoint of the full version named *label* (None:
+    the base, or no such full version)."""
+    def path_of(_http: httpx.Client, _url: str, label: str | None) -> str | None:
+        if label is None or label in full_weights.BASE_LABELS:
+            return None
+        with OrmSession(engine) as db:
+            row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == label)).first()
+        return row.path if row is not None and row.kind == "full" else None
+    return path_of
+
+
+def _base_target(http: httpx.Client, url: str) -> tuple[str, str] | None:
+    """Servers holding a full version's weights go back to their base; others stay as they are
+    (one without dev mode can only hold its base)."""
+    try:
+        label = full_weights.weight_label(http, url)
+    except httpx.TransportError as exc:
+        # down: when it comes back it holds its base weights (a restart forgets a reload)
+        log.warning("%s did not answer (%s); it will hold its base weights when it is back", url, exc)
+        return None
+    if label is None or label in full_weights.BASE_LABELS:
+        return None
+    return full_weights.BASE_LABEL, full_weights.base_weights_path(http, url)
+
+
+def _full_target(name: str, path: str) -> Any:
+    def target(http: httpx.Client, url: str) -> tuple[str, str] | None:
+        label = full_weights.weight_label(http, url)
+        if label is None:
+            raise full_weights.DevModeMissing(
+                f"{url} has no development endpoints: full weights can only be published to a vLLM "
+                "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
+        return None if label == name else (name, path)
+    return target
+
+
+def _serve(engine: Engine, kind: str, name: str | None, path: str | None, base_model: str | None,
+           urls: Sequence[str], *, pause_mode: PauseMode, timeout_s: float) -> dict[str, Any]:
+    """Make every server serve version *name* of *kind* (``base``: the base model): a full
+    version's weights reloaded in place; for a LoRA version or the base, the original base
+    weights (reloaded where a full version held the server) and then the adapter. All servers
+    or none: a failure puts back the weights each held. Returns metrics for the event row."""
+    metrics: dict[str, Any] = {}
+    try:
+        if kind == "full":
+            assert name is not None and path is not None
+            reloads = full_weights.switch_weights(
+                urls, _full_target(name, path), path_of=_path_of(engine), pause_mode=pause_mode,
+                served_name=base_model, timeout_s=timeout_s)
+        else:
+            def load_adapter() -> None:
+                if kind == "lora":
+                    assert name is not None and path is not None
+                    report = ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
+                    metrics["lora_load_s"] = report.seconds
+            reloads = full_weights.switch_weights(
+                urls, _base_target, path_of=_path_of(engine), pause_mode=pause_mode,
+                served_name=base_model, timeout_s=timeout_s, then=load_adapter)
+    except WeightsError as exc:
+        raise PublishError(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise PublishError(f"vLLM did not answer while switching weights: {type(exc).__name__}: {exc}") from exc
+    if reloads:
+        metrics["reloads"] = [vars(r) for r in reloads]
+    return metrics
+
+
+def _serve_pool_state(engine: Engine, urls: Sequence[str], *, pause_mode: PauseMode, timeout_s: float) -> None:
+    """Best effort, after a failed registration: make the servers hold what the pool says is active."""
+    with OrmSession(engine) as db:
+        row = _current(db)
+        kind, name, path, base = (row.kind, row.name, row.path, row.base_model) if row else ("base", None, None, None)
+    if kind == "lora":
+        kind = "base"  # its adapter is still loaded; only the weights under it may have changed
+    try:
+        _serve(engine, kind, name, path, base, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+    except PublishError as exc:
+        log.error("could not put back the active version's weights: %s", exc)
+
+
+# --------------------------------------------------------------------------------------------
+# publish
+
+
 def publish_adapter(
     engine: Engine,
     adapter_dir: Path,
@@ -354,6 +472,8 @@ def publish_adapter(
     copy: bool = True,
     store: Path | None = None,
     timeout_s: float = 120.0,
+    actor: str = "trainer",
+    reason: str | None = None,
 ) -> dict[str, Any]:
     """Publish the PEFT LoRA adapter in *adapter_dir* as a new policy version.
 
@@ -366,10 +486,11 @@ def publish_adapter(
        use.
     3. Loads it into every server of *vllm_urls* (``…/v1``; the policy server and the teacher
        replica) under *name* and checks each lists it in ``/v1/models`` — each must also serve
-       *base_model*.
+       *base_model*. A server holding a full version's weights gets its base weights back
+       first (an adapter is trained on the base).
     4. Only then, in one transaction, inserts the row (kind ``lora``, *parent*'s id, *stats*) as
        ``active`` (every previously active version becomes ``retired``) or, without *activate*,
-       as ``candidate``.
+       as ``candidate``; and a ``publish`` event by *actor*.
 
     Returns the new version as :func:`version_dict`. Raises :class:`PublishError` if any step
     fails, having unloaded it from the servers it was loaded into and removed the copy:
@@ -379,118 +500,254 @@ def publish_adapter(
     name = name or default_name()
     _check_name(name, base_model)
     _check_adapter(adapter_dir)
-    with OrmSession(engine) as db:
-        if db.scalars(select(PolicyVersion.id).where(PolicyVersion.name == name)).first() is not None:
-            raise PublishError(f"a policy version named {name!r} exists already")
-        parent_id: int | None = None
-        if parent is not None and parent != BASE:
-            parent_id = _get(db, parent).id
+    parent_id = _check_new(engine, name, parent)
     if copy:
         path = _place(adapter_dir, store or default_store(), name)
     else:
-        path = adapter_dir.resolve()
-        with OrmSession(engine) as db:
-            owner = db.scalars(select(PolicyVersion.name).where(PolicyVersion.path == str(path))).first()
-        if owner is not None:
-            raise PublishError(f"{path} is already the path of version {owner!r}; "
-                               "every version needs a directory of its own")
+        path = _own_path(engine, adapter_dir)
+    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
     try:
-        report = ensure_loaded(name, path, vllm_urls, base_model=base_model, timeout_s=timeout_s)
+        if activate:
+            metrics = _serve(engine, "lora", name, str(path), base_model, urls, pause_mode="wait",
+                             timeout_s=timeout_s)
+        else:  # a candidate is loaded (so it can be evaluated) but the weights under it stay
+            report = ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
+            metrics = {"lora_load_s": report.seconds}
     except BaseException:
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
     try:
-        with OrmSession(engine) as db, db.begin():
-            _lock(db)
-            retired = _demote_active(db, "retired") if activate else []
-            row = PolicyVersion(
-                name=name,
-                base_model=base_model,
-                kind="lora",
-                path=str(path),
-                parent_id=parent_id,
-                status="active" if activate else "candidate",
-                stats=dict(stats or {}),
-            )
-            db.add(row)
-            db.flush()
-            result = _dict(db, row)
-    except BaseException as exc:
+        result, retired = _register(engine, name=name, kind="lora", base_model=base_model, path=path,
+                                    parent_id=parent_id, activate=activate, stats=stats, actor=actor,
+                                    reason=reason, metrics=metrics)
+    except BaseException:
         with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
-            unload(http, report.loaded, name)
+            unload(http, urls, name)
         if copy:
             shutil.rmtree(path, ignore_errors=True)
-        if isinstance(exc, IntegrityError):
-            raise PublishError(f"could not register {name!r}: {exc.orig}") from exc
         raise
-    log.info("published %s (%s) as %s%s; load times %s", name, path, result["status"],
-             f", retired {retired}" if retired else "", report.seconds)
+    log.info("published %s (%s) as %s%s; %s", name, path, result["status"],
+             f", retired {retired}" if retired else "", metrics)
     return result
 
 
+def _check_new(engine: Engine, name: str, parent: str | None) -> int | None:
+    """The name is free; returns *parent*'s id (None for the base)."""
+    with OrmSession(engine) as db:
+        if db.scalars(select(PolicyVersion.id).where(PolicyVersion.name == name)).first() is not None:
+            raise PublishError(f"a policy version named {name!r} exists already")
+        if parent is not None and parent != BASE:
+            return _get(db, parent).id
+    return None
+
+
+def _own_path(engine: Engine, directory: Path) -> Path:
+    path = directory.resolve()
+    with OrmSession(engine) as db:
+        owner = db.scalars(select(PolicyVersion.name).where(PolicyVersion.path == str(path))).first()
+    if owner is not None:
+        raise PublishError(f"{path} is already the path of version {owner!r}; "
+                           "every version needs a directory of its own")
+    return path
+
+
+def _register(engine: Engine, *, name: str, kind: str, base_model: str, path: Path, parent_id: int | None,
+              activate: bool, stats: dict[str, Any] | None, actor: str, reason: str | None,
+              metrics: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    try:
+        with OrmSession(engine) as db, db.begin():
+            _lock(db)
+            retired = _demote_active(db, "retired") if activate else []
+            row = PolicyVersion(name=name, base_model=base_model, kind=kind, path=str(path),
+                                parent_id=parent_id, status="active" if activate else "candidate",
+                                stats=dict(stats or {}))
+            db.add(row)
+            db.flush()
+            _event(db, row.id, "publish", actor, reason,
+                   {"status": row.status, "retired": retired, **metrics})
+            return _dict(db, row), retired
+    except IntegrityError as exc:
+        raise PublishError(f"could not register {name!r}: {exc.orig}") from exc
+
+
+def check_checkpoint(checkpoint_dir: Path, vllm_urls: Sequence[str] = (), *, timeout_s: float = 30.0) -> None:
+    """A full checkpoint vLLM can reload: ``config.json``, whole safetensors files, and (where
+    the servers' base directories are readable here) the same architecture and tensor names and
+    shapes as the served model. Raises :class:`PublishError`."""
+    try:
+        full_weights.check_checkpoint(checkpoint_dir)
+        with httpx.Client(timeout=timeout_s, trust_env=False) as http:
+            for url in vllm_urls:
+                base = Path(full_weights.base_weights_path(http, normalize_vllm_url(url)))
+                full_weights.check_same_architecture(checkpoint_dir, base)
+                full_weights.check_same_weights(checkpoint_dir, base)
+    except WeightsError as exc:
+        raise PublishError(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise PublishError(f"vLLM did not answer: {type(exc).__name__}: {exc}") from exc
+
+
+def publish_full(
+    engine: Engine,
+    checkpoint_dir: Path,
+    *,
+    name: str | None = None,
+    base_model: str,
+    vllm_urls: Sequence[str],
+    parent: str | None = None,
+    stats: dict[str, Any] | None = None,
+    activate: bool = True,
+    copy: bool = True,
+    store: Path | None = None,
+    timeout_s: float = 600.0,
+    pause_mode: PauseMode = "wait",
+    actor: str = "trainer",
+    reason: str | None = None,
+) -> dict[str, Any]:
+    """Publish a fully fine-tuned checkpoint (``save_pretrained`` of the whole model) as a new
+    policy version of kind ``full``.
+
+    1. Checks the directory (:func:`check_checkpoint`) and the name (default ``full-<time>-<rand>``).
+    2. With *copy* (the default) copies it under *store*, as :func:`publish_adapter` does.
+    3. With *activate*: on every server of *vllm_urls* (each needs ``VLLM_SERVER_DEV_MODE=1``)
+       pauses generation (*pause_mode*: ``wait`` lets running requests finish first, ``keep``
+       freezes them), reloads the weights from the copy, labels them *name*, resumes, and
+       confirms (``/weight_info`` names the version; a one-token completion of *base_model*
+       answers). The servers keep serving it as *base_model*: that is the name vLLM knows.
+    4. Only then inserts the row (kind ``full``) as ``active`` — or, without *activate*, as a
+       ``candidate`` that no server holds yet (:func:`activate` reloads it) — and a ``publish``
+       event with the reload timings.
+
+    Raises :class:`PublishError` on any failure, having put back on every server the weights it
+    held before and removed the copy: nothing is registered, the alias is unchanged.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    name = name or default_name("full")
+    _check_name(name, base_model)
+    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    if activate and not urls:
+        raise PublishError("no vLLM server given (vllm_urls is empty)")
+    check_checkpoint(checkpoint_dir, urls if activate else ())
+    parent_id = _check_new(engine, name, parent)
+    path = _place(checkpoint_dir, store or default_store(), name) if copy else _own_path(engine, checkpoint_dir)
+    try:
+        metrics = _serve(engine, "full", name, str(path), base_model, urls, pause_mode=pause_mode,
+                         timeout_s=timeout_s) if activate else {}
+    except BaseException:
+        if copy:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    stats = dict(stats or {})
+    if metrics.get("reloads"):
+        stats.setdefault("weights_digest", metrics["reloads"][0]["digest"])
+    try:
+        result, retired = _register(engine, name=name, kind="full", base_model=base_model, path=path,
+                                    parent_id=parent_id, activate=activate, stats=stats, actor=actor,
+                                    reason=reason, metrics=metrics | {"pause_mode": pause_mode})
+    except BaseException:
+        if activate:
+            _serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+        if copy:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    log.info("published full checkpoint %s (%s) as %s%s; %s", name, path, result["status"],
+             f", retired {retired}" if retired else "", metrics)
+    return result
+
+
+def publish(engine: Engine, directory: Path, **kwargs: Any) -> dict[str, Any]:
+    """:func:`publish_adapter` for a PEFT adapter directory, :func:`publish_full` for a whole
+    checkpoint (no ``adapter_config.json``). ``pause_mode`` only applies to full checkpoints."""
+    if (Path(directory) / ADAPTER_CONFIG).is_file():
+        kwargs.pop("pause_mode", None)
+        return publish_adapter(engine, directory, **kwargs)
+    return publish_full(engine, directory, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# promote / rollback
+
+
 def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, demoted_status: str,
-               timeout_s: float) -> tuple[dict[str, Any] | None, list[str]]:
+               timeout_s: float, action: str, actor: str, reason: str | None,
+               pause_mode: PauseMode = "wait") -> tuple[dict[str, Any] | None, list[str]]:
     """Make *target* (a version name; None: the base model) the active version; every other
-    active version gets *demoted_status*. Loads *target* everywhere first."""
-    if target is not None:
-        with OrmSession(engine) as db:
+    active version gets *demoted_status*. Makes every server serve it first."""
+    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    kind, path, base_model = "base", None, None
+    with OrmSession(engine) as db:
+        if target is not None:
             row = _get(db, target)
             kind, path, base_model = row.kind, row.path, row.base_model
-        if kind == "lora":
-            if not path:
-                raise PublishError(f"version {target!r} has no adapter path")
-            ensure_loaded(target, path, vllm_urls, base_model=base_model, timeout_s=timeout_s)
-        elif kind == "full":
-            raise PublishError(f"version {target!r} is a full checkpoint: activating full weights "
-                               "is not supported by trainer.publish yet")
+            if kind in ("lora", "full") and not path:
+                raise PublishError(f"version {target!r} has no {'adapter' if kind == 'lora' else 'checkpoint'} path")
+        else:
+            current = _current(db)
+            base_model = current.base_model if current is not None else None
+    if kind == "full":
+        assert path is not None
+        try:
+            full_weights.check_checkpoint(Path(path))
+        except WeightsError as exc:
+            raise PublishError(f"version {target!r}: {exc}") from exc
+    metrics = _serve(engine, kind if kind in ("lora", "full") else "base", target, path, base_model, urls,
+                     pause_mode=pause_mode, timeout_s=timeout_s)
     with OrmSession(engine) as db, db.begin():
         _lock(db)
-        if target is None:
+        if target is None or kind == "base":
             demoted = _demote_active(db, demoted_status)
+            _event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
             return None, demoted
         row = _get(db, target)
         demoted = _demote_active(db, demoted_status, keep_id=row.id)
         row.status = "active"
         db.flush()
+        _event(db, row.id, action, actor, reason, {"to": row.name, "from": demoted, **metrics})
         return _dict(db, row), demoted
 
 
-def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0
+def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0,
+             pause_mode: PauseMode = "wait", actor: str = "admin", reason: str | None = None
              ) -> dict[str, Any] | None:
-    """Promote version *name*: load it into every server of *vllm_urls* where it is missing
-    (after a vLLM restart no adapter is loaded; it is reloaded from its path), then make it
-    ``active`` and the previously active one ``retired``, in one transaction.
+    """Promote version *name*: make every server of *vllm_urls* serve it (a LoRA adapter is
+    loaded where it is missing — after a vLLM restart none is; a full version's weights are
+    reloaded where the server holds others), then make it ``active`` and the previously active
+    one ``retired``, in one transaction, with a ``promote`` event.
 
-    Idempotent: promoting the active version just makes sure every server has it loaded (run
-    it after restarting vLLM). ``name="base"`` (or a ``kind="base"`` row) makes the alias serve
+    Idempotent: promoting the active version just makes sure every server serves it (run it
+    after restarting vLLM). ``name="base"`` (or a ``kind="base"`` row) makes the alias serve
     the base model. Returns the now active version (None for the base). Raises
     :class:`VersionNotFound` / :class:`PublishError`, changing nothing.
     """
+    kw = dict(demoted_status="retired", timeout_s=timeout_s, action="promote", actor=actor, reason=reason,
+              pause_mode=pause_mode)
     if name == BASE:
-        return _switch_to(engine, None, vllm_urls, demoted_status="retired", timeout_s=timeout_s)[0]
+        return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
     with OrmSession(engine) as db:
         is_base = _get(db, name).kind == "base"
     if is_base:
-        return _switch_to(engine, None, vllm_urls, demoted_status="retired", timeout_s=timeout_s)[0]
-    active, demoted = _switch_to(engine, name, vllm_urls, demoted_status="retired", timeout_s=timeout_s)
+        return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
+    active, demoted = _switch_to(engine, name, vllm_urls, **kw)  # type: ignore[arg-type]
     log.info("activated %s%s", name, f", retired {demoted}" if demoted else "")
     return active
 
 
 def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
-             timeout_s: float = 120.0) -> dict[str, Any]:
+             timeout_s: float = 120.0, pause_mode: PauseMode = "wait", actor: str = "admin",
+             reason: str | None = None) -> dict[str, Any]:
     """Roll the policy back from the active version.
 
-    *to* None: to the newest ``retired`` LoRA version created before the active one, or to the
-    base model if there is none. *to* a name: to that version. *to* ``"base"``: to the base
-    model (no active LoRA version; the alias serves the base). The target is loaded into every
-    server first (as in :func:`activate`); the version rolled back from becomes
-    ``rolled_back`` (never a default rollback target again).
+    *to* None: to the newest ``retired`` version (LoRA or full) created before the active one,
+    or to the base model if there is none. *to* a name: to that version. *to* ``"base"``: to
+    the base model (no active version; the alias serves the base, and servers that held a full
+    version's weights get their base weights back). The target is made to serve everywhere
+    first (as in :func:`activate`); the version rolled back from becomes ``rolled_back``
+    (never a default rollback target again). A ``rollback`` event records it.
 
     Returns ``{"active": version dict or None (base), "rolled_back": [names]}``. Raises
     :class:`PublishError` when there is nothing to roll back from (``to`` None and the alias
-    already serves the base) or the target cannot be loaded; nothing changes then.
+    already serves the base) or the target cannot be served; nothing changes then.
     """
     with OrmSession(engine) as db:
         current = _current(db)
@@ -502,7 +759,7 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
                 select(PolicyVersion)
                 .where(
                     PolicyVersion.status.in_(ROLLBACK_TARGET_STATUSES),
-                    PolicyVersion.kind == "lora",
+                    PolicyVersion.kind.in_(("lora", "full")),
                     PolicyVersion.created_at < current.created_at,
                 )
                 .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
@@ -517,6 +774,7 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
         if current is not None and target == current.name:
             raise PublishError(f"{target!r} is the active version already")
     active, demoted = _switch_to(engine, target, vllm_urls, demoted_status="rolled_back",
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, action="rollback", actor=actor, reason=reason,
+                                 pause_mode=pause_mode)
     log.info("rolled back %s; now serving %s", demoted, target or "the base model")
     return {"active": active, "rolled_back": demoted}

