@@ -144,6 +144,13 @@ class Settings(BaseSettings):
         default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
     )
 
+    # rollout runner (`nextstate rollout`)
+    gateway_url: str | None = Field(
+        default=None,
+        description="Gateway a rollout runner drives agents through (http://host:port). "
+        "Default: http://<host>:<port> of these settings.",
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

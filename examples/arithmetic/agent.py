@@ -1,0 +1,89 @@
+"""A white-box tool-call agent for `nextstate rollout --agent`: arithmetic with a calculator tool.
+
+The runner calls ``solve(task, client)`` once per rollout, with ``client`` an
+``openai.AsyncOpenAI`` already pointed at the rollout's session (``<gateway>/s/<session>/v1``),
+so every call below is captured into that session. The first turn must call the calculator
+(``tool_choice="required"``: vLLM constrains the reply to a valid call); later turns may call it
+again or answer. The result is what ``verify`` (verify.py) scores.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+from typing import Any
+
+SYSTEM = ("You solve arithmetic questions. Call the calculator tool with the expression, then reply "
+          "with only the final number.")
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / ** and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "for example (3 + 4) * 5"}},
+            "required": ["expression"],
+        },
+    },
+}
+MAX_TURNS = 3
+MAX_TOKENS = 48
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate + - * / ** over numbers (no names, no calls); an error message otherwise."""
+
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported: {ast.dump(node)[:60]}")
+
+    try:
+        value = ev(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, TypeError, OverflowError) as exc:
+        return f"error: {exc}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def last_number(text: str | None) -> float | None:
+    found = re.findall(r"-?\d+(?:\.\d+)?", text or "")
+    return float(found[-1]) if found else None
+
+
+async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                      {"role": "user", "content": task["question"]}]
+    tool_results: list[str] = []
+    for turn in range(MAX_TURNS):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=[CALCULATOR],
+            tool_choice="required" if turn == 0 else "auto", max_tokens=MAX_TOKENS)
+        message = reply.choices[0].message
+        messages.append(message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
+        if not message.tool_calls:
+            return {"answer": last_number(message.content), "text": message.content, "turns": turn + 1,
+                    "tool_results": tool_results}
+        for call in message.tool_calls:
+            try:
+                expression = str(json.loads(call.function.arguments).get("expression", ""))
+            except (json.JSONDecodeError, AttributeError):
+                expression = call.function.arguments
+            result = calculator(expression) if call.function.name == "calculator" else "error: unknown tool"
+            tool_results.append(result)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    # out of turns: the last tool result is the agent's best answer
+    return {"answer": last_number(tool_results[-1]) if tool_results else None, "text": None,
+            "turns": MAX_TURNS, "tool_results": tool_results}
