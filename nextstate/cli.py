@@ -413,14 +413,16 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
 @click.option("--score-wait", type=float, default=600.0, show_default=True,
               help="--then-train: seconds to wait for the judges to score the new turns first.")
 @click.option("--publish/--no-publish", default=True, show_default=True, help="--then-train: publish the version.")
+@click.option("--model-dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="--then-train: the base model (default: the converted SmolLM2 in the cache dir).")
 @click.option("--database-url", metavar="DSN", help="--then-train: the pool. [env NEXTSTATE_DATABASE_URL]")
 @click.option("--log-level", default="warning", show_default=True)
 @click.pass_context
 def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, timeout_s: float, agent_fn: str | None,
             agent_cmd: str | None, verifier_fn: str | None, gateway_url: str | None, model: str, evaluate: bool,
             pass_threshold: float, run_name: str | None, workdir: Path | None, retries: int, then_train: bool,
-            objective: str, train_steps: int | None, score_wait: float, publish: bool, database_url: str | None,
-            log_level: str) -> None:
+            objective: str, train_steps: int | None, score_wait: float, publish: bool, model_dir: Path | None,
+            database_url: str | None, log_level: str) -> None:
     """Run an agent over a task dataset through the gateway: N sessions per task, each tagged
     with its task and group, the verifier's outcome posted to each.
 
@@ -435,7 +437,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     \b
     Examples:
       nextstate rollout --tasks examples/arithmetic/tasks.jsonl --n 4 \\
-          --agent examples/arithmetic/agent.py:solve --verifier examples/arithmetic/agent.py:verify
+          --agent examples/arithmetic/agent.py:solve --verifier examples/arithmetic/verify.py:verify
       nextstate rollout --tasks examples/terminal/tasks.jsonl --n 2 --timeout 120 \\
           --agent-cmd 'python examples/terminal/agent.py {task_file}' \\
           --verifier examples/terminal/verify.py:verify
@@ -469,13 +471,15 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
         from tqdm import tqdm
 
         bar = tqdm(total=len(tasks) * n, unit="rollout", desc=f"{mode} {run}", dynamic_ncols=True)
-        seen = ro.RunSummary(run, mode, pass_threshold=pass_threshold)
+        seen: dict[str, int] = {"done": 0, "passed": 0, "timed_out": 0, "failed": 0}
 
         def on_done(record: ro.RolloutRecord) -> None:
-            seen.records.append(record)
-            r = seen.report()
-            bar.set_postfix(pass_=f"{r['passed']}/{r['rollouts']} ({r['success_rate']:.0%})",
-                            timeout=r["timed_out"], failed=r["failed"])
+            seen["done"] += 1
+            seen["passed"] += record.passed(pass_threshold)
+            if record.status != "ok":
+                seen[record.status] += 1
+            bar.set_postfix(passed=f"{seen['passed']}/{seen['done']} ({seen['passed'] / seen['done']:.0%})",
+                            timed_out=seen["timed_out"], failed=seen["failed"])
             bar.update(1)
 
         runner = ro.Runner(cfg, agent, verifier, verifier_fn, on_done=on_done)
@@ -506,7 +510,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     starts = [datetime.fromisoformat(r.created_at) for r in summary.records if r.created_at]
     since = min(starts).astimezone(timezone.utc).replace(tzinfo=None) if starts else None
     ctx.invoke(train, objective=objective, steps=train_steps, since=since, modes=("offline",), publish=publish,
-               database_url=database_url, log_level=log_level)
+               model_dir=model_dir, database_url=database_url, log_level=log_level)
 
 
 def _register_optional() -> None:

@@ -363,3 +363,47 @@ def test_black_box_terminal_example_is_stitched_without_a_session_header(
         assert s["outcome"] == expected == record.outcome
         stdout = (workdir.parent / "stdout.txt").read_text()
         assert json.loads(stdout.strip().splitlines()[-1])["model_calls"] == len(turns)
+
+
+def test_then_train_trains_on_the_run_s_sessions(vllm_server: RunningVLLM, teacher_server: RunningVLLM,
+                                                 pg_url: str, redis_url: str, tmp_path: Path) -> None:
+    """--then-train waits for the judges, then trains (one step here) on this run's offline turns only."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.db import make_engine
+    from datapool.models import Turn, TrainingLease, TrainingRun
+    from nextstate.modelserver import ensure_model, ensure_vllm_env
+    from nextstate.settings import Settings
+    from tests.processes import WorkerProcess
+    from tests.redis_server import unique_queue
+
+    cache = Settings().cache_dir
+    model_dir = ensure_model(cache, ensure_vllm_env(cache))
+    common = {"NEXTSTATE_BROKER_URL": redis_url, "NEXTSTATE_QUEUE": unique_queue()}
+    worker_env = common | {"NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
+                           "NEXTSTATE_JUDGE_VOTES": "1", "NEXTSTATE_TEACHER_URL": teacher_server.base_url}
+    tasks = _tasks(tmp_path / "tasks.jsonl", WORDS[:2])
+    with GatewayProcess(tmp_path / "gw", database_url=pg_url, upstream_url=vllm_server.base_url, env=common) as gw, \
+            WorkerProcess(tmp_path / "worker", database_url=pg_url, broker_url=redis_url, env=worker_env):
+        # an earlier, online session that the run must not train on
+        httpx.post(f"{gw.url}/v1/chat/completions", timeout=120, headers={"X-Session-Id": "online-1"}, json={
+            "model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        wait_for(lambda: _session(gw, "online-1"))
+        assert httpx.post(f"{gw.url}/api/sessions/online-1/end", timeout=10).status_code == 200
+        proc = _rollout_cli(gw, tasks, "--n", "2", "--agent", "tests.rollout_agents:one_call",
+                            "--verifier", "tests.rollout_agents:said_the_word", "--workdir", str(tmp_path / "work"),
+                            "--then-train", "--objective", "rl", "--train-steps", "1", "--no-publish",
+                            "--score-wait", "240", "--model-dir", str(model_dir), "--database-url", pg_url,
+                            env={"NEXTSTATE_DATA_DIR": str(tmp_path / "data")})
+        out, err = proc.communicate(timeout=580)
+    assert proc.returncode == 0, err
+    assert "scored 4/4 turns of the run" in out and "1 steps over" in out, out
+    engine = make_engine(pg_url)
+    with OrmSession(engine) as db:
+        (run,) = db.scalars(select(TrainingRun)).all()
+        trained = set(db.scalars(select(Turn.session_id).join(TrainingLease, TrainingLease.turn_id == Turn.id)))
+    engine.dispose()
+    assert run.status == "done" and "offline" in run.config["filters"]["modes"]
+    assert trained and trained <= {f"{r}:{t['id']}:{i}" for r in [json.loads(
+        (tmp_path / "work" / "report.json").read_text())["run"]] for t in WORDS[:2] for i in range(2)}

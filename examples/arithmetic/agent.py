@@ -3,8 +3,8 @@
 The runner calls ``solve(task, client)`` once per rollout, with ``client`` an
 ``openai.AsyncOpenAI`` already pointed at the rollout's session (``<gateway>/s/<session>/v1``),
 so every call below is captured into that session. The first turn must call the calculator
-(``tool_choice="required"``: vLLM constrains the reply to a valid call); later turns may call it
-again or answer. The result is what ``verify`` (verify.py) scores.
+(a named ``tool_choice``: vLLM returns it as a parsed tool call); later turns may call it again
+or answer. The result is what ``verify`` (verify.py) scores.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ CALCULATOR = {
         },
     },
 }
+FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
 MAX_TURNS = 3
 MAX_TOKENS = 48
 
@@ -70,7 +71,7 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
     for turn in range(MAX_TURNS):
         reply = await client.chat.completions.create(
             model="policy", messages=messages, tools=[CALCULATOR],
-            tool_choice="required" if turn == 0 else "auto", max_tokens=MAX_TOKENS)
+            tool_choice=FORCE_CALCULATOR if turn == 0 else "auto", max_tokens=MAX_TOKENS)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
         if not message.tool_calls:
@@ -78,9 +79,10 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
                     "tool_results": tool_results}
         for call in message.tool_calls:
             try:
-                expression = str(json.loads(call.function.arguments).get("expression", ""))
-            except (json.JSONDecodeError, AttributeError):
-                expression = call.function.arguments
+                args = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                args = call.function.arguments
+            expression = str(args.get("expression", "")) if isinstance(args, dict) else str(args)
             result = calculator(expression) if call.function.name == "calculator" else "error: unknown tool"
             tool_results.append(result)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})

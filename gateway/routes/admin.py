@@ -162,7 +162,7 @@ async def put_session(request: Request, session_id: str) -> JSONResponse:
             created = db.execute(dialect_insert(db)(Session.__table__).values(
                 id=session_id, source="path", mode=tags.mode, task_id=tags.task_id, group_id=tags.group_id,
                 created_at=now, updated_at=now, metadata=tags.metadata,
-            ).on_conflict_do_nothing()).rowcount == 1
+            ).on_conflict_do_nothing().returning(Session.__table__.c.id)).first() is not None
             session = db.get(Session, session_id)
             assert session is not None
             have = (session.mode, session.task_id, session.group_id)
