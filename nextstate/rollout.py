@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import re
 import shlex
@@ -476,8 +477,10 @@ class Runner:
                 if inspect.isawaitable(value):
                     value = await value
                 outcome = float(value)
+                if not math.isfinite(outcome):
+                    raise ValueError(f"outcome must be a finite number, got {value!r}")
             except Exception as exc:  # a verifier bug must not stop the other rollouts
-                verifier_error = f"{type(exc).__name__}: {exc}"
+                outcome, verifier_error = None, f"{type(exc).__name__}: {exc}"
             if outcome is not None:
                 await self.api.post_outcome(sid, outcome, f"verifier:{self.verifier_name}")
         versions = [t.get("policy_version") for t in turns if t.get("turn_type") == "main" and t.get("policy_version")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
+GATEWAY_START_S = 180.0  # a loaded 2-core machine takes a while to import LiteLLM
 WORDS = [{"id": "apple", "word": "apple"}, {"id": "river", "word": "river"}, {"id": "green", "word": "green"}]
 
 
@@ -60,8 +63,18 @@ def _run(cfg: ro.RolloutConfig, agent: Any, tasks: list[dict[str, Any]], verifie
 
 @pytest.fixture
 def gateway(vllm_server: RunningVLLM, pg_url: str, tmp_path: Path) -> Any:
-    with GatewayProcess(tmp_path / "gw", database_url=pg_url, upstream_url=vllm_server.base_url) as gw:
+    with _started(GatewayProcess(tmp_path / "gw", database_url=pg_url, upstream_url=vllm_server.base_url)) as gw:
         yield gw
+
+
+@contextlib.contextmanager
+def _started(proc: Any) -> Iterator[Any]:
+    """Start a gateway or worker process with a generous timeout, stop it afterwards."""
+    proc.start(timeout=GATEWAY_START_S)
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 # -- inputs, without a gateway ---------------------------------------------------------------------------
@@ -123,7 +136,7 @@ def test_unreachable_gateway_is_an_infrastructure_error(tmp_path: Path) -> None:
 
 
 def test_session_admin_api(vllm_server: RunningVLLM, database_url: str, tmp_path: Path) -> None:
-    with GatewayProcess(tmp_path, database_url=database_url, upstream_url=vllm_server.base_url) as gw:
+    with _started(GatewayProcess(tmp_path, database_url=database_url, upstream_url=vllm_server.base_url)) as gw:
         tags = {"mode": "eval", "task_id": "t1", "group_id": "t1", "metadata": {"rollout": {"index": 0}}}
         created = httpx.put(f"{gw.url}/api/sessions/r:t1:0", json=tags, timeout=10)
         assert created.status_code == 201, created.text
@@ -162,8 +175,9 @@ def test_session_admin_api(vllm_server: RunningVLLM, database_url: str, tmp_path
 
 def test_white_box_tool_agent_n_sessions_per_task(gateway: GatewayProcess, tmp_path: Path) -> None:
     """The arithmetic example: n sessions per task, tagged, tool calls stitched, outcomes posted."""
-    tasks = ro.load_tasks(REPO / "examples/arithmetic/tasks.jsonl")[:2]
-    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="arith", n=2, concurrency=2, timeout_s=120,
+    short = {"max_turns": 2, "max_tokens": 32}  # the example's episodes, shortened: the CPU is slow
+    tasks = [t | short for t in ro.load_tasks(REPO / "examples/arithmetic/tasks.jsonl")[:2]]
+    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="arith", n=2, concurrency=2, timeout_s=400,
                            workdir=tmp_path / "work")
     agent = ro.PythonAgent(str(REPO / "examples/arithmetic/agent.py") + ":solve", api_key=None)
     verify = ro.load_callable(str(REPO / "examples/arithmetic/verify.py") + ":verify")
@@ -214,12 +228,13 @@ def test_hanging_agents_are_killed_at_their_timeout(gateway: GatewayProcess, tmp
         "time.sleep(600)\n"
     )
     (tmp_path / "hang.py").write_text(script)
-    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="hang", timeout_s=20, workdir=tmp_path / "work")
+    # long enough for the one model call on a loaded CPU; the agent then sleeps far longer
+    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="hang", timeout_s=60, workdir=tmp_path / "work")
     started = time.monotonic()
     summary = _run(cfg, ro.CommandAgent(f"{shlex.quote(sys.executable)} {tmp_path / 'hang.py'}", api_key=None,
                                         model="policy"), WORDS[:1], ro.load_callable("tests.rollout_agents:said_the_word"))
     elapsed = time.monotonic() - started
-    assert elapsed < 20 + ro.KILL_GRACE_S + 15, elapsed
+    assert 60 <= elapsed < 60 + ro.KILL_GRACE_S + 30, elapsed
     (record,) = summary.records
     assert record.status == "timed_out" and record.outcome is None
     for pid in map(int, pids.read_text().split()):  # the agent and the child it started
@@ -338,8 +353,8 @@ def test_black_box_terminal_example_is_stitched_without_a_session_header(
         gateway: GatewayProcess, tmp_path: Path) -> None:
     """The terminal example agent sends plain HTTP to OPENAI_BASE_URL and no header: its turns
     land in the pre-created session by the base_url path, chained turn to turn."""
-    tasks = ro.load_tasks(REPO / "examples/terminal/tasks.jsonl")[:2]
-    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="term", timeout_s=180, workdir=tmp_path / "work")
+    tasks = [t | {"max_steps": 3, "max_tokens": 32} for t in ro.load_tasks(REPO / "examples/terminal/tasks.jsonl")[:2]]
+    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="term", timeout_s=400, workdir=tmp_path / "work")
     agent = ro.CommandAgent(f"{shlex.quote(sys.executable)} {REPO / 'examples/terminal/agent.py'} {{task_file}}",
                             api_key=None, model="policy")
     verify = ro.load_callable(str(REPO / "examples/terminal/verify.py") + ":verify")
@@ -384,8 +399,9 @@ def test_then_train_trains_on_the_run_s_sessions(vllm_server: RunningVLLM, teach
     worker_env = common | {"NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
                            "NEXTSTATE_JUDGE_VOTES": "1", "NEXTSTATE_TEACHER_URL": teacher_server.base_url}
     tasks = _tasks(tmp_path / "tasks.jsonl", WORDS[:2])
-    with GatewayProcess(tmp_path / "gw", database_url=pg_url, upstream_url=vllm_server.base_url, env=common) as gw, \
-            WorkerProcess(tmp_path / "worker", database_url=pg_url, broker_url=redis_url, env=worker_env):
+    with _started(GatewayProcess(tmp_path / "gw", database_url=pg_url, upstream_url=vllm_server.base_url,
+                                 env=common)) as gw, \
+            _started(WorkerProcess(tmp_path / "worker", database_url=pg_url, broker_url=redis_url, env=worker_env)):
         # an earlier, online session that the run must not train on
         httpx.post(f"{gw.url}/v1/chat/completions", timeout=120, headers={"X-Session-Id": "online-1"}, json={
             "model": "policy", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})

@@ -68,10 +68,12 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": task["question"]}]
     tool_results: list[str] = []
-    for turn in range(MAX_TURNS):
+    max_turns = int(task.get("max_turns", MAX_TURNS))  # a task may ask for a shorter episode
+    for turn in range(max_turns):
         reply = await client.chat.completions.create(
             model="policy", messages=messages, tools=[CALCULATOR],
-            tool_choice=FORCE_CALCULATOR if turn == 0 else "auto", max_tokens=MAX_TOKENS)
+            tool_choice=FORCE_CALCULATOR if turn == 0 else "auto",
+            max_tokens=int(task.get("max_tokens", MAX_TOKENS)))
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
         if not message.tool_calls:
@@ -88,4 +90,4 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     # out of turns: the last tool result is the agent's best answer
     return {"answer": last_number(tool_results[-1]) if tool_results else None, "text": None,
-            "turns": MAX_TURNS, "tool_results": tool_results}
+            "turns": max_turns, "tool_results": tool_results}

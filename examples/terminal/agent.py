@@ -31,10 +31,10 @@ SYSTEM = ("You are operating a Linux shell in an empty directory. Reply with exa
           "(for example: echo hi > a.txt) and nothing else. When the task is complete, reply DONE.")
 
 
-def chat(messages: list[dict[str, str]]) -> str:
+def chat(messages: list[dict[str, str]], max_tokens: int) -> str:
     base = os.environ["OPENAI_BASE_URL"].rstrip("/")
     body = json.dumps({"model": os.environ.get("OPENAI_MODEL", "policy"), "messages": messages,
-                       "max_tokens": MAX_TOKENS}).encode()
+                       "max_tokens": max_tokens}).encode()
     request = urllib.request.Request(f"{base}/chat/completions", data=body, method="POST", headers={
         "Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'unused')}"})
     with urllib.request.urlopen(request, timeout=120) as resp:
@@ -77,10 +77,12 @@ def main() -> int:
         task = json.load(f)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["instruction"]}]
     ran = calls = 0
-    for _ in range(MAX_STEPS):
+    # a task may ask for a shorter episode
+    max_steps, max_tokens = int(task.get("max_steps", MAX_STEPS)), int(task.get("max_tokens", MAX_TOKENS))
+    for _ in range(max_steps):
         try:
             calls += 1
-            reply = chat(messages)
+            reply = chat(messages, max_tokens)
         except urllib.error.URLError as exc:
             print(f"model unreachable: {exc}", file=sys.stderr)
             return 2
