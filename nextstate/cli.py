@@ -439,7 +439,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
       nextstate rollout --tasks examples/arithmetic/tasks.jsonl --n 4 \\
           --agent examples/arithmetic/agent.py:solve --verifier examples/arithmetic/verify.py:verify
       nextstate rollout --tasks examples/terminal/tasks.jsonl --n 2 --timeout 120 \\
-          --agent-cmd 'python examples/terminal/agent.py {task_file}' \\
+          --agent-cmd "python $PWD/examples/terminal/agent.py {task_file}" \\
           --verifier examples/terminal/verify.py:verify
     """
     import asyncio

@@ -181,6 +181,7 @@ def test_white_box_tool_agent_n_sessions_per_task(gateway: GatewayProcess, tmp_p
                            workdir=tmp_path / "work")
     agent = ro.PythonAgent(str(REPO / "examples/arithmetic/agent.py") + ":solve", api_key=None)
     verify = ro.load_callable(str(REPO / "examples/arithmetic/verify.py") + ":verify")
+    agent_module = sys.modules[agent.fn.__module__]
     summary = _run(cfg, agent, tasks, verify, "arith-verify")
 
     assert [(r.task_id, r.index) for r in summary.records] == [(t["id"], i) for t in tasks for i in range(2)]
@@ -196,19 +197,22 @@ def test_white_box_tool_agent_n_sessions_per_task(gateway: GatewayProcess, tmp_p
         assert s["outcome_source"] == "verifier:arith-verify"
         turns = s["turns"]
         assert turns and all(t["session_id"] == record.session_id for t in turns)
-        # the first turn must call the calculator; the tool result is its next state
+        # every call asked for the calculator, the first one by name; each turn continues the one
+        # before it, and its next state is exactly what the agent appended (tool result or text)
         first = turns[0]
-        assert first["response"]["tool_calls"][0]["function"]["name"] == "calculator"
+        assert first["request"]["params"]["tool_choice"] == {"type": "function", "function": {"name": "calculator"}}
+        assert all(t["request"]["tools"][0]["function"]["name"] == "calculator" for t in turns)
         assert first["capture"] == "white-box" and first["token_ids"]
         assert record.policy_version == first["policy_version"] == "smollm2"
-        if len(turns) > 1:
-            assert turns[1]["parent_turn_id"] == first["id"]
-            assert first["next_state"]["messages"][0]["role"] == "tool"
+        for parent, child in zip(turns, turns[1:]):
+            assert child["parent_turn_id"] == parent["id"]
+            appended = child["request"]["messages"][len(parent["request"]["messages"]) + 1:]
+            assert parent["next_state"]["messages"] == appended
+            assert appended[0]["role"] == ("tool" if parent["response"]["tool_calls"] else "user")
         # the verifier's verdict, recomputed from what the agent stored
         last = turns[-1]["response"]
-        answer = ro.load_callable(str(REPO / "examples/arithmetic/agent.py") + ":last_number")(
-            last["content"]) if not last["tool_calls"] else None
-        if answer is not None:
+        if not last["tool_calls"] and "<tool_call>" not in (last["content"] or ""):
+            answer = agent_module.last_number(last["content"])
             expected = next(t["answer"] for t in tasks if t["id"] == record.task_id)
             assert s["outcome"] == (1.0 if answer == expected else 0.0)
     assert summary.report()["rollouts"] == 4
