@@ -42,14 +42,20 @@ def chat(messages: list[dict[str, str]], max_tokens: int) -> str:
 
 
 def command_of(reply: str) -> str | None:
-    """The command in a reply: a fenced block's first line, else the first non-empty line."""
+    """The command in a reply: a fenced block's first line, else the first line (or `inline`
+    span) that starts with an allowed program, else the first non-empty line; None for DONE."""
     fenced = re.search(r"```(?:\w+)?\n(.*?)```", reply, re.S)
     text = fenced.group(1) if fenced else reply
-    for line in text.splitlines():
-        line = line.strip().lstrip("$ ").strip("`").strip()
-        if line:
-            return None if line.upper().startswith("DONE") else line
-    return None
+    lines = [line.strip().lstrip("$ ").strip("`").strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    if not lines or lines[0].upper().startswith("DONE"):
+        return None
+    if not fenced:  # small models wrap the command in prose
+        candidates = lines + [span.strip() for span in re.findall(r"`([^`\n]+)`", reply)]
+        for line in candidates:
+            if line.split(" ", 1)[0] in ALLOWED:
+                return line
+    return lines[0]
 
 
 def refusal(command: str) -> str | None:
