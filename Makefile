@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install '$(TORCH)' 2>&1 | grep -v "^WARNING: Location" || true
-	$(PIP) install -e '.[test,train]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(PIP) install -e '.[test,train,rollout]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl"
 	touch $(VENV)/.installed $@
 

@@ -161,10 +161,21 @@ class CaptureWriter:
         self.last_db_error: str | None = None
         self._last_failure = 0.0
         self._task: asyncio.Task[None] | None = None
+        # records handed over, and records written (or spooled): what `flushed` waits on
+        self.submitted = 0
+        self.processed = 0
 
     def submit(self, record: TurnRecord) -> None:
         """Hand a record over. Never blocks and never raises."""
+        self.submitted += 1
         self.queue.put_nowait(record)
+
+    async def flushed(self) -> None:
+        """Return once every record submitted before the call is in the pool (or, while the
+        database is away, in the spool). A rollout runner calls it before reading a session."""
+        target = self.submitted
+        while self.processed < target:
+            await asyncio.sleep(max(self.flush_interval_s / 2, 0.005))
 
     @property
     def depth(self) -> int:
@@ -191,6 +202,7 @@ class CaptureWriter:
             except Exception:  # the writer must outlive any one bad batch
                 log.exception("capture writer failed on a batch of %d; spooling it", len(batch))
                 await asyncio.to_thread(self.spool.append, batch)
+            self.processed += len(batch)
 
     async def _collect(self) -> tuple[list[TurnRecord], bool]:
         """The next batch: waits for a first record (or, with a spool to replay, a retry tick),

@@ -142,3 +142,24 @@ class OutcomeRequest(BaseModel):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("outcome must be a number")
         return value
+
+
+class SessionTags(BaseModel):
+    """What a rollout runner declares about a session before its agent runs (`PUT /api/sessions/{id}`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["online", "offline", "eval"] = "offline"
+    task_id: str | None = Field(default=None, min_length=1, max_length=256)
+    group_id: str | None = Field(default=None, min_length=1, max_length=256)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class SessionUpdate(BaseModel):
+    """`PATCH /api/sessions/{id}`: why it ended, metadata to merge, and whether it has ended."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    end_reason: Literal["timed_out", "failed", "cancelled"] | None = None
+    metadata: dict[str, Any] | None = None
+    end: bool = False

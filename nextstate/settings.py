@@ -150,6 +150,13 @@ class Settings(BaseSettings):
         "are unauthenticated: the servers stay on 127.0.0.1.",
     )
 
+    # rollout runner (`nextstate rollout`)
+    gateway_url: str | None = Field(
+        default=None,
+        description="Gateway a rollout runner drives agents through (http://host:port). "
+        "Default: http://<host>:<port> of these settings.",
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

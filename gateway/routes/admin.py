@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries
-from datapool.models import Session
+from datapool.db import dialect_insert
+from datapool.models import Session, Turn
 from datapool.scoring import apply_outcome, end_session, mark_pending
 from gateway.app import gateway_of
 from gateway.errors import OpenAIError
-from gateway.protocol import OutcomeRequest, parse_body, read_body
+from gateway.protocol import OutcomeRequest, SessionTags, SessionUpdate, parse_body, read_body
 
 
 def require_admin(request: Request) -> None:
@@ -131,3 +134,81 @@ async def list_judgements(
 ) -> dict[str, Any]:
     """Scoring state of turns, newest change first; `status=dead` lists the dead-lettered ones."""
     return {"data": await _read(request, queries.list_judgements, status=status, limit=limit)}
+
+
+def _summary(db: OrmSession, session: Session) -> dict[str, Any]:
+    count = db.scalar(select(func.count()).select_from(Turn).where(Turn.session_id == session.id)) or 0
+    return queries.session_summary(session, count)
+
+
+@router.put("/sessions/{session_id}")
+async def put_session(request: Request, session_id: str) -> JSONResponse:
+    """Create a session before its agent runs, tagged with its mode, task and group (a rollout
+    runner does this, so a black-box agent that only knows its `/s/{id}/v1` base_url needs to
+    send no header). Idempotent: an existing session with the same tags is returned as it is
+    (200, with its turn count, end and outcome, so a resumed run can skip it); different tags
+    are a 409. Created: 201."""
+    from gateway.routes.openai import SESSION_ID
+
+    if not SESSION_ID.match(session_id):
+        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
+                          param="session_id")
+    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
+    tags = SessionTags.model_validate(parse_body(raw, SessionTags, invalid_status=422))
+
+    def run(db: OrmSession) -> tuple[bool, dict[str, Any] | str]:
+        with db.begin():
+            now = datetime.now(timezone.utc)
+            created = db.execute(dialect_insert(db)(Session.__table__).values(
+                id=session_id, source="path", mode=tags.mode, task_id=tags.task_id, group_id=tags.group_id,
+                created_at=now, updated_at=now, metadata=tags.metadata,
+            ).on_conflict_do_nothing().returning(Session.__table__.c.id)).first() is not None
+            session = db.get(Session, session_id)
+            assert session is not None
+            have = (session.mode, session.task_id, session.group_id)
+            if have != (tags.mode, tags.task_id, tags.group_id):
+                return False, (f"session {session_id!r} exists with mode={have[0]}, task_id={have[1]}, "
+                               f"group_id={have[2]}")
+            return created, _summary(db, session)
+
+    created, found = await _read(request, run)
+    if isinstance(found, str):
+        raise OpenAIError(409, found, code="session_conflict", param="session_id")
+    return JSONResponse(found, status_code=201 if created else 200)
+
+
+@router.patch("/sessions/{session_id}")
+async def patch_session(request: Request, session_id: str) -> dict[str, Any]:
+    """Record why a session ended (`end_reason`: timed_out, failed, cancelled), merge
+    `metadata` into its own, and with `end: true` (implied by an end_reason) end it, so its
+    last turn is scored."""
+    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
+    body = SessionUpdate.model_validate(parse_body(raw, SessionUpdate, invalid_status=422))
+
+    def change(db: OrmSession) -> list[str]:
+        session = db.get(Session, session_id)
+        assert session is not None
+        if body.metadata:
+            session.meta = {**(session.meta or {}), **body.metadata}
+        if body.end_reason is not None:
+            session.end_reason = body.end_reason
+        if body.end or body.end_reason is not None:
+            return end_session(db, session_id)
+        return []
+
+    queued = await _session_signal(request, session_id, change)
+    return {"session_id": session_id, "end_reason": body.end_reason,
+            "ended": body.end or body.end_reason is not None, "queued": queued}
+
+
+@router.post("/capture/flush")
+async def post_capture_flush(request: Request, timeout_s: float = Query(30.0, gt=0, le=600)) -> dict[str, Any]:
+    """Wait until every turn this gateway process has captured so far is stored (in the pool, or
+    in the spool while the pool is down), so a following read sees them. 504 after timeout_s."""
+    gw = gateway_of(request)
+    try:
+        await asyncio.wait_for(gw.writer.flushed(), timeout_s)
+    except TimeoutError as exc:
+        raise OpenAIError(504, f"capture not flushed within {timeout_s}s "
+                               f"({gw.writer.depth} turns queued)", code="flush_timeout") from exc
+    return {"flushed": True, "spooled": gw.writer.spool.records + len(gw.writer.spool.memory)}

@@ -1,0 +1,54 @@
+"""Agents and verifiers the rollout tests drive (`--agent tests.rollout_agents:...`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+
+async def one_call(task: dict[str, Any], client: openai.AsyncOpenAI) -> dict[str, Any]:
+    """One short model call; optionally sleeps after it (NEXTSTATE_TEST_AGENT_SLEEP_S), so a test
+    can interrupt a run while rollouts are in flight."""
+    reply = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": f"Say the word {task['word']}."}], max_tokens=8)
+    await asyncio.sleep(float(os.environ.get("NEXTSTATE_TEST_AGENT_SLEEP_S", "0")))
+    return {"text": reply.choices[0].message.content or ""}
+
+
+async def hang(task: dict[str, Any], client: openai.AsyncOpenAI) -> None:
+    """Calls the model once, then never returns."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4)
+    await asyncio.Event().wait()
+
+
+async def crash(task: dict[str, Any], client: openai.AsyncOpenAI) -> None:
+    """The agent's own bug: never retried."""
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}],
+                                         max_tokens=4)
+    raise ValueError("agent bug (test)")
+
+
+async def flaky_infra(task: dict[str, Any], client: openai.AsyncOpenAI) -> dict[str, Any]:
+    """The first attempt of each task meets an unreachable server; later attempts work."""
+    marker = Path(os.environ["NEXTSTATE_TEST_MARKER_DIR"]) / f"{task['id']}.failed-once"
+    if not marker.exists():
+        marker.touch()
+        raise openai.APIConnectionError(request=httpx.Request("POST", "http://127.0.0.1:9/v1/chat/completions"))
+    return await one_call(task, client)
+
+
+def said_the_word(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
+    """1.0 when the reply contains the task's word; also checks the session the runner passes."""
+    assert session["id"].split(":")[1] == task["id"] and session["turns"], session
+    return 1.0 if task["word"].lower() in (result["text"] or "").lower() else 0.0
+
+
+def reply_length(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
+    """A non-binary outcome that the test can recompute from the stored turns."""
+    return float(len(session["turns"][-1]["response"]["content"] or "") % 7)
