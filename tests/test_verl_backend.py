@@ -40,7 +40,8 @@ from trainer.verl_backend import (
     samples_to_batch,
 )
 
-QUESTIONS = ["Name a fruit.", "Name a color.", "Name an animal.", "Name a city.", "Name a planet.", "Name a tree."]
+QUESTIONS = ["Name a fruit.", "Name a color that you like.", "Name an animal that lives in the sea.",
+             "Name a city.", "Name a planet of the solar system, please.", "Name a tree."]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,9 @@ def pool(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> 
     d = tmp_path_factory.mktemp("verlpool")
     url = f"sqlite:///{d / 'pool.db'}"
     ids = []
-    with GatewayProcess(d, database_url=url, upstream_url=vllm_server.base_url) as gw:
+    gw = GatewayProcess(d, database_url=url, upstream_url=vllm_server.base_url)
+    gw.start(timeout=240)  # generous: a shared 2-core machine can take minutes to import the gateway
+    try:
         for i, q in enumerate(QUESTIONS):
             r = httpx.post(f"{gw.base_url}/chat/completions", timeout=120, json={
                 "model": "smollm2", "max_tokens": 6 + 3 * i, "temperature": 0.7, "seed": i,
@@ -66,6 +69,8 @@ def pool(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> 
             assert r.status_code == 200, r.text
             ids.append(r.headers["x-turn-id"])
         wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+    finally:
+        gw.stop()
     engine = make_engine(url)
     with OrmSession(engine) as db, db.begin():
         turns = {t.id: t for t in db.scalars(select(Turn).where(Turn.id.in_(ids)))}
@@ -259,10 +264,12 @@ def test_checkpoint_engine_writes_an_adapter_vllm_serves(model_dir: Path, vllm_s
     engine = PoolCheckpointEngine(is_master=True, out_dir=str(tmp_path / "w"), model_dir=str(model_dir))
     follower = PoolCheckpointEngine(is_master=False, out_dir=str(tmp_path / "w"))
     assert follower.write(iter(state.items()), global_steps=3, peft_config=model.peft_config["default"]) == {}
-    written = engine.write(iter(state.items()), global_steps=3, peft_config=model.peft_config["default"])
+    # veRL's engine returns the LoraConfig as a dict (seen on the GPU run); both forms work
+    engine.write(iter(state.items()), global_steps=2, peft_config=model.peft_config["default"])
+    written = engine.write(iter(state.items()), global_steps=3, peft_config=model.peft_config["default"].to_dict())
     assert written["kind"] == "lora" and written["tensors"] == len(state)
     path = Path(written["path"])
-    assert path.name.startswith("step-000003-") and sorted(p.name for p in tmp_path.joinpath("w").iterdir()) == [path.name]
+    assert path.name.startswith("step-000003-") and len(list(tmp_path.joinpath("w").iterdir())) == 2
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), path)
     for key, value in get_peft_model_state_dict(loaded).items():
         assert torch.equal(value, state[key]), key

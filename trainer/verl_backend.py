@@ -29,6 +29,7 @@ extra's environment, vLLM from its own (docs/trainer-verl.md).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -190,6 +191,10 @@ class VerlConfig:
     optimizer_offload: bool = False
     strategy: str = "fsdp2"  # veRL's actor strategy: fsdp (FSDP1) or fsdp2
     clip_grad: float = 1.0  # veRL's gradient-norm clip (the local backend does not clip)
+    # None: flash_attention_2 with veRL's padding-free packing where flash-attn is installed,
+    # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
+    # to each other)
+    attn_implementation: str | None = None
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0
@@ -214,6 +219,8 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
         raise ValueError(f"batch size {batch_size} must be a multiple of the GPU count {world}")
     micro = max(1, min(cfg.micro_batch_size, batch_size // world))
     dtype = "bfloat16" if cfg.bf16 else "float32"
+    attn = cfg.attn_implementation or (
+        "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa")
     lora = {
         "actor_rollout_ref.model.lora_rank": cfg.lora_rank if cfg.lora else 0,
         "actor_rollout_ref.model.lora_alpha": cfg.lora_alpha,
@@ -222,7 +229,8 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
     values: dict[str, Any] = {
         "actor_rollout_ref.model.path": str(cfg.model_dir),
         "actor_rollout_ref.model.enable_gradient_checkpointing": cfg.gradient_checkpointing,
-        "actor_rollout_ref.model.use_remove_padding": True,
+        "actor_rollout_ref.model.use_remove_padding": attn.startswith("flash_attention"),
+        "actor_rollout_ref.model.override_config.attn_implementation": attn,
         **lora,
         "actor_rollout_ref.actor.strategy": cfg.strategy,
         "actor_rollout_ref.actor.optim.lr": cfg.lr,
@@ -344,12 +352,13 @@ class PoolCheckpointEngine(CheckpointEngine):
             kind = "lora"
             # PEFT's own layout: keys "base_model.model.<module>.lora_A.weight", no adapter name
             _write_safetensors(tmp / "adapter_model.safetensors", tensors)
-            peft_config.save_pretrained(str(tmp))
+            # veRL's FSDP engine hands the LoraConfig over as a plain dict
+            adapter_cfg = dict(peft_config) if isinstance(peft_config, dict) else peft_config.to_dict()
+            adapter_cfg.setdefault("peft_type", "LORA")
             if self.model_dir is not None:  # vLLM and PEFT read base_model_name_or_path
-                cfg_path = tmp / "adapter_config.json"
-                adapter_cfg = json.loads(cfg_path.read_text())
                 adapter_cfg["base_model_name_or_path"] = str(self.model_dir)
-                cfg_path.write_text(json.dumps(adapter_cfg, indent=2))
+            (tmp / "adapter_config.json").write_text(json.dumps(
+                adapter_cfg, indent=2, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
         else:
             kind = "full"
             _write_safetensors(tmp / "model.safetensors", tensors)
@@ -466,6 +475,9 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
     # -- one step: veRL's fit_step, the generation replaced by the leased batch -----------
 
     def _fit_get_batch(self, batch_dict: Any) -> DataProto:
+        # the temperature the actor divides logits by; 1.0: the behaviour logprobs vLLM returns
+        # are of the sampled distribution only when the turn was sampled at temperature 1
+        batch_dict.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
         return batch_dict
 
     def _fit_generate(self, batch: DataProto = None) -> DataProto:
@@ -516,8 +528,7 @@ def ray_init(address: str | None, *, num_cpus: int | None = None) -> None:
     env = dict(runtime_env.get("env_vars", {}))
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
-    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-                "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE"):
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "HF_HUB_OFFLINE"):
         if key in os.environ:
             env[key] = os.environ[key]
     runtime_env["env_vars"] = env
@@ -599,6 +610,7 @@ class VerlTrainer:
         both (batch, longest response), computed by the actor workers — no update."""
         world = self.cfg.n_gpus_per_node * self.cfg.nnodes
         batch = self._batch(samples, -(-len(samples) // world) * world)
+        batch.meta_info["temperature"] = self.trainer.config.actor_rollout_ref.rollout.temperature
         out, _ = self.trainer._compute_old_log_prob(batch)
         n = len(samples)
         return out.batch["old_log_probs"][:n], batch.batch["response_mask"][:n]

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> None:
         pos, neg = _direction(lp, mask, rewards)
         steps.append({"step": i, "seconds": seconds, "pg_loss": m["pg_loss"], "lp_pos": pos, "lp_neg": neg,
                       "clipfrac": m.get("pg_clipfrac", 0.0), "warmup": i < args.warmup,
-                      "mem_gb": m.get("perf/max_memory_allocated_gb")})
+                      "mem_gb": max((v for k, v in m.items() if "max_memory_allocated" in k), default=None)})
         print(f"# {args.backend} {args.mode} gpus={gpus} step {i}: {seconds:.3f}s loss {m['pg_loss']:+.5f} "
               f"lp+ {pos:.5f} lp- {neg:.5f}", flush=True)
     pos, neg = _direction(*logprobs(), rewards)
@@ -198,7 +198,7 @@ def run_all(args: argparse.Namespace) -> None:
                 continue
             plan = [("local", "full", 1)] + [("verl", "full", g) for g in args.gpus]
             if args.lora and model == args.models[0]:
-                plan += [("local", "lora", 1), ("verl", "lora", 1)]
+                plan += [("verl", "lora", 1)] + ([("local", "lora", 1)] if args.local_lora else [])
             for backend, mode, gpus in plan:
                 left = deadline - time.monotonic()
                 if left < 30:
@@ -211,7 +211,8 @@ def run_all(args: argparse.Namespace) -> None:
                         "--model-dir", str(mdir / "model"), "--samples", str(mdir / "samples.json"),
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(lr),
                         "--micro-batch-size", str(args.micro_batch_size), "--clip-grad", str(args.clip_grad),
-                        "--json", str(res)] + (["--push"] if backend == "verl" and gpus == max(args.gpus) else [])
+                        "--json", str(res)] + (["--push"] if backend == "verl" and (gpus == max(args.gpus) or mode == "lora")
+                                               else [])
                 if _sub(argv, run_env, min(args.run_timeout, left), log) == 0 and res.is_file():
                     results.append(json.loads(res.read_text()))
                     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr-lora", type=float, default=2e-4)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--clip-grad", type=float, default=1e9)
-    p.add_argument("--lora", action="store_true", help="also LoRA (local and veRL, 1 GPU) for the first model")
+    p.add_argument("--lora", action="store_true", help="also LoRA (veRL, 1 GPU, weights pushed) for the first model")
+    p.add_argument("--local-lora", action="store_true", help="with --lora: the local backend's LoRA run too")
     p.add_argument("--run-timeout", type=float, default=240)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
     job(p)
