@@ -304,3 +304,20 @@ def test_checkpoint_engine_writes_full_weights_transformers_loads(model_dir: Pat
     again = AutoModelForCausalLM.from_pretrained(written["path"], dtype=torch.bfloat16)
     assert torch.equal(again.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
     assert (Path(written["path"]) / "tokenizer.json").is_file()
+
+
+def test_cli_train_backend_verl_checks_its_arguments(model_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from nextstate.cli import main
+
+    runner = CliRunner()
+    help_text = runner.invoke(main, ["train", "--help"]).output
+    for option in ("--backend [local|verl]", "--gpus", "--nnodes", "--ray-address", "--push-every", "--verl-override"):
+        assert option in help_text
+    base = ["train", "--objective", "rl", "--backend", "verl", "--model-dir", str(model_dir),
+            "--database-url", f"sqlite:///{tmp_path / 'pool.db'}"]
+    odd = runner.invoke(main, [*base, "--gpus", "2", "--batch-size", "3"])
+    assert odd.exit_code == 2 and "multiple of the GPU count 2" in odd.output
+    full = runner.invoke(main, [*base, "--full"])
+    assert full.exit_code == 2 and "publishing full weights is not supported" in full.output

@@ -415,6 +415,7 @@ class PoolCheckpointManager:
         written = next((r for r in results if isinstance(r, dict) and r.get("path")), None)
         if written is None:
             raise RuntimeError("no actor rank wrote the weights")
+        written["step"] = global_steps
         self.written.append(written)
         metrics = {"weights/write_s": written["seconds"], "weights/bytes": float(written["bytes"])}
         if self.publish is not None and publish:
@@ -620,7 +621,6 @@ class VerlTrainer:
         hot-load them into vLLM. Returns what was written (``path``, ``kind``, ``version`` ...)."""
         manager = self.trainer.checkpoint_manager
         metrics = manager.update_weights(self.trainer.global_steps, publish=publish)
-        manager.written[-1]["step"] = self.step_count
         return manager.written[-1] | metrics
 
     def save(self, out_dir: Path) -> Path:
