@@ -292,6 +292,8 @@ def _train_verl(settings: Settings, engine: Any, cfg: Any, filters: Any, *, mode
 
     if publish and full:
         raise click.UsageError("publishing full weights is not supported yet; use LoRA or --no-publish")
+    if cfg.kl_coef > 0:
+        raise click.UsageError("--kl-coef is not supported on the veRL backend yet (it needs veRL's reference worker)")
     if batch_size % (gpus * nnodes):
         raise click.UsageError(f"--batch-size {batch_size} must be a multiple of the GPU count {gpus * nnodes}")
     base_model = settings.upstream_model or settings.vllm_served_name
