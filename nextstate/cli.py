@@ -175,11 +175,30 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
               help="vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher replica.")
 @click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--backend", type=click.Choice(["local", "verl"]), default="local", show_default=True,
+              help="local: torch + peft on the CPU or one GPU. verl: veRL's Ray trainer, FSDP over --gpus GPUs "
+                   "on each of --nnodes nodes (docs/trainer-verl.md).")
+@click.option("--gpus", type=int, default=1, show_default=True, help="verl: GPUs per node.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="verl: nodes of the Ray cluster.")
+@click.option("--ray-address", metavar="ADDR",
+              help="verl: join this Ray cluster ('auto', or ray://head:10001); default: start a local one.")
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=True, show_default=True,
+              help="verl: recompute activations in the backward pass.")
+@click.option("--fsdp", "fsdp_strategy", type=click.Choice(["fsdp2", "fsdp"]), default="fsdp2", show_default=True,
+              help="verl: FSDP2 (per-parameter sharding) or FSDP1.")
+@click.option("--offload/--no-offload", default=False, show_default=True,
+              help="verl: keep parameters and optimizer state in CPU memory between uses.")
+@click.option("--push-every", type=int, default=0, show_default=True,
+              help="verl: push (and with --publish, hot-load) the weights every N steps; 0: at the end only.")
+@click.option("--verl-override", "verl_overrides", multiple=True, metavar="KEY=VALUE",
+              help="verl: any key of veRL's ppo_trainer config, e.g. actor_rollout_ref.actor.optim.clip_grad=0.5.")
 def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro_batch_size: int, lr: float,
           full: bool, lora_rank: int, kl_coef: float, w_rl: float, w_opd: float, loss_agg_mode: str,
           since: Any, until: Any, min_abs_reward: float | None, capture: str | None, task_id: str | None,
           modes: tuple[str, ...], lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
-          database_url: str | None, log_level: str) -> None:
+          database_url: str | None, log_level: str, backend: str = "local", gpus: int = 1, nnodes: int = 1,
+          ray_address: str | None = None, gradient_checkpointing: bool = True, fsdp_strategy: str = "fsdp2",
+          offload: bool = False, push_every: int = 0, verl_overrides: tuple[str, ...] = ()) -> None:
     """Train the policy offline from the scored turns in the pool, then publish it.
 
     \b
@@ -232,9 +251,17 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
             for key, value in m.items():
                 writer.add_scalar(f"train/{key}", value, step)
 
-    result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=batch_size,
-                           max_steps=steps, epochs=epochs, lease_s=lease_s,
-                           output_root=settings.data_dir / "runs", resume=resume, on_step=on_step)
+    if backend == "verl":
+        result = _train_verl(settings, engine, cfg, filters, model_dir=model_dir, full=full, lora_rank=lora_rank,
+                             lr=lr, micro_batch_size=micro_batch_size, batch_size=batch_size, steps=steps,
+                             epochs=epochs, lease_s=lease_s, resume=resume, publish=publish, vllm_urls=vllm_urls,
+                             gpus=gpus, nnodes=nnodes, ray_address=ray_address,
+                             gradient_checkpointing=gradient_checkpointing, fsdp_strategy=fsdp_strategy,
+                             offload=offload, push_every=push_every, overrides=verl_overrides, on_step=on_step)
+    else:
+        result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=batch_size,
+                               max_steps=steps, epochs=epochs, lease_s=lease_s,
+                               output_root=settings.data_dir / "runs", resume=resume, on_step=on_step)
     bar.close()
     if writer is not None:
         writer.close()
@@ -242,7 +269,9 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
         click.echo("nothing to train on: no scored turn matches (see `GET /api/judgements`)")
         return
     click.echo(f"run {result.run_id}: {result.steps} steps over {result.turns} turns; saved {result.output_dir}")
-    if publish:
+    if publish and result.version is not None:  # the veRL backend's checkpoint manager published it
+        click.echo(f"published {result.version}: the `policy` alias serves it now")
+    elif publish:
         from trainer.publish import PublishError, publish_adapter, publish_full
 
         urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
@@ -258,6 +287,41 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
         except PublishError as exc:
             raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
+
+
+def _train_verl(settings: Settings, engine: Any, cfg: Any, filters: Any, *, model_dir: Path, full: bool,
+                lora_rank: int, lr: float, micro_batch_size: int, batch_size: int, steps: int | None, epochs: int,
+                lease_s: float, resume: str | None, publish: bool, vllm_urls: tuple[str, ...], gpus: int,
+                nnodes: int, ray_address: str | None, gradient_checkpointing: bool, fsdp_strategy: str,
+                offload: bool, push_every: int, overrides: tuple[str, ...], on_step: Any) -> Any:
+    """`train --backend verl`: trainer.verl_backend, publishing each push through trainer.publish."""
+    from trainer.verl_backend import VerlConfig, train_verl
+
+    if cfg.kl_coef > 0:
+        raise click.UsageError("--kl-coef is not supported on the veRL backend yet (it needs veRL's reference worker)")
+    if batch_size % (gpus * nnodes):
+        raise click.UsageError(f"--batch-size {batch_size} must be a multiple of the GPU count {gpus * nnodes}")
+    base_model = settings.upstream_model or settings.vllm_served_name
+    urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
+
+    def publish_written(written: dict[str, Any]) -> dict[str, Any]:
+        from trainer.publish import active_version, publish_adapter, publish_full
+
+        current = active_version(engine)
+        # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
+        version = (publish_full if full else publish_adapter)(
+            engine, Path(written["path"]), base_model=base_model, vllm_urls=urls,
+            parent=current["name"] if current else None, stats={"backend": "verl", "step": written.get("step")})
+        click.echo(f"published {version['name']}: the `policy` alias serves it now")
+        return version
+
+    verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not full, lora_rank=lora_rank,
+                      lora_alpha=2 * lora_rank, lr=lr, micro_batch_size=micro_batch_size,
+                      gradient_checkpointing=gradient_checkpointing, strategy=fsdp_strategy, param_offload=offload,
+                      optimizer_offload=offload, ray_address=ray_address, overrides=overrides)
+    return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=steps,
+                      epochs=epochs, lease_s=lease_s, output_root=settings.data_dir / "runs", resume=resume,
+                      publish=publish_written if publish else None, push_every=push_every, on_step=on_step)
 
 
 @main.group()

@@ -748,8 +748,8 @@ def test_trainer_healthcheck_is_the_pool_answering(pg_url: str) -> None:
 
 DOC_PAGES = ("architecture.md", "modes.md", "gateway.md", "worker.md", "trainer.md", "ui.md", "configuration.md",
              "upgrading.md", "scaling.md", "security.md", "deploy-compose.md", "deploy-kubernetes.md")
-# Written on another branch (the veRL backend's); linked from here already.
-ELSEWHERE = {"docs/trainer-verl.md"}
+# Pages linked from the docs that may be written later (none now).
+ELSEWHERE: set[str] = set()
 
 
 def _links(path: Path) -> Iterator[str]:
