@@ -32,6 +32,15 @@ from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import ThrowawayRedis, redis_unavailable_reason, unique_queue
 
 
+class Gateway(GatewayProcess):
+    """A gateway process given time to start: on two cores shared with other suites and vLLM,
+    importing LiteLLM and migrating the pool has taken over 90 s."""
+
+    def start(self, timeout: float = 300.0) -> "Gateway":
+        super().start(timeout)
+        return self
+
+
 @pytest.fixture
 def upstream(tmp_path: Path) -> Iterator[UpstreamProcess]:
     with UpstreamProcess(tmp_path / "upstream.log") as up:
@@ -121,8 +130,8 @@ def _stored_all(url: str, want: set[str], timeout: float = 60) -> tuple[int, int
         return _turn_counts(url)
 
 
-def _gateway(tmp: Path, database_url: str, upstream: UpstreamProcess, **env: str) -> GatewayProcess:
-    return GatewayProcess(tmp, database_url=database_url, upstream_url=upstream.base_url,
+def _gateway(tmp: Path, database_url: str, upstream: UpstreamProcess, **env: str) -> Gateway:
+    return Gateway(tmp, database_url=database_url, upstream_url=upstream.base_url,
                           env={"NEXTSTATE_SPOOL_RETRY_INTERVAL_S": "0.3", **env})
 
 
