@@ -22,7 +22,7 @@ import schemathesis
 import yaml
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from sqlalchemy import inspect, text
 from starlette.routing import Route
 
@@ -77,21 +77,30 @@ def open_gateway(fast_upstream: UpstreamProcess, tmp_path_factory: pytest.TempPa
 # --- schemathesis over every route of the OpenAPI schema ---------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gateway_schema(open_gateway: GatewayProcess) -> Any:
-    return schemathesis.openapi.from_url(f"{open_gateway.url}/openapi.json")
+def test_fuzzed_requests_never_5xx_and_errors_speak_openai(open_gateway: GatewayProcess) -> None:
+    """schemathesis generates requests for every operation of the gateway's own OpenAPI schema,
+    valid and not; none may get a 5xx, and every 4xx must be an OpenAI-shaped error."""
+    schema = schemathesis.openapi.from_url(f"{open_gateway.url}/openapi.json")
+    failures: list[str] = []
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 10
 
+    for operation in operations:
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        def check(case: Any) -> None:
+            resp = case.call(timeout=30)
+            where = f"{case.method} {case.formatted_path} -> {resp.status_code}: {resp.text[:300]}"
+            if resp.status_code >= 500:
+                failures.append(where)
+            elif resp.status_code >= 400:
+                try:
+                    openai_error(resp)
+                except (AssertionError, ValueError, KeyError, TypeError):
+                    failures.append("not OpenAI-shaped: " + where)
 
-schema = schemathesis.pytest.from_fixture("gateway_schema")
-
-
-@schema.parametrize()
-@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
-def test_fuzzed_requests_never_5xx_and_errors_speak_openai(case: Any) -> None:
-    resp = case.call(timeout=30)
-    assert resp.status_code < 500, (case.method, case.formatted_path, resp.status_code, resp.text[:500])
-    if resp.status_code >= 400:
-        openai_error(resp)
+        check()
+    assert not failures, failures[:10]
 
 
 def test_schema_documents_the_request_bodies(open_gateway: GatewayProcess) -> None:
@@ -126,7 +135,7 @@ def _raw(gw: GatewayProcess, method: str, path: str, body: bytes = b"",
     [
         ("oversized", json.dumps(OK | {"pad": "x" * (LIMIT + 1)}).encode(), 413),
         ("deeply nested", b'{"model":"fixed","messages":[{"role":"user","content":"hi"}],"x":'
-                          + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+                          + b"[" * 20_000 + b"]" * 20_000 + b"}", 400),
         ("invalid UTF-8", b'{"model":"fixed","messages":[{"role":"user","content":"\xff\xfe\xfd"}]}', 400),
         ("lone surrogate", b'{"model":"fixed","messages":[{"role":"user","content":"\\ud800"}]}', 400),
         ("NaN", b'{"model":"fixed","messages":[{"role":"user","content":"hi"}],"temperature":NaN}', 400),
@@ -158,7 +167,7 @@ def test_streamed_oversized_body_is_refused(open_gateway: GatewayProcess) -> Non
 @pytest.mark.parametrize(
     ("path", "headers", "status"),
     [
-        ("/s/../v1/chat/completions", {}, 404),  # no route: `..` is no session id here
+        ("/s/../v1/chat/completions", {}, 400),  # sent as is (no client normalising it away)
         ("/s/..%2F..%2Fetc%2Fpasswd/v1/chat/completions", {}, 404),
         ("/s/%2e%2e/v1/chat/completions", {}, 400),
         ("/s/.hidden/v1/chat/completions", {}, 400),

@@ -121,7 +121,8 @@ def _session(request: Request, path_session: str | None) -> tuple[str | None, st
     else:
         return None, None
     if not SESSION_ID.match(sid):
-        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
+        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
+                          "starting with a letter or digit",
                           param="session_id")
     return sid, source
 
