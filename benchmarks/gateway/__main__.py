@@ -53,6 +53,7 @@ from tests.processes import GatewayProcess, WorkerProcess, free_port, wait_for  
 LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
 LITELLM_SPEC = "litellm[proxy]"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLIENT_KEY = "sk-bench-" + "5e1f" * 16  # both proxies authenticate the client with it
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -161,7 +162,8 @@ def litellm_proxy(exe: Path, upstream: str, work: Path, cpu: int | None,
         "model_list": [{"model_name": "fixed",
                         "litellm_params": {"model": "openai/fixed", "api_base": upstream, "api_key": "sk-bench"}}],
         "litellm_settings": settings,
-        "general_settings": {"master_key": "sk-bench-master"} if database_url else {},
+        # it refuses to start without one; the gateway row checks an API key as well
+        "general_settings": {"master_key": CLIENT_KEY},
     }))
     port = free_port()
     env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
@@ -180,7 +182,7 @@ def litellm_proxy(exe: Path, upstream: str, work: Path, cpu: int | None,
 
 
 def load(url: str, *, stream: bool, model: str = "fixed", rate: float | None = None, duration: float = 0,
-         concurrency: int = 64, requests: int = 0, latencies: bool = True, api_key: str | None = None,
+         concurrency: int = 64, requests: int = 0, latencies: bool = True, api_key: str | None = CLIENT_KEY,
          extra: dict[str, Any] | None = None, cpu: int | None = None, warmup: int = 20) -> dict[str, Any]:
     args = [sys.executable, "-m", "benchmarks.gateway.load", "--url", url, "--model", model,
             "--duration", str(duration), "--concurrency", str(concurrency), "--requests", str(requests),
@@ -259,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         database_url, broker = _pg_and_redis(stack)
         env = {"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_QUEUE": f"bench-{os.getpid()}",
                "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
-               "PYTHONPATH": str(ROOT)}
+               "PYTHONPATH": str(ROOT), "NEXTSTATE_API_KEYS": CLIENT_KEY}
         models = work / "models.yaml"
         model_list = [{"model_name": "fixed", "litellm_params": {"model": "hosted_vllm/fixed",
                                                                  "api_base": upstream_url}}]
