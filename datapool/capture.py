@@ -14,6 +14,7 @@ import fcntl
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
 
 log = logging.getLogger("nextstate.capture")
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class Spool:
@@ -123,6 +126,8 @@ class Spool:
             self.path.unlink()
         self.records = self.bytes = 0
         del self.memory[:replayed_from_memory]
+        if self.path is not None and not self.memory:
+            self.error = None  # nothing waits; the next write tries the disk again
 
     def close(self) -> None:
         if self._lock_file is not None:
@@ -182,6 +187,11 @@ class CaptureWriter:
         return self.queue.qsize()
 
     def start(self) -> None:
+        # The writer's thread runs pure-Python ORM code. With CPython's default 5 ms switch
+        # interval, every wake-up of the event loop waits up to 5 ms for that thread to yield
+        # the GIL, several times per proxied request; 0.5 ms keeps the loop responsive.
+        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._task = asyncio.create_task(self._run(), name="capture-writer")
 
     async def stop(self) -> None:

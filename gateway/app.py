@@ -97,6 +97,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             policy_model=policy_model,
         )
         metrics.watch_pool(engine)
+        metrics.watch_spool_error(lambda: spool.error)
         gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer)
         app.state.gateway = gw
         writer.start()

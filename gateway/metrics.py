@@ -47,6 +47,12 @@ class Metrics:
             "nextstate_spool_bytes", "Size of the capture spool file.", registry=self.registry
         )
 
+    def watch_spool_error(self, error: Callable[[], str | None]) -> None:
+        """1 while the spool cannot be written (turns are then held in memory): alert on it."""
+        gauge = Gauge("nextstate_spool_error", "1 while the capture spool cannot be written (turns are "
+                      "held in memory until the pool answers), else 0.", registry=self.registry)
+        gauge.set_function(lambda: 1.0 if error() else 0.0)
+
     def watch_pool(self, engine: Engine) -> None:
         self.registry.register(PoolCollector(engine))
 

@@ -53,6 +53,8 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     logprobs: bool | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
 
 class CompletionRequest(BaseModel):
@@ -63,19 +65,26 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     n: int = Field(default=1, ge=1, le=128)
     logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
 
 
 def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400) -> dict[str, Any]:
     """Decode and check a request body; returns the JSON object as the client sent it.
     Malformed JSON is a 400; a body that breaks the schema gets ``invalid_status``."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise OpenAIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError as exc:
+        raise OpenAIError(400, "request body is nested too deeply", code="invalid_json") from exc
     if not isinstance(body, dict):
         raise OpenAIError(400, "request body must be a JSON object", code="invalid_request")
+    if b"\\ud" in raw or b"\\uD" in raw:
+        _no_lone_surrogates(body)
     try:
         schema.model_validate(body)
+    except RecursionError as exc:
+        raise OpenAIError(400, "request body is nested too deeply", code="invalid_json") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -89,6 +98,20 @@ def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400
             400, f"parameter not allowed through the gateway: {', '.join(sorted(bad))}", param=min(bad)
         )
     return body
+
+
+def _no_constant(name: str) -> Any:
+    # NaN and Infinity are not JSON: neither the upstream nor the pool (jsonb) would take them
+    raise OpenAIError(400, f"request body is not valid JSON: {name} is not a JSON number", code="invalid_json")
+
+
+def _no_lone_surrogates(body: Any) -> None:
+    """A \\ud800-style escape alone decodes to a string no UTF-8 encoder takes: refuse it here
+    rather than fail upstream or in the pool. Only run when the raw body has such an escape."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OpenAIError(400, "request body has an unpaired UTF-16 surrogate escape", code="invalid_json") from exc
 
 
 async def read_body(request: Request, limit: int) -> bytes:

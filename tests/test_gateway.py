@@ -172,7 +172,8 @@ def test_completions_endpoint_captures_token_ids(gateway: GatewayProcess, vllm_s
 
 def test_models_lists_upstream_and_policy_alias(gateway: GatewayProcess) -> None:
     models = {m.id: m for m in client(gateway.base_url).models.list().data}
-    assert set(models) == {"smollm2", "policy"}
+    # vLLM also lists LoRA adapters other tests loaded into the same server
+    assert {"smollm2", "policy"} <= set(models)
     assert models["policy"].model_extra["root"] == "smollm2"
     reply = client(gateway.base_url).chat.completions.create(
         model="policy", messages=unique_user("Hi"), max_tokens=2)

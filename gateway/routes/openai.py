@@ -34,9 +34,33 @@ from gateway.upstream import POLICY_ALIAS, Target
 
 router = APIRouter()
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")  # no "..", no leading dot
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+
+
+def _inline(schema: dict[str, Any]) -> dict[str, Any]:
+    """A pydantic JSON schema with its $defs inlined (the models here are not recursive)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return walk(dict(defs[ref.removeprefix("#/$defs/")]))
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a body the route reads itself (raw, size-limited, unknown
+    fields passed through), so the OpenAPI schema and fuzzers know its shape."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": _inline(model.model_json_schema())}}}}
 
 
 def require_api_key(request: Request) -> None:
@@ -73,14 +97,18 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
-@router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)])
+@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(ChatCompletionRequest))
+@router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, "chat", session_id)
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_api_key)])
-@router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)])
+@router.post("/v1/completions", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(CompletionRequest))
+@router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, "completions", session_id)
 
@@ -93,7 +121,8 @@ def _session(request: Request, path_session: str | None) -> tuple[str | None, st
     else:
         return None, None
     if not SESSION_ID.match(sid):
-        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
+        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
+                          "starting with a letter or digit",
                           param="session_id")
     return sid, source
 

