@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +293,6 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
 
 
 def _add_turns(engine: Any, version: str, rewards: list[float]) -> None:
-    from datetime import datetime, timezone
 
     with OrmSession(engine) as db, db.begin():
         for r in rewards:
@@ -386,3 +386,41 @@ def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
         for url in servers:
             assert active[0].name in publish.served_models(http, url)
     print(json.dumps(versions))
+
+
+def test_stale_turns_are_corrected_with_the_capped_ratio_or_dropped(pg: str, servers: list[str], model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    from trainer.local import LocalTrainer
+    from trainer.samples import Sample
+
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir), ObjectiveConfig())
+    sample = Sample("t", "s", None, 0, [1, 2, 3, 4], [5, 6, 7], None, None, 1.0, None, "white-box")
+    current, _ = trainer.response_logprobs([sample])
+    # produced by a policy far from the current one: ratio π_current / π_behaviour = e^5 per token
+    sample.behaviour_logprobs = (current[0].detach() - 5.0).tolist()
+    plain = trainer.step([sample])
+    corrected = trainer.step([sample], correct=[True], ratio_cap=2.0)
+    assert plain["pg_loss"] == pytest.approx(-1.28, abs=1e-3)  # PPO clips the ratio at 1 + ε_high
+    assert corrected["pg_loss"] == pytest.approx(-2.0, abs=1e-3)  # the capped importance weight
+    assert corrected["pg_clipfrac"] == 0.0  # the PPO ratio is taken against the current policy
+
+    # --stale drop: turns more than S versions behind are acked without training
+    engine = make_engine(pg)
+    with OrmSession(engine) as db, db.begin():
+        db.add(Session(id="old", source="header"))
+        db.flush()
+        for i in range(3):
+            db.add(Turn(id=f"old-{i}", session_id="old", endpoint="chat", status="ok", model="policy",
+                        created_at=datetime.now(timezone.utc), policy_version="a-retired-branch", capture="white-box",
+                        request={"messages": []}, prompt_token_ids=[1, 2], token_ids=[3, 4], logprobs=[-1.0, -1.0]))
+            db.flush()
+            db.add(Judgement(turn_id=f"old-{i}", status="scored", reward=1.0, attempts=1))
+    online = _online(pg, servers, model_dir, tmp_path, k=3, staleness=0, stale_policy="drop")
+    online.trainer, online.trainer_version = trainer, None
+    result = online.run_round()
+    assert result is not None and result.candidate is None and sorted(result.dropped) == ["old-0", "old-1", "old-2"]
+    assert online.run_round() is None  # acked: never leased again
+    with OrmSession(engine) as db:
+        assert db.scalar(select(text("count(*)")).select_from(PolicyVersion)) == 0
+    engine.dispose()
+    online.engine.dispose()
