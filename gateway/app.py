@@ -122,4 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(feedback.router)
     app.include_router(admin.router)
     app.include_router(health.router)
+    from gateway.routes import policy
+
+    app.include_router(policy.router)
     return app

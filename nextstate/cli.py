@@ -174,6 +174,34 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 @click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL",
               help="vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher replica.")
 @click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@click.option("--online", is_flag=True,
+              help="Continual mode: wait for --k new scored turns, train, publish, gate, repeat (until Ctrl-C).")
+@click.option("--k", "online_k", type=int, default=16, show_default=True,
+              help="online: newly scored turns per round (the batch size of a round).")
+@click.option("--max-wait-s", type=float, default=600.0, show_default=True,
+              help="online: train on fewer than --k turns once this long has passed.")
+@click.option("--updates-per-round", type=int, default=1, show_default=True,
+              help="online: optimizer steps over each round's batch.")
+@click.option("--staleness", type=int, default=2, show_default=True,
+              help="online: turns more than this many versions behind are stale.")
+@click.option("--stale", "stale_policy", type=click.Choice(["correct", "drop"]), default="correct",
+              show_default=True,
+              help="online: correct stale turns with the capped importance ratio from their logprobs, or drop them.")
+@click.option("--ratio-cap", type=float, default=2.0, show_default=True,
+              help="online: cap of a stale turn's importance ratio.")
+@click.option("--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="online: held-out prompts for the eval gate (JSONL of {\"messages\": [...]} or one prompt a line).")
+@click.option("--eval-sessions", type=int, default=0, show_default=True,
+              help="online: also use the first prompts of the newest N eval sessions (mode \"eval\").")
+@click.option("--eval-scorer", metavar="MODULE:FN",
+              help="online: (reply, messages) -> score in [0, 1]; without it candidates are promoted ungated.")
+@click.option("--eval-threshold", type=float, default=0.05, show_default=True,
+              help="online: refuse a candidate scoring more than this below the active version.")
+@click.option("--rollback-window", type=int, default=16, show_default=True,
+              help="online: live scored turns of a version before the monitor judges it (0: off).")
+@click.option("--rollback-threshold", type=float, default=0.5, show_default=True,
+              help="online: roll back when a version's mean live reward is this far below its parent's.")
+@click.option("--rounds", type=int, help="online: stop after this many rounds.")
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--backend", type=click.Choice(["local", "verl"]), default="local", show_default=True,
               help="local: torch + peft on the CPU or one GPU. verl: veRL's Ray trainer, FSDP over --gpus GPUs "
@@ -196,10 +224,21 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
           full: bool, lora_rank: int, kl_coef: float, w_rl: float, w_opd: float, loss_agg_mode: str,
           since: Any, until: Any, min_abs_reward: float | None, capture: str | None, task_id: str | None,
           modes: tuple[str, ...], lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
-          database_url: str | None, log_level: str, backend: str = "local", gpus: int = 1, nnodes: int = 1,
+          database_url: str | None, online: bool, online_k: int, max_wait_s: float, updates_per_round: int,
+          staleness: int, stale_policy: str, ratio_cap: float, eval_prompts: Path | None, eval_sessions: int,
+          eval_scorer: str | None, eval_threshold: float, rollback_window: int, rollback_threshold: float,
+          rounds: int | None, log_level: str, backend: str = "local", gpus: int = 1, nnodes: int = 1,
           ray_address: str | None = None, gradient_checkpointing: bool = True, fsdp_strategy: str = "fsdp2",
           offload: bool = False, push_every: int = 0, verl_overrides: tuple[str, ...] = ()) -> None:
     """Train the policy offline from the scored turns in the pool, then publish it.
+
+    \b
+    With --online: the continual loop. It waits for --k newly scored turns, trains on them
+    (stale turns corrected or dropped), publishes a candidate, scores it on the held-out set
+    (--eval-prompts/--eval-sessions with --eval-scorer) against the active version, promotes
+    or refuses it, and rolls an active version back when its live rewards regress. Every
+    decision is in GET /api/policy/events. Kill and restart it at any time: it continues its
+    run, and trains every turn once.
 
     \b
     Leases scored turns in batches (each trained once per pass; a crashed run's batch returns
@@ -229,6 +268,28 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     cfg = ObjectiveConfig(objective=objective, w_rl=w_rl, w_opd=w_opd, kl_coef=kl_coef, loss_agg_mode=loss_agg_mode)
     local = LocalConfig(model_dir=model_dir, lora=not full, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
                         lr=lr, micro_batch_size=micro_batch_size)
+    if online:
+        from trainer.online import OnlineConfig, load_prompts, load_scorer, run_online
+
+        if full:
+            raise click.UsageError("--online trains LoRA versions; drop --full")
+        if backend != "local":
+            raise click.UsageError("--online runs the local backend; the veRL backend trains offline (for now)")
+        try:
+            scorer = load_scorer(eval_scorer) if eval_scorer else None
+        except (ValueError, ImportError, AttributeError) as exc:
+            raise click.UsageError(f"--eval-scorer: {exc}") from exc
+        online_cfg = OnlineConfig(
+            k=online_k, max_wait_s=max_wait_s, updates_per_round=updates_per_round, lease_s=lease_s,
+            staleness=staleness, stale_policy=stale_policy, ratio_cap=ratio_cap,  # type: ignore[arg-type]
+            eval_prompts=load_prompts(eval_prompts) if eval_prompts else [], eval_sessions=eval_sessions,
+            eval_scorer=scorer, eval_threshold=eval_threshold, rollback_window=rollback_window,
+            rollback_threshold=rollback_threshold, max_rounds=rounds)
+        urls = list(vllm_urls) or [settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])]
+        run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
+                   base_model=settings.upstream_model or settings.vllm_served_name,
+                   output_root=settings.data_dir / "runs", echo=click.echo)
+        return
     board_dir = settings.data_dir / "tensorboard"
     writer = None
     try:
@@ -384,9 +445,12 @@ def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
               help="Start vLLM with its development endpoints (VLLM_SERVER_DEV_MODE=1), needed to publish "
                    "full fine-tuned weights (`train --full`). Unauthenticated: the servers listen on "
                    "127.0.0.1 only. [env NEXTSTATE_VLLM_DEV_MODE, default off]")
+@click.option("--train", "train_objective", type=click.Choice(["rl", "opd", "combined"]),
+              help="Also run the online trainer with this objective (`nextstate train --online`; "
+                   "its log: <data dir>/logs/trainer.log).")
 @click.option("--log-level", default="info", show_default=True)
 def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool,
-       vllm_dev_mode: bool | None, log_level: str) -> None:
+       vllm_dev_mode: bool | None, train_objective: str | None, log_level: str) -> None:
     """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
     and a scoring worker.
 
@@ -447,6 +511,18 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
             stack.callback(worker.wait, 30)
             stack.callback(worker.terminate)
             click.echo(f"worker: LLM judge on {settings.vllm_served_name} (log: {logs / 'worker.log'})")
+        if train_objective:
+            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
+                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
+                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url,
+                   **({"NEXTSTATE_TEACHER_URL": servers[1].base_url} if scoring else {})}
+            trainer_log = open(logs / "trainer.log", "ab")
+            trainer = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "train", "--online", "--objective",
+                                        train_objective, "--model-dir", str(model_dir), "--log-level", log_level],
+                                       env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
+            stack.callback(trainer.wait, 60)
+            stack.callback(trainer.terminate)
+            click.echo(f"trainer: online, {train_objective} (log: {logs / 'trainer.log'})")
         click.echo(f"pool: {settings.resolved_database_url}")
         click.echo(f"model: {settings.vllm_served_name} (also as `policy`)")
         _serve_gateway(settings, migrate=False)

@@ -135,11 +135,18 @@ class LocalTrainer:
             has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
             step_index=[s.step_index for s in samples])
 
-    def step(self, samples: Sequence[Sample]) -> dict[str, float]:
+    def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
+             ratio_cap: float = 2.0) -> dict[str, float]:
         """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
 
         Advantages are computed over the whole batch first (GRPO groups and per-step
-        standardization span micro-batches), from a no-grad pass of the current policy."""
+        standardization span micro-batches), from a no-grad pass of the current policy.
+
+        ``correct`` marks stale samples (produced by a policy several versions back): their PPO
+        ratio is taken against the current policy instead, and the loss of each token is
+        weighted by the exact importance ratio π_current / π_behaviour from the captured
+        logprobs, capped at ``ratio_cap`` (truncated importance sampling, veRL's
+        ``rollout_is_weights``)."""
         started = time.perf_counter()
         samples = list(samples)
         cfg = self.objective
@@ -147,6 +154,13 @@ class LocalTrainer:
         student, mask = student.to(self.device), mask.to(self.device)
         # π_behaviour: vLLM's captured logprobs (exact importance ratio); black-box: on-policy
         old = self._padded([s.behaviour_logprobs for s in samples], student)
+        is_weights = None
+        if correct is not None and any(correct):
+            is_weights = torch.ones_like(student)
+            for i, stale in enumerate(correct):
+                if stale and samples[i].behaviour_logprobs is not None:
+                    is_weights[i] = torch.exp(student[i] - old[i]).clamp(max=ratio_cap)
+                    old[i] = student[i]
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
@@ -168,8 +182,9 @@ class LocalTrainer:
             w = part_mask.shape[1]
             ref = (self.response_logprobs(part, adapter=False)[0]
                    if cfg.kl_coef > 0 and self.cfg.lora else None)
-            loss, metrics = objectives.compute_loss(cfg, log_prob, old[lo: lo + mb, :w], adv[lo: lo + mb, :w],
-                                                    part_mask, ref_log_prob=ref)
+            loss, metrics = objectives.compute_loss(
+                cfg, log_prob, old[lo: lo + mb, :w], adv[lo: lo + mb, :w], part_mask, ref_log_prob=ref,
+                rollout_is_weights=is_weights[lo: lo + mb, :w] if is_weights is not None else None)
             (loss * len(part) / n).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * len(part) / n

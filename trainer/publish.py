@@ -474,6 +474,7 @@ def publish_adapter(
     timeout_s: float = 120.0,
     actor: str = "trainer",
     reason: str | None = None,
+    event_metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Publish the PEFT LoRA adapter in *adapter_dir* as a new policy version.
 
@@ -520,7 +521,7 @@ def publish_adapter(
     try:
         result, retired = _register(engine, name=name, kind="lora", base_model=base_model, path=path,
                                     parent_id=parent_id, activate=activate, stats=stats, actor=actor,
-                                    reason=reason, metrics=metrics)
+                                    reason=reason, metrics={**(event_metrics or {}), **metrics})
     except BaseException:
         with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
             unload(http, urls, name)
@@ -671,7 +672,8 @@ def publish(engine: Engine, directory: Path, **kwargs: Any) -> dict[str, Any]:
 
 def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, demoted_status: str,
                timeout_s: float, action: str, actor: str, reason: str | None,
-               pause_mode: PauseMode = "wait") -> tuple[dict[str, Any] | None, list[str]]:
+               pause_mode: PauseMode = "wait", event_metrics: dict[str, Any] | None = None
+               ) -> tuple[dict[str, Any] | None, list[str]]:
     """Make *target* (a version name; None: the base model) the active version; every other
     active version gets *demoted_status*. Makes every server serve it first."""
     urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
@@ -693,6 +695,7 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
             raise PublishError(f"version {target!r}: {exc}") from exc
     metrics = _serve(engine, kind if kind in ("lora", "full") else "base", target, path, base_model, urls,
                      pause_mode=pause_mode, timeout_s=timeout_s)
+    metrics = {**(event_metrics or {}), **metrics}
     with OrmSession(engine) as db, db.begin():
         _lock(db)
         if target is None or kind == "base":
@@ -708,8 +711,8 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
 
 
 def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0,
-             pause_mode: PauseMode = "wait", actor: str = "admin", reason: str | None = None
-             ) -> dict[str, Any] | None:
+             pause_mode: PauseMode = "wait", actor: str = "admin", reason: str | None = None,
+             event_metrics: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Promote version *name*: make every server of *vllm_urls* serve it (a LoRA adapter is
     loaded where it is missing — after a vLLM restart none is; a full version's weights are
     reloaded where the server holds others), then make it ``active`` and the previously active
@@ -721,7 +724,7 @@ def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: 
     :class:`VersionNotFound` / :class:`PublishError`, changing nothing.
     """
     kw = dict(demoted_status="retired", timeout_s=timeout_s, action="promote", actor=actor, reason=reason,
-              pause_mode=pause_mode)
+              pause_mode=pause_mode, event_metrics=event_metrics)
     if name == BASE:
         return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
     with OrmSession(engine) as db:
@@ -735,7 +738,7 @@ def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: 
 
 def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
              timeout_s: float = 120.0, pause_mode: PauseMode = "wait", actor: str = "admin",
-             reason: str | None = None) -> dict[str, Any]:
+             reason: str | None = None, event_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     """Roll the policy back from the active version.
 
     *to* None: to the newest ``retired`` version (LoRA or full) created before the active one,
@@ -775,6 +778,6 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
             raise PublishError(f"{target!r} is the active version already")
     active, demoted = _switch_to(engine, target, vllm_urls, demoted_status="rolled_back",
                                  timeout_s=timeout_s, action="rollback", actor=actor, reason=reason,
-                                 pause_mode=pause_mode)
+                                 pause_mode=pause_mode, event_metrics=event_metrics)
     log.info("rolled back %s; now serving %s", demoted, target or "the base model")
     return {"active": active, "rolled_back": demoted}

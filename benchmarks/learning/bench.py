@@ -1,0 +1,321 @@
+"""Learning benchmark: does the policy learn a simulated user's preference while it serves?
+
+    PYTHONPATH=. python benchmarks/learning/bench.py --upstream http://127.0.0.1:8501/v1 \\
+        --teacher http://127.0.0.1:8502/v1 [--preset cpu] [--judge python|llm]
+
+Everything is real: a `nextstate gateway` process in front of the vLLM --upstream, a SQLite
+pool, the official `openai` client as the user, the python (or LLM) judge scoring each turn
+from its next state through ``datapool.scoring.score_turn`` (the code a Celery worker runs,
+called in-process so that scoring finishes before the next round is counted), teacher
+logprobs from --teacher, and the online trainer (``trainer.online.OnlineTrainer``: lease,
+train LoRA on the CPU, publish to both vLLMs, flip the alias).
+
+The simulated user (benchmarks/learning/preference.py) wants replies under 25 words. Each
+interaction is a session: the user asks a training question (sampled reply, temperature 1),
+then reacts — thanks when the reply meets the preference, "Too long. Please keep your answers
+short, under 25 words." when not — which is the reply's next state. After every k
+interactions the trainer runs one round (k scored turns → one candidate, promoted; the eval
+gate is off here so every round's version serves) and the held-out prompts (never trained on)
+are answered through the gateway's `policy` alias (temperature 0.7, per-request seed) once the
+gateway serves the new version: the share meeting the preference is the curve's next point.
+
+Arms: none (no trainer: the base policy's share at the same checkpoints), rl (binary reward),
+opd (hindsight OPD on the corrected turns), combined; each over --seeds seeds (seed: the order
+of training questions, sampling seeds, LoRA init). Prints a table (mean ± std per checkpoint),
+writes results.json and learning.png to --out. Learning latency: from a turn being scored to
+the gateway serving a version trained on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openai import OpenAI
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.learning import preference  # noqa: E402
+from datapool.db import make_engine, upgrade  # noqa: E402
+from datapool.judge import LLMJudge, PythonJudge  # noqa: E402
+from datapool.models import Judgement, Turn  # noqa: E402
+from datapool.scoring import TeacherConfig, score_turn  # noqa: E402
+from tests.processes import GatewayProcess, wait_for  # noqa: E402
+from trainer import publish  # noqa: E402
+from trainer.lease import Filters  # noqa: E402
+from trainer.local import LocalConfig  # noqa: E402
+from trainer.objectives import ObjectiveConfig  # noqa: E402
+from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
+
+TRAIN = [
+    "What is photosynthesis?", "How do airplanes stay in the air?", "Why is the sky blue?",
+    "What causes the seasons?", "How does a refrigerator work?", "What is machine learning?",
+    "Why do we need sleep?", "How do vaccines work?", "What is inflation in economics?",
+    "How do volcanoes form?", "What is the internet?", "Why do leaves change color in autumn?",
+    "How does the heart pump blood?", "What is gravity?", "How do batteries store energy?",
+    "What is democracy?", "Why is exercise healthy?", "How are rainbows made?",
+    "What is a black hole?", "How does recycling help the planet?", "What is DNA?",
+    "How do bees make honey?", "What is climate change?", "How does a compass work?",
+    "What are tides?", "How do muscles grow?", "What is a computer virus?", "Why do cats purr?",
+    "How is glass made?", "What is an earthquake?", "How do plants drink water?", "What is a galaxy?",
+    "Why do we have fingerprints?", "How does soap clean?", "What is electricity?", "How do fish breathe?",
+]
+HELD_OUT = [
+    "What is the moon made of?", "How do birds migrate?", "What is a noun?", "Why do onions make us cry?",
+    "How does a microwave heat food?", "What is a calorie?", "Why is the ocean salty?", "What is a cloud?",
+    "How do trains run?", "What is friction?", "Why do we yawn?", "How does a camera work?",
+    "What is the stock market?", "How do magnets work?", "What is a desert?", "Why do stars twinkle?",
+]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # small: this 2-core machine and its vLLM-CPU servers are shared
+    "cpu": {"interactions": 8, "k": 4, "heldout": 6, "seeds": 3, "max_tokens": 40, "lr": 1e-3,
+            "updates": 2},
+    "full": {"interactions": 36, "k": 6, "heldout": 16, "seeds": 3, "max_tokens": 64, "lr": 1e-3,
+             "updates": 2},
+}
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, out: Path):
+        self.args = args
+        self.out = out
+        self.pool = f"sqlite:///{out / 'pool.db'}"
+        upgrade(self.pool)
+        self.engine = make_engine(self.pool)
+        self.urls = [args.upstream, args.teacher]
+        if args.judge == "python":
+            self.judge: Any = PythonJudge("benchmarks.learning.preference:judge")
+            self.votes = 1
+        else:
+            self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
+            self.votes = args.votes
+        from nextstate.modelserver import ensure_model, ensure_vllm_env
+        from nextstate.settings import Settings
+
+        cache = Settings().cache_dir
+        self.model_dir = Path(args.model_dir) if args.model_dir else ensure_model(cache, ensure_vllm_env(cache))
+
+    # -- the user ---------------------------------------------------------------------------------
+
+    def interact(self, client: OpenAI, question: str, seed: int) -> str:
+        sid = f"bench-{uuid.uuid4().hex}"
+        messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+        raw = client.chat.completions.with_raw_response.create(
+            model="policy", messages=messages, max_tokens=self.args.max_tokens, temperature=1.0, seed=seed,
+            extra_headers={"X-Session-Id": sid})
+        reply = raw.parse().choices[0].message.content or ""
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": preference.reaction(reply)}]
+        # the user's reaction is the reply's next state; this call's own reply is not judged
+        client.chat.completions.create(model="policy", messages=messages, max_tokens=1,
+                                       extra_headers={"X-Session-Id": sid})
+        return raw.headers["x-turn-id"]
+
+    def score(self, turn_id: str, teacher: bool) -> None:
+        from sqlalchemy.orm import Session as OrmSession
+
+        def has_next_state() -> bool:
+            with OrmSession(self.engine) as db:
+                t = db.get(Turn, turn_id)
+                return t is not None and t.next_state is not None
+
+        wait_for(has_next_state, timeout=60)
+        score_turn(self.engine, turn_id, self.judge, self.votes,
+                   TeacherConfig(self.args.teacher) if teacher else None)
+
+    def heldout(self, client: OpenAI, seed: int) -> float:
+        prompts = HELD_OUT[: self.args.heldout]
+
+        def one(i: int) -> bool:
+            r = client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": prompts[i]}], max_tokens=self.args.max_tokens,
+                temperature=0.7, seed=seed * 1000 + i, extra_headers={"X-Turn-Type": "side"})
+            return preference.meets(r.choices[0].message.content or "")
+
+        with ThreadPoolExecutor(4) as pool:
+            return sum(pool.map(one, range(len(prompts)))) / len(prompts)
+
+    # -- one arm, one seed -------------------------------------------------------------------------
+
+    def run(self, gw: GatewayProcess, arm: str, seed: int) -> dict[str, Any]:
+        a = self.args
+        publish.activate(self.engine, publish.BASE, self.urls)  # every arm starts from the base model
+        wait_for(lambda: policy_root(gw) == a.model, timeout=30)
+        client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=2, timeout=300)
+        started = now()
+        trainer = None
+        if arm != "none":
+            trainer = OnlineTrainer(
+                self.engine, objective=ObjectiveConfig(objective=arm),
+                local=LocalConfig(model_dir=self.model_dir, lr=a.lr, seed=seed, micro_batch_size=a.k),
+                filters=Filters(since=started, needs_teacher=arm == "opd"),
+                config=OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0,
+                                    version_prefix=f"b-{arm}-{seed}-{uuid.uuid4().hex[:6]}"),
+                vllm_urls=self.urls, base_model=a.model, output_root=self.out / "runs", store=self.out / "store")
+        order = [TRAIN[(seed * 11 + i) % len(TRAIN)] for i in range(a.interactions)]
+        curve = [self.heldout(client, seed)]
+        latencies: list[float] = []
+        rewards: list[float] = []
+        log.info("%s seed %d: start %.2f", arm, seed, curve[0])
+        for i, question in enumerate(order):
+            if arm != "none":
+                tid = self.interact(client, question, seed * 100_000 + i)
+                self.score(tid, teacher=arm in ("opd", "combined"))
+                rewards.append(self.reward(tid))
+            if (i + 1) % a.k:
+                continue
+            if trainer is not None:
+                result = trainer.run_round()
+                if result is not None and result.decision == "promote":
+                    name = result.candidate
+                    wait_for(lambda: policy_root(gw) == name, timeout=30, interval=0.05)
+                    served = now()
+                    latencies += [(served - self.scored_at(t)).total_seconds() for t in result.turn_ids]
+            curve.append(self.heldout(client, seed))
+            log.info("%s seed %d: after %d interactions %.2f", arm, seed, i + 1, curve[-1])
+        if trainer is not None:
+            trainer.finish()
+        return {"arm": arm, "seed": seed, "curve": curve, "latencies_s": latencies,
+                "train_reward_mean": statistics.fmean(rewards) if rewards else None}
+
+    def reward(self, tid: str) -> float:
+        from sqlalchemy.orm import Session as OrmSession
+
+        with OrmSession(self.engine) as db:
+            j = db.get(Judgement, tid)
+            return float(j.reward) if j is not None and j.reward is not None else 0.0
+
+    def scored_at(self, tid: str) -> datetime:
+        from sqlalchemy.orm import Session as OrmSession
+
+        with OrmSession(self.engine) as db:
+            t = db.get(Judgement, tid).updated_at
+        return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def policy_root(gw: GatewayProcess) -> str:
+    data = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
+    return next(m["root"] for m in data if m["id"] == "policy")
+
+
+log = logging.getLogger("bench.learning")
+
+
+def table(results: list[dict[str, Any]], k: int) -> str:
+    arms = list(dict.fromkeys(r["arm"] for r in results))
+    points = len(results[0]["curve"])
+    head = "| arm | seeds | " + " | ".join(f"after {i * k}" for i in range(points)) + " | Δ | latency s (median) |"
+    lines = [head, "|" + "---|" * (points + 4)]
+    for arm in arms:
+        rows = [r for r in results if r["arm"] == arm]
+        cells = []
+        for i in range(points):
+            vals = [r["curve"][i] for r in rows]
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            cells.append(f"{statistics.fmean(vals):.2f} ± {sd:.2f}")
+        delta = statistics.fmean(r["curve"][-1] - r["curve"][0] for r in rows)
+        lat = [x for r in rows for x in r["latencies_s"]]
+        lines.append(f"| {arm} | {len(rows)} | " + " | ".join(cells) + f" | {delta:+.2f} | "
+                     + (f"{statistics.median(lat):.1f}" if lat else "–") + " |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        rows = [r["curve"] for r in results if r["arm"] == arm]
+        xs = [i * k for i in range(len(rows[0]))]
+        mean = [statistics.fmean(c[i] for c in rows) for i in range(len(xs))]
+        sd = [statistics.stdev([c[i] for c in rows]) if len(rows) > 1 else 0.0 for i in range(len(xs))]
+        ax.plot(xs, mean, marker="o", label=arm)
+        ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.15)
+    ax.set_xlabel("interactions")
+    ax.set_ylabel("held-out share meeting the preference")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--upstream", default=os.environ.get("NEXTSTATE_TEST_VLLM_URL", "http://127.0.0.1:8501/v1"))
+    p.add_argument("--teacher", default=os.environ.get("NEXTSTATE_TEST_TEACHER_URL", "http://127.0.0.1:8502/v1"))
+    p.add_argument("--model", default="smollm2", help="served name of the base model")
+    p.add_argument("--model-dir", help="the base model's directory (default: the converted SmolLM2)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--arms", default="none,rl,opd,combined")
+    p.add_argument("--judge", choices=["python", "llm"], default="python")
+    p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
+    for key in ("interactions", "k", "heldout", "seeds", "max_tokens", "updates"):
+        p.add_argument(f"--{key.replace('_', '-')}", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/learning/results"))
+    args = p.parse_args()
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    tag = f"{args.preset}-{args.judge}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
+    bench = Bench(args, work)
+    results = []
+    t0 = time.monotonic()
+    with GatewayProcess(work / "gw", database_url=bench.pool, upstream_url=args.upstream) as gw:
+        for seed in range(args.seeds):
+            for arm in args.arms.split(","):
+                results.append(bench.run(gw, arm, seed))
+                # partial results survive an interrupted run
+                (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
+                print(table(results, args.k), flush=True)
+        publish.activate(bench.engine, publish.BASE, bench.urls)
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session as OrmSession
+
+        from datapool.models import PolicyVersion
+
+        with OrmSession(bench.engine) as db:
+            names = list(db.scalars(select(PolicyVersion.name)))
+        with httpx.Client(timeout=30) as http:
+            for name in names:
+                publish.unload(http, bench.urls, name)
+    elapsed = time.monotonic() - t0
+    title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
+             f"{args.heldout} held-out, {args.seeds} seeds")
+    text = table(results, args.k)
+    print(f"\n{title} ({elapsed / 60:.1f} min)\n\n{text}")
+    (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
+                                                                 if k != "out"} | {"minutes": elapsed / 60},
+                                                      "results": results, "table": text}, indent=1, default=str))
+    plot(results, args.k, args.out / f"{tag}.png", title)
+    print(f"\nwrote {args.out / (tag + '.json')} and {args.out / (tag + '.png')}")
+
+
+if __name__ == "__main__":
+    main()
