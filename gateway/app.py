@@ -121,4 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(feedback.router)
     app.include_router(admin.router)
     app.include_router(health.router)
+    from gateway import ui
+
+    ui.mount(app)
     return app

@@ -161,6 +161,10 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 @click.option("--task-id", help="Only sessions of this task.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["online", "offline"]),
               help="Only sessions of this mode (repeatable; default both). Eval sessions are never trained on.")
+@click.option("--labels", "label_filters", multiple=True, metavar="LABEL",
+              help="Only turns carrying this label (repeatable; all must hold): labeled, unlabeled, "
+                   "thumb-up, thumb-down, override, correction, or tag:NAME. Turns a person excluded "
+                   "are never trained on.")
 @click.option("--lease-s", type=float, default=600.0, show_default=True,
               help="A leased batch not acked this long goes back to the pool (the trainer died).")
 @click.option("--resume", metavar="RUN_ID", help="Continue a run whose trainer died (releases its leases).")
@@ -176,7 +180,7 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
           full: bool, lora_rank: int, kl_coef: float, w_rl: float, w_opd: float, loss_agg_mode: str,
           since: Any, until: Any, min_abs_reward: float | None, capture: str | None, task_id: str | None,
           modes: tuple[str, ...], lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
-          database_url: str | None, log_level: str) -> None:
+          database_url: str | None, log_level: str, label_filters: tuple[str, ...] = ()) -> None:
     """Train the policy offline from the scored turns in the pool, then publish it.
 
     \b
@@ -203,7 +207,8 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     engine = make_engine(settings.resolved_database_url)
     utc = (lambda d: d.replace(tzinfo=timezone.utc) if d is not None else None)
     filters = Filters(since=utc(since), until=utc(until), min_abs_reward=min_abs_reward, capture=capture,
-                      task_id=task_id, needs_teacher=objective == "opd", modes=modes or ("online", "offline"))
+                      task_id=task_id, needs_teacher=objective == "opd", modes=modes or ("online", "offline"),
+                      labels=_label_filters(label_filters))
     cfg = ObjectiveConfig(objective=objective, w_rl=w_rl, w_opd=w_opd, kl_coef=kl_coef, loss_agg_mode=loss_agg_mode)
     local = LocalConfig(model_dir=model_dir, lora=not full, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
                         lr=lr, micro_batch_size=micro_batch_size)
@@ -365,6 +370,15 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
         click.echo(f"pool: {settings.resolved_database_url}")
         click.echo(f"model: {settings.vllm_served_name} (also as `policy`)")
         _serve_gateway(settings, migrate=False)
+
+
+def _label_filters(specs: tuple[str, ...]) -> tuple[str, ...]:
+    from datapool.labels import LabelError, check_filter
+
+    try:
+        return tuple(check_filter(s) for s in specs)
+    except LabelError as exc:
+        raise click.BadParameter(str(exc), param_hint="--labels") from exc
 
 
 def _register_optional() -> None:
