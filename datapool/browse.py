@@ -100,7 +100,7 @@ class Browse:
 
 def _search(db: OrmSession, q: str) -> ColumnElement[bool]:
     if db.get_bind().dialect.name == "postgresql":
-        doc = func.jsonb_to_tsvector("english", func.jsonb_build_array(Turn.request, Turn.response, Turn.next_state),
+        doc = func.jsonb_to_tsvector(literal_column("'english'::regconfig"), func.jsonb_build_array(Turn.request, Turn.response, Turn.next_state),
                                      literal_column("'[\"string\"]'::jsonb"))
         return doc.op("@@")(func.websearch_to_tsquery("english", q))
     text = func.lower(func.coalesce(cast(Turn.request, Text), "") + " " + func.coalesce(cast(Turn.response, Text), "")
@@ -131,7 +131,9 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
         r = effective_reward()
         conds.append({"positive": r > 0, "negative": r < 0,
                       "tie": and_(r.is_(None), Judgement.status == "tie"),
-                      "unscored": and_(r.is_(None), or_(Judgement.status.is_(None), Judgement.status != "tie"))}[f.reward])
+                      # side turns are never scored: "unscored" means a main turn still without a reward
+                      "unscored": and_(r.is_(None), Turn.turn_type == "main",
+                                       or_(Judgement.status.is_(None), Judgement.status != "tie"))}[f.reward])
     if f.label:
         conds.append(labels.matches(f.label, Turn.id, Turn.session_id))
     return conds
