@@ -117,7 +117,7 @@ def test_login_logout_token_password_and_csrf(app_and_ids: Any) -> None:
     assert client.post(url, data={"kind": "thumb", "value": "1"}).status_code == 403  # no CSRF token
     assert client.post(url, data={"kind": "thumb", "value": "1", "csrf_token": "x" + csrf}).status_code == 403
     r = client.post(url, data={"kind": "thumb", "value": "1", "csrf_token": csrf}, headers={"HX-Request": "true"})
-    assert r.status_code == 200 and "👍 up" in r.text
+    assert r.status_code == 200 and "▲ thumbs up" in r.text
     r = client.post(url, data={"kind": "thumb", "value": "1"}, headers={"HX-Request": "true", "X-CSRF-Token": csrf})
     assert r.status_code == 200
     # the JSON API takes the session too, with the CSRF header for a change
@@ -126,8 +126,13 @@ def test_login_logout_token_password_and_csrf(app_and_ids: Any) -> None:
     r = client.post(api, json={"kind": "tag", "value": "weather"}, headers={"X-CSRF-Token": csrf})
     assert r.status_code == 200 and r.json()["author"] == "bob"
     history = client.get(api).json()["history"]
-    assert [(h["kind"], h["author"]) for h in history] == [("thumb", "bob"), ("thumb", "bob"), ("tag", "bob")]
+    assert [(h["kind"], h["author"]) for h in history][:3] == [("thumb", "bob"), ("thumb", "bob"), ("tag", "bob")]
     assert all(h["created_at"] for h in history)
+    # a corrected reply re-queues the turn for scoring (the scorer makes it the OPD hint)
+    r = client.post(api, json={"kind": "correction", "value": "Ask which city first."}, headers={"X-CSRF-Token": csrf})
+    assert r.status_code == 200 and r.json()["queued"] == [ids["weather_call"]]
+    with OrmSession(make_engine(app_and_ids[2])) as db:
+        assert db.get(Judgement, ids["weather_call"]).status == "pending"
     # bad label values are refused with an OpenAI-shaped error
     r = client.post(api, json={"kind": "override", "value": 7}, headers={"X-CSRF-Token": csrf})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_label"

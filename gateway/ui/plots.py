@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timezone
 from html import escape
 
 from markupsafe import Markup
@@ -20,8 +20,11 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _x_label(v: float, time_axis: bool) -> str:
-    return datetime.fromtimestamp(v).strftime("%m-%d %H:%M") if time_axis else _fmt(v)
+def _x_label(v: float, time_axis: bool, span: float) -> str:
+    if not time_axis:
+        return _fmt(v)
+    fmt = "%H:%M:%S" if span < 3600 else "%m-%d %H:%M"
+    return datetime.fromtimestamp(v, timezone.utc).strftime(fmt)
 
 
 def line_chart(title: str, series: dict[str, Sequence[tuple[float, float]]], *, x_label: str = "",
@@ -64,7 +67,9 @@ def line_chart(title: str, series: dict[str, Sequence[tuple[float, float]]], *, 
     for i, xv in enumerate((x0, (x0 + x1) / 2, x1)):
         anchor = ("start", "middle", "end")[i]
         parts.append(f'<text x="{sx(xv):.1f}" y="{top + h + 14}" text-anchor="{anchor}" class="chart-tick">'
-                     f'{escape(_x_label(xv, time_axis))}</text>')
+                     f'{escape(_x_label(xv, time_axis, x1 - x0))}</text>')
+    if time_axis and not x_label:
+        x_label = "time (UTC)"
     if x_label:
         parts.append(f'<text x="{left + w / 2}" y="{height - 3}" text-anchor="middle" class="chart-tick">'
                      f'{escape(x_label)}</text>')
