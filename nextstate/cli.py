@@ -162,6 +162,7 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["online", "offline"]),
               help="Only sessions of this mode (repeatable; default both). Eval sessions are never trained on.")
 @click.option("--labels", "label_filters", multiple=True, metavar="LABEL",
+              callback=lambda _ctx, _param, value: _label_filters(value),
               help="Only turns carrying this label (repeatable; all must hold): labeled, unlabeled, "
                    "thumb-up, thumb-down, override, correction, or tag:NAME. Turns a person excluded "
                    "are never trained on.")

@@ -305,3 +305,14 @@ def test_label_rows_are_never_rewritten(sqlite_url: str) -> None:
         state = labels.for_turns(db, [ids["weather_call"]])[ids["weather_call"]]
     assert "thumb" not in state["effective"] and len(state["history"]) == 3
     engine.dispose()
+
+
+def test_train_labels_option() -> None:
+    from click.testing import CliRunner
+
+    from nextstate.cli import main
+
+    res = CliRunner().invoke(main, ["train", "--objective", "rl", "--labels", "bogus"])
+    assert res.exit_code == 2 and "unknown labels filter 'bogus'" in res.output
+    res = CliRunner().invoke(main, ["train", "--help"])
+    assert "--labels LABEL" in res.output and "tag:NAME" in res.output
