@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse, labels
 from datapool.db import make_engine
-from datapool.models import Judgement, Label
+from datapool.models import Judgement, Label, Turn
 from gateway.app import create_app
 from nextstate.settings import Settings
 from tests.ui_seed import TOOL_WORD, seed
@@ -206,20 +206,37 @@ def test_labels_change_what_the_trainer_sees(database_url: str) -> None:
     engine.dispose()
 
 
-def test_correction_becomes_the_hint_and_requeues(pg_url: str) -> None:
-    from datapool.judge import PythonJudge
-    from datapool.scoring import score_turn
+def test_correction_becomes_the_opd_hint_with_teacher_logprobs(pg_url: str, vllm_server: Any,
+                                                              teacher_server: Any) -> None:
+    """A person's corrected reply outranks the judges' hints and the user's feedback text; the
+    scorer computes the turn's teacher logprobs under it on the real teacher replica."""
+    import httpx
 
+    from datapool.judge import PythonJudge
+    from datapool.scoring import TeacherConfig, score_turn
+    from trainer.samples import load_samples
+
+    root = vllm_server.base_url.removesuffix("/v1")
     engine = make_engine(pg_url)
-    ids = seed(engine)
-    tid = ids["xss_turn"]
-    with OrmSession(engine) as db, db.begin():
-        labels.add_label(db, kind="correction", value="2+2 is 4; say it plainly.", author="t", turn_id=tid)
-    judge = PythonJudge("tests.judges:verdict")
-    assert score_turn(engine, tid, judge, 1) in ("scored", "tie")
+    ids = seed(engine, lambda text: httpx.post(f"{root}/tokenize", json={
+        "model": "smollm2", "prompt": text, "add_special_tokens": False}, timeout=30).json()["tokens"])
+    tid = ids["xss_turn"]  # its feedback vote carries a hint of its own
+    judge, teacher = PythonJudge("tests.judges:verdict"), TeacherConfig(api_base=teacher_server.base_url)
+    score_turn(engine, tid, judge, 1, teacher)
     with OrmSession(engine) as db:
         j = db.get(Judgement, tid)
-        assert (j.hint, j.hint_source) == ("2+2 is 4; say it plainly.", "label")
+        first = (j.hint, list(j.teacher_logprobs or []))
+    assert first[0] == "the user disagreed" and first[1]
+    with OrmSession(engine) as db, db.begin():
+        labels.add_label(db, kind="correction", value="It is 4.", author="t", turn_id=tid)
+    score_turn(engine, tid, judge, 1, teacher)
+    with OrmSession(engine) as db:
+        j = db.get(Judgement, tid)
+        assert (j.hint, j.hint_source) == ("It is 4.", "label")
+        assert j.teacher_logprobs and len(j.teacher_logprobs) == len(db.get(Turn, tid).token_ids)
+        assert j.teacher_logprobs != first[1]  # recomputed under the correction
+        (sample,) = load_samples(db, [tid])
+    assert sample.teacher_logprobs == j.teacher_logprobs
     engine.dispose()
 
 
