@@ -21,6 +21,7 @@ from sqlalchemy import Engine, and_, exists, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import dialect_insert
+from datapool.labels import correction_for
 from datapool.judge import Judge, Vote, choose_hint, tally
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
@@ -145,7 +146,10 @@ def _aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfi
         judgement.reward = float(rated[-1]) if rated else judgement.prm_reward
         judgement.status = "scored" if rated else t.status
         feedback_hints = [v.hint for v in feedback if v.hint]
-        if feedback_hints:
+        correction = correction_for(db, turn_id)
+        if correction:  # a person's corrected reply is the OPD target before any other hint
+            hint, source = correction, "label"
+        elif feedback_hints:
             hint, source = feedback_hints[-1], "feedback"
         else:
             agreeing = [v.hint for v in prm if v.hint and (t.majority is None or v.value == t.majority)]

@@ -125,4 +125,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from gateway.routes import policy
 
     app.include_router(policy.router)
+    from gateway import ui
+
+    ui.mount(app)
     return app

@@ -164,6 +164,11 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 @click.option("--task-id", help="Only sessions of this task.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(["online", "offline"]),
               help="Only sessions of this mode (repeatable; default both). Eval sessions are never trained on.")
+@click.option("--labels", "label_filters", multiple=True, metavar="LABEL",
+              callback=lambda _ctx, _param, value: _label_filters(value),
+              help="Only turns carrying this label (repeatable; all must hold): labeled, unlabeled, "
+                   "thumb-up, thumb-down, override, correction, or tag:NAME. Turns a person excluded "
+                   "are never trained on.")
 @click.option("--lease-s", type=float, default=600.0, show_default=True,
               help="A leased batch not acked this long goes back to the pool (the trainer died).")
 @click.option("--resume", metavar="RUN_ID", help="Continue a run whose trainer died (releases its leases).")
@@ -229,7 +234,8 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
           eval_scorer: str | None, eval_threshold: float, rollback_window: int, rollback_threshold: float,
           rounds: int | None, log_level: str, backend: str = "local", gpus: int = 1, nnodes: int = 1,
           ray_address: str | None = None, gradient_checkpointing: bool = True, fsdp_strategy: str = "fsdp2",
-          offload: bool = False, push_every: int = 0, verl_overrides: tuple[str, ...] = ()) -> None:
+          offload: bool = False, push_every: int = 0, verl_overrides: tuple[str, ...] = (),
+          label_filters: tuple[str, ...] = ()) -> None:
     """Train the policy offline from the scored turns in the pool, then publish it.
 
     \b
@@ -264,7 +270,8 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     engine = make_engine(settings.resolved_database_url)
     utc = (lambda d: d.replace(tzinfo=timezone.utc) if d is not None else None)
     filters = Filters(since=utc(since), until=utc(until), min_abs_reward=min_abs_reward, capture=capture,
-                      task_id=task_id, needs_teacher=objective == "opd", modes=modes or ("online", "offline"))
+                      task_id=task_id, needs_teacher=objective == "opd", modes=modes or ("online", "offline"),
+                      labels=_label_filters(label_filters))
     cfg = ObjectiveConfig(objective=objective, w_rl=w_rl, w_opd=w_opd, kl_coef=kl_coef, loss_agg_mode=loss_agg_mode)
     local = LocalConfig(model_dir=model_dir, lora=not full, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
                         lr=lr, micro_batch_size=micro_batch_size)
@@ -700,6 +707,15 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     since = min(starts).astimezone(timezone.utc).replace(tzinfo=None) if starts else None
     ctx.invoke(train, objective=objective, steps=train_steps, since=since, modes=("offline",), publish=publish,
                model_dir=model_dir, database_url=database_url, log_level=log_level)
+
+
+def _label_filters(specs: tuple[str, ...]) -> tuple[str, ...]:
+    from datapool.labels import LabelError, check_filter
+
+    try:
+        return tuple(check_filter(s) for s in specs)
+    except LabelError as exc:
+        raise click.BadParameter(str(exc), param_hint="--labels") from exc
 
 
 def _register_optional() -> None:

@@ -157,6 +157,21 @@ class Settings(BaseSettings):
         "Default: http://<host>:<port> of these settings.",
     )
 
+    # admin web UI (/admin)
+    admin_password: str | None = Field(
+        default=None,
+        description="If set, the admin UI also accepts this password at /admin/login (the admin "
+        "token is always accepted there). With neither set, the admin UI and API are open.",
+    )
+    admin_secret: str | None = Field(
+        default=None,
+        description="Key that signs admin session cookies; give every gateway replica the same. "
+        "Default: derived from admin_token and admin_password.",
+    )
+    admin_session_max_age_s: float = Field(
+        default=12 * 3600.0, description="An admin login lasts this long."
+    )
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:

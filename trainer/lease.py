@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Engine, exists, func, or_, select, update
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool import labels
 from datapool.db import dialect_insert
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
 
@@ -37,6 +38,9 @@ class Filters:
     needs_teacher: bool = False  # OPD: only hinted turns with teacher logprobs
     # session modes to train on; "eval" sessions are never trained on, whatever is asked
     modes: tuple[str, ...] = ("online", "offline")
+    # people's labels the turn must carry, all of them (datapool.labels.FILTERS or "tag:NAME");
+    # turns a person excluded are never leased, whatever is asked
+    labels: tuple[str, ...] = ()
 
 
 def start_run(engine: Engine, *, objective: str, backend: str, config: dict[str, Any],
@@ -81,6 +85,7 @@ def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
         q = q.where(exists().where(Session.id == Turn.session_id, Session.task_id == filters.task_id))
     modes = [m for m in filters.modes if m != "eval"]
     q = q.where(exists().where(Session.id == Turn.session_id, Session.mode.in_(modes)))
+    q = q.where(~labels.excluded(Turn.id, Turn.session_id), labels.all_of(filters.labels, Turn.id, Turn.session_id))
     taken = exists().where(TrainingLease.run_id == run_id, TrainingLease.turn_id == Judgement.turn_id,
                            or_(TrainingLease.acked_at.is_not(None), TrainingLease.expires_at > now))
     return q.where(~taken).order_by(Turn.created_at, Turn.id)

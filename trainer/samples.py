@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.labels import reward_overrides
 from datapool.models import Judgement, Session, Turn
 
 
@@ -72,6 +73,7 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
         ids = db.scalars(select(Turn.id).where(Turn.session_id == sid, Turn.turn_type == "main")
                          .order_by(Turn.created_at, Turn.id)).all()
         positions.update({tid: i for i, tid in enumerate(ids)})
+    overrides = reward_overrides(db, list(turn_ids))  # a person's score replaces the judge's
     out = []
     for tid in turn_ids:
         t, j = turns[tid], judgements.get(tid)
@@ -91,7 +93,7 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
             step_index=positions.get(tid, 0), prompt_ids=prompt, response_ids=response,
             behaviour_logprobs=behaviour if behaviour and len(behaviour) == len(response) else None,
             teacher_logprobs=teacher if teacher and len(teacher) == len(response) else None,
-            reward=j.reward if j else None, integrated_reward=j.integrated_reward if j else None,
+            reward=overrides.get(tid, j.reward if j else None), integrated_reward=j.integrated_reward if j else None,
             capture=t.capture,
         ))
     return out

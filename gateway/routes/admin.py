@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,14 +21,11 @@ from gateway.errors import OpenAIError
 from gateway.protocol import OutcomeRequest, SessionTags, SessionUpdate, parse_body, read_body
 
 
-def require_admin(request: Request) -> None:
-    token = gateway_of(request).settings.admin_token
-    if token is None:
-        return
-    auth = request.headers.get("authorization", "")
-    given = auth[7:] if auth[:7].lower() == "bearer " else ""
-    if not hmac.compare_digest(given, token):
-        raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+async def require_admin(request: Request) -> None:
+    """The admin token as a bearer token, or an admin UI login (see gateway.ui.auth)."""
+    from gateway.ui.auth import require_api
+
+    await require_api(request)
 
 
 router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])

@@ -1,0 +1,344 @@
+"""Finding sessions and turns for people: the admin UI's filters, full-text search, counts,
+export selection and the annotation queue.
+
+A filter has session conditions (mode, task, time range) and turn conditions (search words,
+capture, model, policy version, reward, label state, turn type). A session matches when one of
+its turns meets every turn condition; the turns a filter *selects* (what an export writes) are
+exactly those turns of matching sessions.
+
+Search is PostgreSQL full-text search over every string in a turn's request (so tool results
+and earlier messages), its reply and its next state (``jsonb_to_tsvector``, the ``english``
+configuration, ``websearch_to_tsquery`` syntax: words, "phrases", -not, or). On SQLite each
+word must occur (case-insensitively) in that JSON text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
+from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.sql.elements import ColumnElement
+
+from datapool import labels
+from datapool.models import Judgement, Label, Session, Turn, Vote
+from datapool.queries import decode_cursor, encode_cursor
+
+MODES = ("online", "offline", "eval")
+CAPTURES = ("white-box", "black-box")
+REWARDS = ("positive", "negative", "tie", "unscored")
+TURN_TYPES = ("main", "side")
+
+
+class FilterError(ValueError):
+    """A filter value that means nothing; the message names the parameter."""
+
+
+def _as_utc(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+@dataclass(frozen=True)
+class Browse:
+    """One view of the pool, as the UI's filter form and the export URLs spell it."""
+
+    q: str | None = None
+    mode: str | None = None
+    capture: str | None = None
+    model: str | None = None
+    policy_version: str | None = None
+    reward: str | None = None
+    label: str | None = None
+    turn_type: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    task_id: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "Browse":
+        """From query parameters; empty values are no filter. Raises :class:`FilterError`."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = params.get(f.name)
+            if raw is None or str(raw).strip() == "":
+                continue
+            text = str(raw).strip()
+            if f.name in ("since", "until"):
+                try:
+                    values[f.name] = _as_utc(datetime.fromisoformat(text))
+                except ValueError:
+                    raise FilterError(f"{f.name}: not a date/time: {text!r}") from None
+                continue
+            choices = {"mode": MODES, "capture": CAPTURES, "reward": REWARDS, "turn_type": TURN_TYPES}.get(f.name)
+            if choices and text not in choices:
+                raise FilterError(f"{f.name}: {text!r} is not one of {', '.join(choices)}")
+            if f.name == "label":
+                try:
+                    labels.check_filter(text)
+                except labels.LabelError as exc:
+                    raise FilterError(f"label: {exc}") from None
+            values[f.name] = text[:1000]
+        return cls(**values)
+
+    def params(self) -> dict[str, str]:
+        """The non-empty filters as query parameters (the inverse of :meth:`from_params`)."""
+        out = {}
+        for k, v in asdict(self).items():
+            if v is None:
+                continue
+            out[k] = v.isoformat() if isinstance(v, datetime) else str(v)
+        return out
+
+    @property
+    def empty(self) -> bool:
+        return not self.params()
+
+
+def _search(db: OrmSession, q: str) -> ColumnElement[bool]:
+    if db.get_bind().dialect.name == "postgresql":
+        doc = func.jsonb_to_tsvector(literal_column("'english'::regconfig"), func.jsonb_build_array(Turn.request, Turn.response, Turn.next_state),
+                                     literal_column("'[\"string\"]'::jsonb"))
+        return doc.op("@@")(func.websearch_to_tsquery("english", q))
+    text = func.lower(func.coalesce(cast(Turn.request, Text), "") + " " + func.coalesce(cast(Turn.response, Text), "")
+                      + " " + func.coalesce(cast(Turn.next_state, Text), ""))
+    words = [w for w in q.lower().split() if w]
+    return and_(True, *(text.contains(w, autoescape=True) for w in words))
+
+
+def effective_reward() -> Any:
+    """SQL: the reward the trainer uses for a turn: a person's override, else the judge's."""
+    return func.coalesce(labels.override_reward(Turn.id, Turn.session_id), Judgement.reward)
+
+
+def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
+    """Conditions on ``Turn`` (outer-joined to ``Judgement``)."""
+    conds: list[ColumnElement[bool]] = []
+    if f.q:
+        conds.append(_search(db, f.q))
+    if f.capture:
+        conds.append(Turn.capture == f.capture)
+    if f.model:
+        conds.append(or_(Turn.model == f.model, Turn.upstream_model == f.model))
+    if f.policy_version:
+        conds.append(Turn.policy_version == f.policy_version)
+    if f.turn_type:
+        conds.append(Turn.turn_type == f.turn_type)
+    if f.reward:
+        r = effective_reward()
+        conds.append({"positive": r > 0, "negative": r < 0,
+                      "tie": and_(r.is_(None), Judgement.status == "tie"),
+                      # side turns are never scored: "unscored" means a main turn still without a reward
+                      "unscored": and_(r.is_(None), Turn.turn_type == "main",
+                                       or_(Judgement.status.is_(None), Judgement.status != "tie"))}[f.reward])
+    if f.label:
+        conds.append(labels.matches(f.label, Turn.id, Turn.session_id))
+    return conds
+
+
+def session_conditions(f: Browse) -> list[ColumnElement[bool]]:
+    conds: list[ColumnElement[bool]] = []
+    if f.mode:
+        conds.append(Session.mode == f.mode)
+    if f.task_id:
+        conds.append(Session.task_id == f.task_id)
+    if f.since:
+        conds.append(Session.created_at >= f.since)
+    if f.until:
+        conds.append(Session.created_at < f.until)
+    return conds
+
+
+def _session_where(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
+    conds = session_conditions(f)
+    tconds = turn_conditions(db, f)
+    if tconds:
+        conds.append(select(Turn.id).outerjoin(Judgement, Judgement.turn_id == Turn.id)
+                     .where(Turn.session_id == Session.id, *tconds).exists())
+    return conds
+
+
+def sessions_page(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
+                  ) -> tuple[list[dict[str, Any]], str | None]:
+    """Matching sessions, newest first, with a summary each; and the next page's cursor."""
+    q = select(Session).where(*_session_where(db, f))
+    if cursor:
+        at, sid = decode_cursor(cursor)
+        q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
+    rows = list(db.scalars(q.order_by(Session.created_at.desc(), Session.id.desc()).limit(limit + 1)))
+    page = rows[:limit]
+    next_cursor = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
+    return _summaries(db, page), next_cursor
+
+
+def _preview(messages: list[dict[str, Any]]) -> str:
+    for m in messages:
+        if m.get("role") == "user":
+            return content_text(m.get("content"))[:200]
+    return content_text(messages[0].get("content"))[:200] if messages else ""
+
+
+def content_text(content: Any) -> str:
+    """A message's content as plain text (content parts joined, None as empty)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content)
+    return str(content)
+
+
+def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
+    ids = [s.id for s in sessions]
+    if not ids:
+        return []
+    r = effective_reward()
+    turns = db.execute(
+        select(Turn.session_id, Turn.id, Turn.turn_type, Turn.model, Turn.policy_version, Turn.capture,
+               Judgement.status, r.label("reward"))
+        .outerjoin(Judgement, Judgement.turn_id == Turn.id)
+        .where(Turn.session_id.in_(ids)).order_by(Turn.created_at, Turn.id)).all()
+    first: dict[str, str] = {}
+    info: dict[str, dict[str, Any]] = {sid: {"turns": 0, "main": 0, "positive": 0, "negative": 0, "tie": 0,
+                                              "neutral": 0, "unscored": 0, "models": set(), "versions": set(), "captures": set()}
+                                       for sid in ids}
+    for sid, tid, ttype, model, version, capture, status, reward in turns:
+        first.setdefault(sid, tid)
+        i = info[sid]
+        i["turns"] += 1
+        i["models"].add(model)
+        i["captures"].add(capture)
+        if version:
+            i["versions"].add(version)
+        if ttype != "main":
+            continue
+        i["main"] += 1
+        if reward is not None:
+            i["positive" if reward > 0 else "negative" if reward < 0 else "neutral"] += 1
+        elif status == "tie":
+            i["tie"] += 1
+        else:
+            i["unscored"] += 1
+    previews = dict(db.execute(select(Turn.session_id, Turn.request).where(Turn.id.in_(first.values()))).all())
+    labeled = set(db.scalars(select(Turn.session_id).join(Label, Label.turn_id == Turn.id)
+                             .where(Turn.session_id.in_(ids))))
+    labeled |= set(db.scalars(select(Label.session_id).where(Label.session_id.in_(ids))))
+    out = []
+    for s in sessions:
+        i = info[s.id]
+        out.append({
+            "id": s.id, "mode": s.mode, "task_id": s.task_id, "group_id": s.group_id, "source": s.source,
+            "created_at": _as_utc(s.created_at), "ended_at": s.ended_at, "end_reason": s.end_reason,
+            "outcome": s.outcome, "labeled": s.id in labeled,
+            "preview": _preview(((previews.get(s.id) or {}).get("messages")) or []),
+            **{k: (sorted(v) if isinstance(v, set) else v) for k, v in i.items()},
+        })
+    return out
+
+
+def counts(db: OrmSession, f: Browse) -> dict[str, int]:
+    """How many sessions match and how many turns are selected, by reward bucket."""
+    sessions = db.scalar(select(func.count()).select_from(Session).where(*_session_where(db, f))) or 0
+    r = effective_reward()
+    bucket = (select(r.label("reward"), Judgement.status.label("status"))
+              .select_from(Turn).join(Session, Session.id == Turn.session_id)
+              .outerjoin(Judgement, Judgement.turn_id == Turn.id)
+              .where(*session_conditions(f), *turn_conditions(db, f)).subquery())
+    rows = db.execute(select(
+        func.count(),
+        func.count().filter(bucket.c.reward > 0),
+        func.count().filter(bucket.c.reward < 0),
+        func.count().filter(and_(bucket.c.reward.is_(None), bucket.c.status == "tie")),
+        func.count().filter(bucket.c.reward == 0),
+    ).select_from(bucket)).one()
+    total, pos, neg, tie, neutral = (int(x or 0) for x in rows)
+    return {"sessions": int(sessions), "turns": total, "positive": pos, "negative": neg, "neutral": neutral,
+            "tie": tie, "unscored": total - pos - neg - tie - neutral}
+
+
+def selected_turns(db: OrmSession, f: Browse, *, after: tuple[datetime, str] | None, limit: int) -> list[Turn]:
+    """The turns the filter selects, oldest first, ``limit`` at a time after the key ``after``
+    (created_at, id) of the previous batch."""
+    q = (select(Turn).join(Session, Session.id == Turn.session_id)
+         .outerjoin(Judgement, Judgement.turn_id == Turn.id)
+         .where(*session_conditions(f), *turn_conditions(db, f)))
+    if after is not None:
+        q = q.where(or_(Turn.created_at > after[0], and_(Turn.created_at == after[0], Turn.id > after[1])))
+    return list(db.scalars(q.order_by(Turn.created_at, Turn.id).limit(limit)))
+
+
+def iter_selected(engine: Any, f: Browse, batch: int = 500) -> Iterator[list[tuple[Turn, Session, Judgement | None]]]:
+    """Batches of selected turns with their session and judgement; one short transaction each,
+    so a long export never holds the pool."""
+    after: tuple[datetime, str] | None = None
+    while True:
+        with OrmSession(engine) as db:
+            turns = selected_turns(db, f, after=after, limit=batch)
+            if not turns:
+                return
+            sids = {t.session_id for t in turns}
+            sessions = {s.id: s for s in db.scalars(select(Session).where(Session.id.in_(sids)))}
+            judgements = {j.turn_id: j for j in db.scalars(
+                select(Judgement).where(Judgement.turn_id.in_([t.id for t in turns])))}
+            out = [(t, sessions[t.session_id], judgements.get(t.id)) for t in turns]
+            db.expunge_all()
+        after = (turns[-1].created_at, turns[-1].id)
+        yield out
+        if len(turns) < batch:
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# the annotation queue
+
+
+def _gap(teacher: list[float] | None, student: list[float] | None) -> float | None:
+    if not teacher or not student or len(teacher) != len(student):
+        return None
+    return sum(abs(a - b) for a, b in zip(teacher, student)) / len(teacher)
+
+
+def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: float = 1.0
+          ) -> list[dict[str, Any]]:
+    """Unlabeled scored-or-tied main turns, contested ones first: split judge votes, a person's
+    feedback disagreeing with the judges, a large mean |teacher − student| logprob gap. Looks at
+    the ``scan`` newest candidates."""
+    rows = db.execute(
+        select(Turn.id, Turn.session_id, Turn.created_at, Turn.logprobs, Judgement.status, Judgement.reward,
+               Judgement.prm_reward, Judgement.teacher_logprobs)
+        .join(Judgement, Judgement.turn_id == Turn.id)
+        .where(Turn.turn_type == "main", Judgement.status.in_(("scored", "tie", "unparsable")),
+               ~labels.matches("labeled", Turn.id, Turn.session_id))
+        .order_by(Turn.created_at.desc(), Turn.id.desc()).limit(scan)).all()
+    ids = [r.id for r in rows]
+    votes: dict[str, list[Vote]] = {}
+    for v in db.scalars(select(Vote).where(Vote.turn_id.in_(ids))):
+        votes.setdefault(v.turn_id, []).append(v)
+    scored = []
+    for r in rows:
+        prm = [v.value for v in votes.get(r.id, []) if v.kind == "prm"]
+        fb = [v.value for v in votes.get(r.id, []) if v.kind == "feedback" and v.value is not None]
+        reasons, score = [], 0.0
+        parsed = [v for v in prm if v is not None]
+        if len(set(parsed)) > 1 or r.status == "tie":
+            minority = 1 - max(parsed.count(x) for x in set(parsed)) / len(parsed) if parsed else 0.5
+            score += 1 + minority
+            reasons.append(f"split votes {'/'.join(f'{v:+d}' for v in sorted(parsed, reverse=True))}")
+        if fb and r.prm_reward is not None and math.copysign(1, fb[-1]) != math.copysign(1, r.prm_reward or 0.0) \
+                and fb[-1] != r.prm_reward:
+            score += 2
+            reasons.append(f"feedback {fb[-1]:+d} vs judges {r.prm_reward:+.0f}")
+        gap = _gap(r.teacher_logprobs, r.logprobs)
+        if gap is not None and gap >= gap_threshold:
+            score += gap
+            reasons.append(f"|teacher − student| {gap:.2f}")
+        scored.append({"turn_id": r.id, "session_id": r.session_id, "created_at": _as_utc(r.created_at),
+                       "status": r.status, "reward": r.reward, "score": score, "reasons": reasons,
+                       "gap": gap})
+    scored.sort(key=lambda x: (-x["score"], -x["created_at"].timestamp()))
+    return scored[:limit]
+

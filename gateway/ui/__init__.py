@@ -1,0 +1,37 @@
+"""The admin web UI at /admin and the admin API's label, queue, export and policy routes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from gateway.ui.auth import CsrfFailed, LoginRequired
+
+STATIC = Path(__file__).parent / "static"
+
+
+def mount(app: FastAPI) -> None:
+    """Add the UI's routes, static files and its two exception handlers to the gateway."""
+    from gateway.ui import api, pages
+
+    @app.exception_handler(LoginRequired)
+    async def _login(request: Request, _: LoginRequired) -> Response:
+        target = "/admin/login?next=" + request.url.path
+        if request.headers.get("hx-request") == "true":
+            return Response(status_code=401, headers={"HX-Redirect": target})
+        if request.method != "GET":
+            return HTMLResponse("<p>Log in first.</p>", status_code=401)
+        return RedirectResponse(target, status_code=303)
+
+    @app.exception_handler(CsrfFailed)
+    async def _csrf(request: Request, _: CsrfFailed) -> Response:
+        return HTMLResponse("<p>Refused: this form is stale or did not come from this site (CSRF check). "
+                            "Reload the page and try again.</p>", status_code=403)
+
+    app.include_router(pages.public)
+    app.include_router(pages.router)
+    app.include_router(api.router)
+    app.mount("/admin/static", StaticFiles(directory=STATIC), name="admin-static")

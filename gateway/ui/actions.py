@@ -1,0 +1,125 @@
+"""The admin's state changes, shared by the UI and the JSON API: labels, promote, rollback."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool import labels
+from datapool.models import PolicyEvent, PolicyVersion
+from datapool.scoring import mark_pending
+from gateway.app import Gateway
+from gateway.errors import OpenAIError
+
+
+def _unavailable(exc: SQLAlchemyError) -> OpenAIError:
+    return OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}")
+
+
+async def read(gw: Gateway, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(db, ...)`` in a worker thread with a session of its own."""
+    def run() -> Any:
+        with OrmSession(gw.engine) as db:
+            return fn(db, *args, **kwargs)
+
+    try:
+        return await asyncio.to_thread(run)
+    except SQLAlchemyError as exc:
+        raise _unavailable(exc) from exc
+
+
+async def add_label(gw: Gateway, *, kind: str, value: Any, author: str, turn_id: str | None = None,
+                    session_id: str | None = None) -> dict[str, Any]:
+    """Store a label. A corrected reply re-queues the turn, so the scorer makes it the turn's
+    hint and computes teacher logprobs under it. Raises OpenAIError 400 / 404 / 503."""
+    def run() -> tuple[dict[str, Any], list[str]]:
+        with OrmSession(gw.engine) as db, db.begin():
+            row = labels.add_label(db, kind=kind, value=value, author=author, turn_id=turn_id,
+                                   session_id=session_id)
+            queued = mark_pending(db, [turn_id]) if kind == "correction" and turn_id else []
+            return labels.label_dict(row), queued
+
+    try:
+        label, queued = await asyncio.to_thread(run)
+    except labels.LabelError as exc:
+        raise OpenAIError(400, str(exc), param="value", code="invalid_label") from exc
+    except LookupError as exc:
+        raise OpenAIError(404, str(exc).strip("'\""), code="not_found") from exc
+    except SQLAlchemyError as exc:
+        raise _unavailable(exc) from exc
+    if queued:
+        await asyncio.to_thread(gw.enqueuer.send, queued)
+    return label | {"queued": queued}
+
+
+def vllm_urls(gw: Gateway) -> list[str]:
+    """The servers a version must be loaded into: the policy upstream and the teacher replica."""
+    from trainer.publish import normalize_vllm_url
+
+    s = gw.settings
+    urls = [s.local_vllm_url, *([s.teacher_url] if s.teacher_url else [])]
+    return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
+
+
+def _event(gw: Gateway, action: str, name: str | None, actor: str, reason: str | None,
+           metrics: dict[str, Any]) -> None:
+    with OrmSession(gw.engine) as db, db.begin():
+        vid = None
+        if name:
+            row = db.query(PolicyVersion).filter(PolicyVersion.name == name).first()
+            vid = row.id if row else None
+        db.add(PolicyEvent(version_id=vid, action=action, actor=actor, reason=reason, metrics=metrics))
+
+
+async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
+    """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first."""
+    from trainer.publish import PublishError, VersionNotFound, activate
+
+    def run() -> dict[str, Any]:
+        previous = _active_name(gw)
+        active = activate(gw.engine, name, vllm_urls(gw))
+        _event(gw, "promote", active["name"] if active else None, actor, reason,
+               {"previous": previous, "active": active["name"] if active else None})
+        return {"active": active["name"] if active else None, "previous": previous}
+
+    try:
+        return await asyncio.to_thread(run)
+    except VersionNotFound as exc:
+        raise OpenAIError(404, str(exc), code="version_not_found") from exc
+    except PublishError as exc:
+        raise OpenAIError(409, str(exc), code="promote_failed") from exc
+    except SQLAlchemyError as exc:
+        raise _unavailable(exc) from exc
+
+
+async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None = None) -> dict[str, Any]:
+    """Roll the policy back (to the previous version, or to *to*)."""
+    from trainer.publish import PublishError, VersionNotFound
+    from trainer.publish import rollback as do_rollback
+
+    def run() -> dict[str, Any]:
+        result = do_rollback(gw.engine, vllm_urls(gw), to=to or None)
+        active = result["active"]["name"] if result.get("active") else None
+        for name in result.get("rolled_back", []):
+            _event(gw, "rollback", name, actor, reason, {"active": active})
+        return {"active": active, "rolled_back": list(result.get("rolled_back", []))}
+
+    try:
+        return await asyncio.to_thread(run)
+    except VersionNotFound as exc:
+        raise OpenAIError(404, str(exc), code="version_not_found") from exc
+    except PublishError as exc:
+        raise OpenAIError(409, str(exc), code="rollback_failed") from exc
+    except SQLAlchemyError as exc:
+        raise _unavailable(exc) from exc
+
+
+def _active_name(gw: Gateway) -> str | None:
+    from datapool.queries import active_policy_version
+
+    with OrmSession(gw.engine) as db:
+        row = active_policy_version(db)
+        return row.name if row else None

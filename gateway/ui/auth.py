@@ -1,0 +1,151 @@
+"""Who may use the admin UI and API, and protection of every state change.
+
+Auth is configured when ``admin_token`` or ``admin_password`` is set. Then:
+
+* the JSON API (``/api``) takes ``Authorization: Bearer <admin token>`` as before, or the UI's
+  session cookie (and then, for a state change, the CSRF token in ``X-CSRF-Token``);
+* the UI (``/admin``) takes the session cookie, which ``/admin/login`` issues for the token or
+  the password: an itsdangerous-signed, timestamped value (HttpOnly, SameSite=Strict) holding
+  the admin's name and a CSRF token. Logging out clears it.
+
+Every UI state change (a POST) must carry that CSRF token, in the form field ``csrf_token`` or
+the ``X-CSRF-Token`` header (htmx sends it from ``<body hx-headers>``). Without configured
+auth the UI still sets an anonymous cookie so the CSRF check applies all the same: another
+site cannot make a browser label or promote anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from itsdangerous import BadSignature, URLSafeTimedSerializer
+
+from gateway.app import gateway_of
+from gateway.errors import OpenAIError
+from nextstate.settings import Settings
+
+COOKIE = "nextstate_admin"
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+@dataclass(frozen=True)
+class Admin:
+    """The person (or program) making an admin request."""
+
+    name: str
+    csrf: str | None  # the session's CSRF token; None for bearer-token requests
+    via: str  # "cookie" | "bearer" | "open"
+
+
+class LoginRequired(Exception):
+    """A UI request without a valid session: the browser is sent to the login page."""
+
+
+class CsrfFailed(Exception):
+    """A state change without the session's CSRF token."""
+
+
+def configured(settings: Settings) -> bool:
+    return bool(settings.admin_token or settings.admin_password)
+
+
+def _serializer(settings: Settings) -> URLSafeTimedSerializer:
+    secret = settings.admin_secret or hashlib.sha256(
+        b"nextstate-admin-cookie\0" + (settings.admin_token or "").encode() + b"\0"
+        + (settings.admin_password or "").encode()).hexdigest()
+    return URLSafeTimedSerializer(secret, salt="nextstate-admin-session")
+
+
+def check_credentials(settings: Settings, given: str) -> bool:
+    """The admin token or password, compared in constant time."""
+    ok = False
+    for expected in (settings.admin_token, settings.admin_password):
+        if expected:
+            ok |= hmac.compare_digest(given.encode(), expected.encode())
+    return ok
+
+
+def new_session(settings: Settings, name: str) -> tuple[str, str]:
+    """(cookie value, csrf token) of a fresh session for *name*."""
+    csrf = secrets.token_urlsafe(24)
+    return _serializer(settings).dumps({"u": name, "c": csrf}), csrf
+
+
+def read_session(request: Request) -> Admin | None:
+    raw = request.cookies.get(COOKIE)
+    if not raw:
+        return None
+    settings = gateway_of(request).settings
+    try:
+        data: Any = _serializer(settings).loads(raw, max_age=settings.admin_session_max_age_s)
+    except BadSignature:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("u"), str) or not isinstance(data.get("c"), str):
+        return None
+    if configured(settings) and data["u"] == "anonymous":
+        return None  # a cookie from before auth was configured is no login
+    return Admin(name=data["u"], csrf=data["c"], via="cookie")
+
+
+def set_cookie(response: Any, request: Request, value: str) -> None:
+    settings = gateway_of(request).settings
+    response.set_cookie(COOKIE, value, max_age=int(settings.admin_session_max_age_s), httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https", path="/")
+
+
+async def _check_csrf(request: Request, admin: Admin) -> None:
+    if request.method in SAFE_METHODS:
+        return
+    given = request.headers.get(CSRF_HEADER)
+    if given is None and request.headers.get("content-type", "").startswith(
+            ("application/x-www-form-urlencoded", "multipart/form-data")):
+        given = (await request.form()).get(CSRF_FIELD)
+    if not isinstance(given, str) or not admin.csrf or not hmac.compare_digest(given, admin.csrf):
+        raise CsrfFailed()
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:] if auth[:7].lower() == "bearer " else None
+
+
+async def require_ui(request: Request) -> Admin:
+    """Dependency of every /admin route but login and static files."""
+    admin = read_session(request)
+    if admin is None:
+        if configured(gateway_of(request).settings):
+            raise LoginRequired()
+        admin = Admin(name="anonymous", csrf=None, via="open")  # a cookie is set on the page
+        if request.method not in SAFE_METHODS:
+            raise CsrfFailed()
+    await _check_csrf(request, admin)
+    request.state.admin = admin
+    return admin
+
+
+async def require_api(request: Request) -> Admin:
+    """Dependency of every /api route: the admin token, or the UI's session (with CSRF)."""
+    settings = gateway_of(request).settings
+    token = _bearer(request)
+    if token is not None:
+        if settings.admin_token and hmac.compare_digest(token.encode(), settings.admin_token.encode()):
+            return Admin(name="token", csrf=None, via="bearer")
+        if configured(settings):
+            raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+    admin = read_session(request)
+    if admin is not None:
+        try:
+            await _check_csrf(request, admin)
+        except CsrfFailed:
+            raise OpenAIError(403, "missing or wrong X-CSRF-Token", code="csrf_failed") from None
+        return admin
+    if configured(settings):
+        raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+    return Admin(name="anonymous", csrf=None, via="open")

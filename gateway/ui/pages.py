@@ -1,0 +1,361 @@
+"""The admin web UI: server-rendered pages (Jinja2, autoescaped) made live with htmx."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool import browse, export, labels, queries, training_view
+from datapool.models import Turn
+from gateway.app import Gateway, gateway_of
+from gateway.errors import OpenAIError
+from gateway.ui import actions, auth, plots, tokens
+from gateway.ui.auth import Admin, require_ui
+
+HERE = Path(__file__).parent
+env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
+                  trim_blocks=True, lstrip_blocks=True)
+env.filters["reward"] = lambda v: "–" if v is None else f"{v:+.2f}"
+env.filters["when"] = lambda v: "" if v is None else (v.strftime("%Y-%m-%d %H:%M:%S") if hasattr(v, "strftime")
+                                                         else str(v)[:19].replace("T", " "))
+env.globals["content_text"] = browse.content_text
+env.globals["urlencode"] = urlencode
+
+public = APIRouter(prefix="/admin", include_in_schema=False)
+router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_ui)])
+
+
+def render(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    """A page; in open mode (no auth configured) the first one sets the anonymous session cookie
+    whose CSRF token the forms then carry."""
+    admin: Admin | None = getattr(request.state, "admin", None)
+    cookie = None
+    if admin is not None and admin.csrf is None and admin.via == "open":
+        cookie, csrf = auth.new_session(gateway_of(request).settings, "anonymous")
+        admin = Admin(name="anonymous", csrf=csrf, via="open")
+    html = env.get_template(template).render(request=request, admin=admin, path=request.url.path,
+                                             auth_configured=auth.configured(gateway_of(request).settings), **ctx)
+    response = HTMLResponse(html, status_code=status)
+    if cookie:
+        auth.set_cookie(response, request, cookie)
+    return response
+
+
+def _is_htmx(request: Request) -> bool:
+    return request.headers.get("hx-request") == "true"
+
+
+def _back(request: Request, fallback: str) -> RedirectResponse:
+    ref = request.headers.get("referer") or ""
+    target = ref if ref.startswith(str(request.base_url)) else fallback
+    return RedirectResponse(target, status_code=303)
+
+
+# --------------------------------------------------------------------------------------------
+# login
+
+
+@public.get("/login")
+async def login_page(request: Request, next: str = "/admin/sessions") -> HTMLResponse:
+    return render(request, "login.html", next=_safe_next(next), error=None)
+
+
+def _safe_next(target: str) -> str:
+    # only a path of this UI, never another site
+    return target if target.startswith("/admin") and not target.startswith("//") else "/admin/sessions"
+
+
+@public.post("/login")
+async def login(request: Request) -> Response:
+    form = await request.form()
+    settings = gateway_of(request).settings
+    secret, name = str(form.get("secret") or ""), str(form.get("name") or "").strip()[:64] or "admin"
+    nxt = _safe_next(str(form.get("next") or "/admin/sessions"))
+    if not auth.configured(settings):
+        return RedirectResponse(nxt, status_code=303)
+    if not auth.check_credentials(settings, secret):
+        await asyncio.sleep(0.3)  # slows guessing a little; the real defence is a long secret
+        return render(request, "login.html", status=401, next=nxt, error="Wrong token or password.")
+    cookie, _ = auth.new_session(settings, name)
+    response = RedirectResponse(nxt, status_code=303)
+    auth.set_cookie(response, request, cookie)
+    return response
+
+
+@router.post("/logout")
+async def logout(request: Request) -> Response:
+    response = RedirectResponse("/admin/login", status_code=303)
+    response.delete_cookie(auth.COOKIE, path="/")
+    return response
+
+
+@router.get("")
+@router.get("/")
+async def home() -> RedirectResponse:
+    return RedirectResponse("/admin/sessions", status_code=303)
+
+
+# --------------------------------------------------------------------------------------------
+# sessions
+
+
+def _filters(request: Request) -> browse.Browse:
+    try:
+        return browse.Browse.from_params(request.query_params)
+    except browse.FilterError as exc:
+        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+
+
+def _choices(db: OrmSession) -> dict[str, list[str]]:
+    models = [m for m in db.scalars(select(Turn.model).distinct().limit(200)) if m]
+    versions = [v for v in db.scalars(select(Turn.policy_version).distinct().limit(200)) if v]
+    return {"models": sorted(models), "versions": sorted(versions)}
+
+
+async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
+    gw = gateway_of(request)
+    cursor = request.query_params.get("cursor") or None
+    if cursor:
+        try:
+            queries.decode_cursor(cursor)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="cursor") from exc
+
+    def run(db: OrmSession) -> dict[str, Any]:
+        page, next_cursor = browse.sessions_page(db, f, limit=50, cursor=cursor)
+        return {"sessions": page, "next_cursor": next_cursor, "counts": browse.counts(db, f)}
+
+    data = await actions.read(gw, run)
+    data["query"] = urlencode(f.params())
+    data["filters"] = f
+    return data
+
+
+@router.get("/sessions")
+async def sessions_page(request: Request) -> HTMLResponse:
+    f = _filters(request)
+    data = await _results(request, f)
+    choices = await actions.read(gateway_of(request), _choices)
+    return render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
+                  rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES)
+
+
+@router.get("/sessions/rows")
+async def session_rows(request: Request) -> HTMLResponse:
+    """The result list and its counts, for htmx to swap in as filters change."""
+    return render(request, "_rows.html", **await _results(request, _filters(request)))
+
+
+def _conversation(session: dict[str, Any]) -> list[dict[str, Any]]:
+    """The session as a person reads it: blocks of messages, each assistant turn followed by
+    its next state."""
+    blocks: list[dict[str, Any]] = []
+    prefix: list[dict[str, Any]] = []
+    for t in session["turns"]:
+        messages = list((t["request"] or {}).get("messages") or [])
+        if t["turn_type"] != "main":
+            blocks.append({"kind": "side", "turn": t, "messages": messages})
+            continue
+        same = len(messages) >= len(prefix) and all(
+            (a.get("role"), browse.content_text(a.get("content"))) == (b.get("role"), browse.content_text(b.get("content")))
+            for a, b in zip(messages, prefix))
+        new = messages[len(prefix):] if same and prefix else messages
+        if new:
+            blocks.append({"kind": "context", "messages": new, "restart": bool(prefix) and not same})
+        blocks.append({"kind": "turn", "turn": t})
+        reply = ((t["response"] or {}).get("choices") or [{}])[0].get("message") or {}
+        state = t["next_state"] or {}
+        following = list(state.get("messages") or [])
+        blocks.append({"kind": "next", "turn": t, "messages": following, "state": state})
+        prefix = messages + ([reply] if reply else []) + following
+    return blocks
+
+
+async def _token_views(gw: Gateway, turns: list[dict[str, Any]]) -> dict[str, list[tokens.Token]]:
+    white = [t for t in turns if t["capture"] == "white-box" and t["token_ids"]]
+    base = gw.settings.local_vllm_url
+
+    async def one(t: dict[str, Any]) -> tuple[str, list[tokens.Token]]:
+        text = (t["response"] or {}).get("content") or ""
+        texts = await tokens.token_texts(gw.http, base, t["upstream_model"], text, t["token_ids"]) if text else None
+        teacher = (t.get("judgement") or {}).get("teacher_logprobs")
+        return t["id"], tokens.tokens(texts, t["token_ids"], t["logprobs"], teacher)
+
+    return dict(await asyncio.gather(*(one(t) for t in white[:50])))
+
+
+@router.get("/sessions/{session_id}")
+async def session_page(request: Request, session_id: str) -> HTMLResponse:
+    gw = gateway_of(request)
+
+    def run(db: OrmSession) -> dict[str, Any] | None:
+        s = queries.get_session(db, session_id)
+        if s is None:
+            return None
+        return {"session": s, "labels": labels.for_turns(db, [t["id"] for t in s["turns"]]),
+                "session_labels": labels.for_session(db, session_id)}
+
+    data = await actions.read(gw, run)
+    if data is None:
+        return render(request, "error.html", status=404, message=f"No session {session_id!r}.")
+    data["blocks"] = _conversation(data["session"])
+    data["token_views"] = await _token_views(gw, data["session"]["turns"])
+    return render(request, "session.html", **data)
+
+
+# --------------------------------------------------------------------------------------------
+# labels
+
+
+async def _label_form(request: Request) -> tuple[str, Any]:
+    form = await request.form()
+    kind = str(form.get("kind") or "")
+    value: Any = form.get("value")
+    return kind, None if value in (None, "") and kind not in ("correction", "note") else value
+
+
+@router.post("/turns/{turn_id}/labels")
+async def label_turn(request: Request, turn_id: str) -> Response:
+    gw, admin = gateway_of(request), request.state.admin
+    kind, value = await _label_form(request)
+    try:
+        await actions.add_label(gw, kind=kind, value=value, author=admin.name, turn_id=turn_id)
+        error = None
+    except OpenAIError as exc:
+        if exc.status != 400 or not _is_htmx(request):
+            raise
+        error = exc.message
+    if not _is_htmx(request):
+        return _back(request, "/admin/sessions")
+    found = await actions.read(gw, lambda db: labels.for_turns(db, [turn_id]))
+    return render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
+
+
+@router.post("/sessions/{session_id}/labels")
+async def label_session(request: Request, session_id: str) -> Response:
+    gw, admin = gateway_of(request), request.state.admin
+    kind, value = await _label_form(request)
+    try:
+        await actions.add_label(gw, kind=kind, value=value, author=admin.name, session_id=session_id)
+        error = None
+    except OpenAIError as exc:
+        if exc.status != 400 or not _is_htmx(request):
+            raise
+        error = exc.message
+    if not _is_htmx(request):
+        return _back(request, f"/admin/sessions/{session_id}")
+    found = await actions.read(gw, labels.for_session, session_id)
+    return render(request, "_session_labels.html", session_id=session_id, slab=found, error=error)
+
+
+@router.get("/queue")
+async def queue_page(request: Request) -> HTMLResponse:
+    gw = gateway_of(request)
+
+    def run(db: OrmSession) -> dict[str, Any]:
+        items = browse.queue(db, limit=30)
+        ids = [i["turn_id"] for i in items]
+        views = {t["id"]: t for t in (queries.get_turn(db, tid) for tid in ids) if t}
+        return {"items": items, "views": views, "labels": labels.for_turns(db, ids)}
+
+    return render(request, "queue.html", **await actions.read(gw, run))
+
+
+# --------------------------------------------------------------------------------------------
+# training
+
+
+@router.get("/training")
+async def training_page(request: Request) -> HTMLResponse:
+    gw = gateway_of(request)
+
+    def run(db: OrmSession) -> dict[str, Any]:
+        active = queries.active_policy_version(db)
+        return {"versions": training_view.versions(db), "runs": training_view.runs(db),
+                "events": training_view.recent_events(db), "curves": training_view.curves(db),
+                "active": active.name if active else None}
+
+    data = await actions.read(gw, run)
+    c = data["curves"]
+    data["charts"] = [
+        plots.line_chart("Reward of judged turns (hourly mean)", c["reward"], time_axis=True),
+        plots.line_chart("Loss per optimizer step", c["loss"], time_axis=True),
+        plots.line_chart("KL to the base policy", c["kl"], time_axis=True),
+        plots.line_chart("Learning latency: capture → trained (median s)", c["latency"], time_axis=True),
+        plots.line_chart("Mean advantage", c["advantage"], time_axis=True),
+    ]
+    return render(request, "training.html", **data, message=request.query_params.get("msg"))
+
+
+async def _confirmed(request: Request) -> tuple[dict[str, str], bool]:
+    form = {k: str(v) for k, v in (await request.form()).items()}
+    return form, form.get("confirm") == "yes"
+
+
+@router.post("/training/promote")
+async def promote(request: Request) -> Response:
+    form, confirmed = await _confirmed(request)
+    name = form.get("name", "").strip()
+    if not name:
+        raise OpenAIError(400, "name the version to promote", param="name")
+    if not confirmed:
+        return render(request, "confirm.html", action="promote", name=name,
+                      active=await actions.read(gateway_of(request), _active))
+    try:
+        result = await actions.promote(gateway_of(request), name, f"admin:{request.state.admin.name}",
+                                       form.get("reason") or None)
+        msg = f"Promoted {name}: `policy` serves {result['active'] or 'the base model'}."
+    except OpenAIError as exc:
+        msg = f"Promote failed: {exc.message}"
+    return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
+
+
+@router.post("/training/rollback")
+async def rollback(request: Request) -> Response:
+    form, confirmed = await _confirmed(request)
+    to = form.get("to", "").strip() or None
+    if not confirmed:
+        return render(request, "confirm.html", action="rollback", name=to,
+                      active=await actions.read(gateway_of(request), _active))
+    try:
+        result = await actions.rollback(gateway_of(request), to, f"admin:{request.state.admin.name}",
+                                        form.get("reason") or None)
+        msg = (f"Rolled back {', '.join(result['rolled_back']) or 'nothing'}: "
+               f"`policy` serves {result['active'] or 'the base model'}.")
+    except OpenAIError as exc:
+        msg = f"Rollback failed: {exc.message}"
+    return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
+
+
+def _active(db: OrmSession) -> str | None:
+    row = queries.active_policy_version(db)
+    return row.name if row else None
+
+
+# --------------------------------------------------------------------------------------------
+# export
+
+
+def export_response(request: Request, f: browse.Browse, fmt: str) -> StreamingResponse:
+    engine = gateway_of(request).engine
+    if fmt == "jsonl":
+        body, media = export.jsonl(engine, f), "application/x-ndjson"
+    elif fmt == "parquet":
+        body, media = export.parquet(engine, f), "application/vnd.apache.parquet"
+    else:
+        raise OpenAIError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
+    return StreamingResponse(body, media_type=media,
+                             headers={"Content-Disposition": f'attachment; filename="nextstate-turns.{fmt}"'})
+
+
+@router.get("/export.{fmt}")
+async def export_file(request: Request, fmt: str) -> StreamingResponse:
+    return export_response(request, _filters(request), fmt)
