@@ -169,6 +169,12 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
               help="Only turns carrying this label (repeatable; all must hold): labeled, unlabeled, "
                    "thumb-up, thumb-down, override, correction, or tag:NAME. Turns a person excluded "
                    "are never trained on.")
+@click.option("--new-only", is_flag=True,
+              help="Only turns no earlier run trained on: for periodic runs (e.g. a Kubernetes CronJob of "
+                   "--backend verl), each training on what arrived since the last.")
+@click.option("--repeat-every", type=click.FloatRange(min=1), metavar="SECONDS",
+              help="Periodic mode (either backend): run, sleep SECONDS, run again, each run with --new-only. "
+                   "For continual training with an eval gate and rollback use --online (local backend).")
 @click.option("--lease-s", type=float, default=600.0, show_default=True,
               help="A leased batch not acked this long goes back to the pool (the trainer died).")
 @click.option("--resume", metavar="RUN_ID", help="Continue a run whose trainer died (releases its leases).")
@@ -228,7 +234,7 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
 def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro_batch_size: int, lr: float,
           full: bool, lora_rank: int, kl_coef: float, w_rl: float, w_opd: float, loss_agg_mode: str,
           since: Any, until: Any, min_abs_reward: float | None, capture: str | None, task_id: str | None,
-          modes: tuple[str, ...], lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
+          modes: tuple[str, ...], new_only: bool, repeat_every: float | None, lease_s: float, resume: str | None, model_dir: Path | None, publish: bool, vllm_urls: tuple[str, ...],
           database_url: str | None, online: bool, online_k: int, max_wait_s: float, updates_per_round: int,
           staleness: int, stale_policy: str, ratio_cap: float, eval_prompts: Path | None, eval_sessions: int,
           eval_scorer: str | None, eval_threshold: float, rollback_window: int, rollback_threshold: float,
@@ -261,6 +267,15 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     from trainer.objectives import ObjectiveConfig
     from trainer.offline import train_offline
 
+    if repeat_every is not None:
+        if online or resume:
+            raise click.UsageError("--repeat-every starts new runs; it does not combine with --online or --resume")
+        import time
+
+        ctx = click.get_current_context()
+        while True:  # each run trains only what no earlier run trained on
+            ctx.invoke(train, **{**ctx.params, "repeat_every": None, "new_only": True})
+            time.sleep(repeat_every)
     _logging(log_level)
     settings = _settings(database_url=database_url)
     if model_dir is None:
@@ -271,7 +286,7 @@ def train(objective: str, steps: int | None, epochs: int, batch_size: int, micro
     utc = (lambda d: d.replace(tzinfo=timezone.utc) if d is not None else None)
     filters = Filters(since=utc(since), until=utc(until), min_abs_reward=min_abs_reward, capture=capture,
                       task_id=task_id, needs_teacher=objective == "opd", modes=modes or ("online", "offline"),
-                      labels=_label_filters(label_filters))
+                      labels=_label_filters(label_filters), new_only=new_only)
     cfg = ObjectiveConfig(objective=objective, w_rl=w_rl, w_opd=w_opd, kl_coef=kl_coef, loss_agg_mode=loss_agg_mode)
     local = LocalConfig(model_dir=model_dir, lora=not full, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
                         lr=lr, micro_batch_size=micro_batch_size)

@@ -59,3 +59,30 @@ def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("NEXTSTATE_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(ValueError, match="no such file"):
         Settings()
+
+
+def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    url = f"sqlite:///{tmp_path / 'p.db'}"
+    assert CliRunner().invoke(main, ["db", "upgrade", "--database-url", url]).exit_code == 0
+    from nextstate.modelserver import ensure_model, ensure_vllm_env
+    from nextstate.settings import Settings
+
+    cache = Settings().cache_dir
+    model = ensure_model(cache, ensure_vllm_env(cache))
+    log = tmp_path / "train.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "train", "--objective", "rl", "--repeat-every", "1",
+                                 "--no-publish", "--database-url", url, "--model-dir", str(model)],
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while log.read_text().count("nothing to train on") < 2 and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()
+                time.sleep(0.5)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert log.read_text().count("nothing to train on") >= 2, log.read_text()
+    assert CliRunner().invoke(main, ["train", "--objective", "rl", "--repeat-every", "5", "--online"]).exit_code == 2

@@ -45,3 +45,19 @@ def test_eval_sessions_are_never_leased(database_url: str) -> None:
     assert _leased(database_url, Filters(modes=("offline",))) == {ids["offline"]}
     # asking for eval explicitly still does not train on it
     assert _leased(database_url, Filters(modes=("eval", "online"))) == {ids["online"]}
+
+
+def test_new_only_skips_turns_an_earlier_run_trained_on(database_url: str) -> None:
+    from trainer.lease import ack
+
+    ids = _seed(database_url)
+    engine = make_engine(database_url)
+    first = start_run(engine, objective="rl", backend="local", config={}, base_version=None)
+    got = lease(engine, first, limit=10)
+    assert set(got) == {ids["online"], ids["offline"]}
+    with OrmSession(engine) as db, db.begin():
+        ack(db, first, [ids["online"]], step=1)  # the offline turn stays leased, unacked
+    engine.dispose()
+    # a later run: the acked turn is not new; the one only leased (never trained) still is
+    assert _leased(database_url, Filters(new_only=True)) == {ids["offline"]}
+    assert _leased(database_url, Filters()) == {ids["online"], ids["offline"]}

@@ -41,6 +41,9 @@ class Filters:
     # people's labels the turn must carry, all of them (datapool.labels.FILTERS or "tag:NAME");
     # turns a person excluded are never leased, whatever is asked
     labels: tuple[str, ...] = ()
+    # only turns no other run has trained on yet (acked there): periodic runs, e.g. a CronJob
+    # of the veRL backend, each train on what arrived since the last one
+    new_only: bool = False
 
 
 def start_run(engine: Engine, *, objective: str, backend: str, config: dict[str, Any],
@@ -86,6 +89,10 @@ def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
     modes = [m for m in filters.modes if m != "eval"]
     q = q.where(exists().where(Session.id == Turn.session_id, Session.mode.in_(modes)))
     q = q.where(~labels.excluded(Turn.id, Turn.session_id), labels.all_of(filters.labels, Turn.id, Turn.session_id))
+    if filters.new_only:
+        trained = exists().where(TrainingLease.turn_id == Judgement.turn_id, TrainingLease.run_id != run_id,
+                                 TrainingLease.acked_at.is_not(None))
+        q = q.where(~trained)
     taken = exists().where(TrainingLease.run_id == run_id, TrainingLease.turn_id == Judgement.turn_id,
                            or_(TrainingLease.acked_at.is_not(None), TrainingLease.expires_at > now))
     return q.where(~taken).order_by(Turn.created_at, Turn.id)
