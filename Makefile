@@ -5,12 +5,12 @@ PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
 # torch first, pinned, so the trainer's extra does not pull a multi-GB CUDA build on a CPU machine
 TORCH  ?= torch==2.13.0
 
-.PHONY: up test install install-test clean
+.PHONY: up test install install-test browser clean
 
 up: install
 	$(VENV)/bin/nextstate up
 
-test: install-test
+test: install-test browser
 	$(VENV)/bin/nextstate vllm setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
@@ -30,6 +30,12 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -e '.[test,train,rollout]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl"
 	touch $(VENV)/.installed $@
+
+# The admin UI's browser tests drive Debian's chromium through Playwright (executable_path;
+# Playwright's own browser downloads are never used). Installed once, skipped when present.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { s=""; [ "$$(id -u)" = 0 ] || s=sudo; \
+	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq chromium; }
 
 clean:
 	rm -rf $(VENV) *.egg-info
