@@ -286,8 +286,9 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
                             .order_by(PolicyEvent.id)).all()
         assert row.status == REFUSED
     assert publish.active_version(online.engine) is None  # the base still serves
-    assert [a for a, _ in events] == ["eval", "refuse"]
-    assert events[0][1]["score"] < events[0][1]["active_score"] - 0.34
+    # published (as a candidate, by trainer.publish), then gated and refused
+    assert [a for a, _ in events] == ["publish", "eval", "refuse"]
+    assert events[1][1]["score"] < events[1][1]["active_score"] - 0.34
     assert name not in publish.served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
     online.engine.dispose()
 
@@ -321,7 +322,10 @@ def test_active_version_regressing_on_live_rewards_is_rolled_back(
     assert publish.active_version(online.engine) is None
     with OrmSession(online.engine) as db:
         event = db.scalars(select(PolicyEvent).where(PolicyEvent.action == "rollback")).one()
-        assert db.get(PolicyVersion, event.version_id).status == "rolled_back"
+        regressed = db.scalars(select(PolicyVersion).where(PolicyVersion.name == name)).one()
+        assert regressed.status == "rolled_back"
+    # the event names the version rolled back to (None: the base) and the one it left
+    assert event.version_id is None and event.metrics["to"] == "base" and name in event.metrics["from"]
     assert event.actor == "live-monitor" and event.metrics["live_reward"] == -0.5
     online.engine.dispose()
 
