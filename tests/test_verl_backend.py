@@ -320,5 +320,3 @@ def test_cli_train_backend_verl_checks_its_arguments(model_dir: Path, tmp_path: 
             "--database-url", f"sqlite:///{tmp_path / 'pool.db'}"]
     odd = runner.invoke(main, [*base, "--gpus", "2", "--batch-size", "3"])
     assert odd.exit_code == 2 and "multiple of the GPU count 2" in odd.output
-    full = runner.invoke(main, [*base, "--full"])
-    assert full.exit_code == 2 and "publishing full weights is not supported" in full.output
