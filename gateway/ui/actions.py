@@ -9,7 +9,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import labels
-from datapool.models import PolicyEvent, PolicyVersion
 from datapool.scoring import mark_pending
 from gateway.app import Gateway
 from gateway.errors import OpenAIError
@@ -64,57 +63,43 @@ def vllm_urls(gw: Gateway) -> list[str]:
     return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
 
 
-def _event(gw: Gateway, action: str, name: str | None, actor: str, reason: str | None,
-           metrics: dict[str, Any]) -> None:
-    with OrmSession(gw.engine) as db, db.begin():
-        vid = None
-        if name:
-            row = db.query(PolicyVersion).filter(PolicyVersion.name == name).first()
-            vid = row.id if row else None
-        db.add(PolicyEvent(version_id=vid, action=action, actor=actor, reason=reason, metrics=metrics))
+async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
+    """Run a promote/rollback in a worker thread; its errors in the API's dialect."""
+    from trainer.publish import PublishError, VersionNotFound
+
+    try:
+        return await asyncio.to_thread(run)
+    except VersionNotFound as exc:
+        raise OpenAIError(404, str(exc), code="version_not_found") from exc
+    except PublishError as exc:
+        raise OpenAIError(409, str(exc), code=failed_code) from exc
+    except SQLAlchemyError as exc:
+        raise _unavailable(exc) from exc
 
 
 async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first."""
-    from trainer.publish import PublishError, VersionNotFound, activate
+    from trainer.publish import activate
 
     def run() -> dict[str, Any]:
         previous = _active_name(gw)
-        active = activate(gw.engine, name, vllm_urls(gw))
-        _event(gw, "promote", active["name"] if active else None, actor, reason,
-               {"previous": previous, "active": active["name"] if active else None})
+        # trainer.publish writes the promote event in the same transaction as the switch
+        active = activate(gw.engine, name, vllm_urls(gw), actor=actor, reason=reason)
         return {"active": active["name"] if active else None, "previous": previous}
 
-    try:
-        return await asyncio.to_thread(run)
-    except VersionNotFound as exc:
-        raise OpenAIError(404, str(exc), code="version_not_found") from exc
-    except PublishError as exc:
-        raise OpenAIError(409, str(exc), code="promote_failed") from exc
-    except SQLAlchemyError as exc:
-        raise _unavailable(exc) from exc
+    return await _policy_change(run, "promote_failed")
 
 
 async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Roll the policy back (to the previous version, or to *to*)."""
-    from trainer.publish import PublishError, VersionNotFound
     from trainer.publish import rollback as do_rollback
 
     def run() -> dict[str, Any]:
-        result = do_rollback(gw.engine, vllm_urls(gw), to=to or None)
+        result = do_rollback(gw.engine, vllm_urls(gw), to=to or None, actor=actor, reason=reason)
         active = result["active"]["name"] if result.get("active") else None
-        for name in result.get("rolled_back", []):
-            _event(gw, "rollback", name, actor, reason, {"active": active})
         return {"active": active, "rolled_back": list(result.get("rolled_back", []))}
 
-    try:
-        return await asyncio.to_thread(run)
-    except VersionNotFound as exc:
-        raise OpenAIError(404, str(exc), code="version_not_found") from exc
-    except PublishError as exc:
-        raise OpenAIError(409, str(exc), code="rollback_failed") from exc
-    except SQLAlchemyError as exc:
-        raise _unavailable(exc) from exc
+    return await _policy_change(run, "rollback_failed")
 
 
 def _active_name(gw: Gateway) -> str | None:
