@@ -201,7 +201,7 @@ VOTE_SCHEMA = {
     "type": "object",
     "properties": {
         "vote": {"type": "integer", "enum": [-1, 0, 1]},
-        "rationale": {"type": "string", "maxLength": 300},
+        "rationale": {"type": "string", "minLength": 1, "maxLength": 300},
         "hint": {"type": ["string", "null"], "maxLength": 600},
     },
     "required": ["vote", "rationale", "hint"],
@@ -211,10 +211,12 @@ VOTE_SCHEMA = {
 
 class LLMJudge:
     """Any LiteLLM model; asked for JSON matching VOTE_SCHEMA (vLLM enforces it by guided
-    decoding), each vote an independent sample."""
+    decoding), each vote an independent sample. The default *max_tokens* leaves room for a
+    vote that fills the schema's string maxima (900 characters) in one token per character:
+    a vote cut off at max_tokens is unparsable JSON."""
 
     def __init__(self, model: str, *, prompt: str, api_base: str | None = None,
-                 api_key: str | None = None, temperature: float = 1.0, max_tokens: int = 256):
+                 api_key: str | None = None, temperature: float = 1.0, max_tokens: int = 1024):
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         self.name = model
         self.prompt_version = prompt
