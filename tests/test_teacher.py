@@ -241,11 +241,11 @@ CONVERSATION = [
 
 async def _greedy_chat(
     http: httpx.AsyncClient, base_url: str, model: str, messages: list[dict[str, Any]],
-    max_tokens: int = 48, tools: list[dict[str, Any]] | None = None,
+    max_tokens: int = 48, tools: list[dict[str, Any]] | None = None, min_tokens: int = 0,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "logprobs": True,
+        "return_token_ids": True, "logprobs": True, "min_tokens": min_tokens,
     }
     if tools:
         payload["tools"] = tools
@@ -323,7 +323,10 @@ async def test_unhinted_teacher_matches_behaviour_logprobs(vllm_server: Any, req
         {"role": "user", "content": request_text},
     ]
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
-        chat = await _greedy_chat(http, base, model, messages, max_tokens=64)
+        # min_tokens: a reply long enough for the statistics below, whatever the greedy path
+        # (a 17-token haiku came back once the server had served other tests); vLLM reports
+        # raw logprobs, before min_tokens masks the end-of-sequence token
+        chat = await _greedy_chat(http, base, model, messages, max_tokens=64, min_tokens=32)
         choice = chat["choices"][0]
         response_ids = choice["token_ids"]
         behaviour = [item["logprob"] for item in choice["logprobs"]["content"]]
