@@ -124,17 +124,6 @@ class LocalTrainer:
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
         return torch.cat(parts), torch.cat(masks)
 
-    def _rewards(self, samples: Sequence[Sample]) -> torch.Tensor:
-        r = torch.tensor([s.reward if s.reward is not None else 0.0 for s in samples])
-        integrated = [s.integrated_reward for s in samples]
-        if all(x is None for x in integrated):
-            return objectives.rewards_for_batch(r)
-        # R_t = O + mean votes is already in the pool; standardize it per step index
-        return objectives.rewards_for_batch(
-            r, outcome=torch.tensor([x if x is not None else 0.0 for x in integrated]),
-            has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
-            step_index=[s.step_index for s in samples])
-
     def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
              ratio_cap: float = 2.0) -> dict[str, float]:
         """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
@@ -166,7 +155,7 @@ class LocalTrainer:
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
             teacher_mask = torch.tensor([[1.0] if s.teacher_logprobs is not None else [0.0] for s in samples],
                                         device=self.device) * mask
-        token_rewards = objectives.scores_to_token_rewards(self._rewards(samples).to(self.device), mask)
+        token_rewards = objectives.scores_to_token_rewards(objectives.sample_rewards(samples).to(self.device), mask)
         groups = [s.group_id for s in samples]
         adv = objectives.compute_advantages(
             cfg, response_mask=mask, token_level_rewards=token_rewards,

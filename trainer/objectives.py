@@ -49,6 +49,7 @@ import torch
 from verl.trainer.ppo import core_algos as ca
 
 __all__ = [
+    "sample_rewards",
     "ADV_BINARY",
     "ADV_COMBINED",
     "ADV_ESTIMATOR_FOR_OBJECTIVE",
@@ -260,6 +261,20 @@ def rewards_for_batch(
     steps = torch.as_tensor(step_index, device=rewards.device)
     rewards[with_outcome] = standardize_per_step(integrated[with_outcome], steps[with_outcome], eps=eps)
     return rewards
+
+
+def sample_rewards(samples: Sequence[Any]) -> torch.Tensor:
+    """:func:`rewards_for_batch` for pool samples (``trainer.samples.Sample``): the turn's r,
+    or for sessions with an outcome the integrated reward R_t = O + mean votes (already summed
+    in the pool as ``integrated_reward``) standardized per step index. Both backends use it."""
+    r = torch.tensor([s.reward if s.reward is not None else 0.0 for s in samples])
+    integrated = [s.integrated_reward for s in samples]
+    if all(x is None for x in integrated):
+        return rewards_for_batch(r)
+    return rewards_for_batch(
+        r, outcome=torch.tensor([x if x is not None else 0.0 for x in integrated]),
+        has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
+        step_index=[s.step_index for s in samples])
 
 
 def _group_index(index: Any, batch: int) -> tuple[np.ndarray, np.ndarray] | None:

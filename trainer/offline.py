@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any, Protocol
 from pathlib import Path
 
 from sqlalchemy import Engine
@@ -14,9 +15,18 @@ from datapool.queries import active_policy_version
 from trainer import lease as leases
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
-from trainer.samples import load_samples
+from trainer.samples import Sample, load_samples
 
 log = logging.getLogger("nextstate.trainer")
+
+
+class StepTrainer(Protocol):
+    """What :func:`run_epochs` drives: the local trainer and the veRL one."""
+
+    tokenizer: Any
+    step_count: int
+
+    def step(self, samples: list[Sample]) -> dict[str, float]: ...
 
 
 @dataclass
@@ -60,6 +70,40 @@ def train_offline(
     trainer = LocalTrainer(local, objective)
     config = {"objective": asdict(objective), "batch_size": batch_size, "lr": local.lr, "lora": local.lora,
               "lora_rank": local.lora_rank, "filters": {k: str(v) for k, v in asdict(filters).items() if v}}
+    run_id, metrics, turns = run_epochs(
+        engine, trainer, backend="local", config=config, objective=objective.objective, parent_name=parent_name,
+        filters=filters, batch_size=batch_size, max_steps=max_steps, epochs=epochs, lease_s=lease_s,
+        resume=resume, on_step=on_step)
+    if not metrics:
+        return RunResult(run_id, 0, 0, None, None, [], parent_name)
+    out = trainer.save(output_root / f"run-{run_id}")
+    return RunResult(run_id, len(metrics), turns, out, None, metrics, parent_name)
+
+
+def run_epochs(
+    engine: Engine,
+    trainer: StepTrainer,
+    *,
+    backend: str,
+    config: dict[str, Any],
+    objective: str,
+    parent_name: str | None,
+    filters: leases.Filters,
+    batch_size: int,
+    max_steps: int | None,
+    epochs: int,
+    lease_s: float,
+    resume: str | None,
+    after_step: Callable[[dict[str, float]], dict[str, Any]] | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> tuple[str, list[dict[str, float]], int]:
+    """The offline loop both backends share: per epoch one training run (the first one resumed
+    when *resume* names a run); in it lease a batch of scored turns, one optimizer step, record
+    the step and ack its turns (``trainer.lease``), until *max_steps* in all or nothing is left.
+
+    *after_step* runs after each step, before it is recorded (the veRL backend pushes weights
+    there); what it returns is recorded with the step. Returns (last run id, step metrics,
+    turns trained)."""
     metrics: list[dict[str, float]] = []
     turns = 0
     run_id = ""
@@ -67,7 +111,7 @@ def train_offline(
         if resume and epoch == 0:
             run_id = leases.resume_run(engine, resume).id
         else:
-            run_id = leases.start_run(engine, objective=objective.objective, backend="local", config=config,
+            run_id = leases.start_run(engine, objective=objective, backend=backend, config=config,
                                       base_version=parent_name)
         while max_steps is None or len(metrics) < max_steps:
             ids = leases.lease(engine, run_id, limit=batch_size, lease_s=lease_s, filters=filters)
@@ -77,13 +121,11 @@ def train_offline(
                 samples = load_samples(db, ids, trainer.tokenizer)
             step = trainer.step(samples)
             step["epoch"] = float(epoch)
-            leases.record_step(engine, run_id, trainer.step_count, ids, step | {"turn_ids": ids})
+            extra = after_step(step) if after_step else {}
+            leases.record_step(engine, run_id, trainer.step_count, ids, step | {"turn_ids": ids, **extra})
             metrics.append(step)
             turns += len(ids)
             if on_step:
                 on_step(trainer.step_count, step)
         leases.finish_run(engine, run_id, status="done")
-    if not metrics:
-        return RunResult(run_id, 0, 0, None, None, [], parent_name)
-    out = trainer.save(output_root / f"run-{run_id}")
-    return RunResult(run_id, len(metrics), turns, out, None, metrics, parent_name)
+    return run_id, metrics, turns

@@ -67,19 +67,6 @@ META_KEYS = ("uid", "turn_id", "session_id", "step_index", "has_behaviour", "has
 # --------------------------------------------------------------------------------- the batch
 
 
-def sample_rewards(samples: Sequence[Sample]) -> torch.Tensor:
-    """One scalar reward per sample, as the local backend computes it: the turn's r, or for
-    sessions with an outcome the integrated reward standardized per step index."""
-    r = torch.tensor([s.reward if s.reward is not None else 0.0 for s in samples])
-    integrated = [s.integrated_reward for s in samples]
-    if all(x is None for x in integrated):
-        return objectives.rewards_for_batch(r)
-    return objectives.rewards_for_batch(
-        r, outcome=torch.tensor([x if x is not None else 0.0 for x in integrated]),
-        has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
-        step_index=[s.step_index for s in samples])
-
-
 def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
     """veRL's batch for these samples, in its left/right padding layout.
 
@@ -117,7 +104,7 @@ def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
         if s.teacher_logprobs is not None:
             teacher[i, :lr] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
     position_ids = torch.clamp(torch.cumsum(attention, dim=-1) - 1, min=0)
-    scores = objectives.scores_to_token_rewards(sample_rewards(samples), response_mask)
+    scores = objectives.scores_to_token_rewards(objectives.sample_rewards(samples), response_mask)
     tensors = {
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=-1),
         "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask,
@@ -667,9 +654,7 @@ def train_verl(
     from sqlalchemy.orm import Session as OrmSession
 
     from datapool.queries import active_policy_version
-    from trainer import lease as leases
-    from trainer.offline import RunResult
-    from trainer.samples import load_samples
+    from trainer.offline import RunResult, run_epochs
 
     with OrmSession(engine) as db:
         parent = active_policy_version(db)
@@ -682,36 +667,21 @@ def train_verl(
     trainer = VerlTrainer(verl, objective, batch_size=batch_size, total_steps=total, publish=publish)
     config = {"backend": "verl", "objective": asdict(objective), "batch_size": batch_size,
               "verl": config_summary(verl), "filters": {k: str(v) for k, v in asdict(filters).items() if v}}
-    metrics: list[dict[str, float]] = []
-    turns = 0
-    run_id = ""
     last_push: dict[str, Any] | None = None
+
+    def push_when_due(step: dict[str, float]) -> dict[str, Any]:
+        nonlocal last_push
+        if not push_every or trainer.step_count % push_every:
+            return {}
+        last_push = trainer.push(publish=publish is not None)
+        step["pushed_step"] = float(trainer.step_count)
+        return {"version": last_push.get("version")} if last_push else {}
+
     try:
-        for epoch in range(epochs):
-            if resume and epoch == 0:
-                run_id = leases.resume_run(engine, resume).id
-            else:
-                run_id = leases.start_run(engine, objective=objective.objective, backend="verl", config=config,
-                                          base_version=parent_name)
-            while max_steps is None or len(metrics) < max_steps:
-                ids = leases.lease(engine, run_id, limit=batch_size, lease_s=lease_s, filters=filters)
-                if not ids:
-                    break
-                with OrmSession(engine) as db:
-                    samples = load_samples(db, ids, trainer.tokenizer)
-                step = trainer.step(samples)
-                step["epoch"] = float(epoch)
-                if push_every and trainer.step_count % push_every == 0:
-                    last_push = trainer.push(publish=publish is not None)
-                    step["pushed_step"] = float(trainer.step_count)
-                leases.record_step(engine, run_id, trainer.step_count, ids,
-                                   step | {"turn_ids": ids, **({"version": last_push.get("version")}
-                                                               if last_push and step.get("pushed_step") else {})})
-                metrics.append(step)
-                turns += len(ids)
-                if on_step:
-                    on_step(trainer.step_count, step)
-            leases.finish_run(engine, run_id, status="done")
+        run_id, metrics, turns = run_epochs(
+            engine, trainer, backend="verl", config=config, objective=objective.objective, parent_name=parent_name,
+            filters=filters, batch_size=batch_size, max_steps=max_steps, epochs=epochs, lease_s=lease_s,
+            resume=resume, after_step=push_when_due, on_step=on_step)
         if not metrics:
             return RunResult(run_id, 0, 0, None, None, [], parent_name)
         if last_push is None or last_push.get("step") != trainer.step_count:
