@@ -501,34 +501,52 @@ def publish_adapter(
     name = name or default_name()
     _check_name(name, base_model)
     _check_adapter(adapter_dir)
-    parent_id = _check_new(engine, name, parent)
-    if copy:
-        path = _place(adapter_dir, store or default_store(), name)
-    else:
-        path = _own_path(engine, adapter_dir)
     urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    return _publish(engine, "lora", adapter_dir, name=name, base_model=base_model, urls=urls, parent=parent,
+                    stats=stats, activate=activate, copy=copy, store=store, timeout_s=timeout_s,
+                    pause_mode="wait", actor=actor, reason=reason, event_metrics=event_metrics)
+
+
+def _publish(engine: Engine, kind: str, directory: Path, *, name: str, base_model: str, urls: list[str],
+             parent: str | None, stats: dict[str, Any] | None, activate: bool, copy: bool, store: Path | None,
+             timeout_s: float, pause_mode: PauseMode, actor: str, reason: str | None,
+             event_metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """Steps 2-4 of :func:`publish_adapter` / :func:`publish_full` (*directory* checked): place
+    it, make the servers serve it, register it; undo what was done when a step fails."""
+    parent_id = _check_new(engine, name, parent)
+    path = _place(directory, store or default_store(), name) if copy else _own_path(engine, directory)
     try:
         if activate:
-            metrics = _serve(engine, "lora", name, str(path), base_model, urls, pause_mode="wait",
+            metrics = _serve(engine, kind, name, str(path), base_model, urls, pause_mode=pause_mode,
                              timeout_s=timeout_s)
-        else:  # a candidate is loaded (so it can be evaluated) but the weights under it stay
-            report = ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
-            metrics = {"lora_load_s": report.seconds}
+        elif kind == "lora":  # a candidate adapter is loaded (so it can be evaluated); the weights under it stay
+            metrics = {"lora_load_s": ensure_loaded(name, path, urls, base_model=base_model,
+                                                    timeout_s=timeout_s).seconds}
+        else:  # a full candidate is reloaded by activate()
+            metrics = {}
     except BaseException:
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
+    stats = dict(stats or {})
+    if kind == "full":
+        if metrics.get("reloads"):
+            stats.setdefault("weights_digest", metrics["reloads"][0]["digest"])
+        metrics = metrics | {"pause_mode": pause_mode}
     try:
-        result, retired = _register(engine, name=name, kind="lora", base_model=base_model, path=path,
+        result, retired = _register(engine, name=name, kind=kind, base_model=base_model, path=path,
                                     parent_id=parent_id, activate=activate, stats=stats, actor=actor,
                                     reason=reason, metrics={**(event_metrics or {}), **metrics})
     except BaseException:
-        with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
-            unload(http, urls, name)
+        if kind == "lora":
+            with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
+                unload(http, urls, name)
+        elif activate:
+            _serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    log.info("published %s (%s) as %s%s; %s", name, path, result["status"],
+    log.info("published %s %s (%s) as %s%s; %s", kind, name, path, result["status"],
              f", retired {retired}" if retired else "", metrics)
     return result
 
@@ -605,6 +623,7 @@ def publish_full(
     pause_mode: PauseMode = "wait",
     actor: str = "trainer",
     reason: str | None = None,
+    event_metrics: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Publish a fully fine-tuned checkpoint (``save_pretrained`` of the whole model) as a new
     policy version of kind ``full``.
@@ -630,31 +649,9 @@ def publish_full(
     if activate and not urls:
         raise PublishError("no vLLM server given (vllm_urls is empty)")
     check_checkpoint(checkpoint_dir, urls if activate else ())
-    parent_id = _check_new(engine, name, parent)
-    path = _place(checkpoint_dir, store or default_store(), name) if copy else _own_path(engine, checkpoint_dir)
-    try:
-        metrics = _serve(engine, "full", name, str(path), base_model, urls, pause_mode=pause_mode,
-                         timeout_s=timeout_s) if activate else {}
-    except BaseException:
-        if copy:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    stats = dict(stats or {})
-    if metrics.get("reloads"):
-        stats.setdefault("weights_digest", metrics["reloads"][0]["digest"])
-    try:
-        result, retired = _register(engine, name=name, kind="full", base_model=base_model, path=path,
-                                    parent_id=parent_id, activate=activate, stats=stats, actor=actor,
-                                    reason=reason, metrics=metrics | {"pause_mode": pause_mode})
-    except BaseException:
-        if activate:
-            _serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
-        if copy:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    log.info("published full checkpoint %s (%s) as %s%s; %s", name, path, result["status"],
-             f", retired {retired}" if retired else "", metrics)
-    return result
+    return _publish(engine, "full", checkpoint_dir, name=name, base_model=base_model, urls=urls, parent=parent,
+                    stats=stats, activate=activate, copy=copy, store=store, timeout_s=timeout_s,
+                    pause_mode=pause_mode, actor=actor, reason=reason, event_metrics=event_metrics)
 
 
 def publish(engine: Engine, directory: Path, **kwargs: Any) -> dict[str, Any]:
