@@ -172,3 +172,68 @@ class WorkerProcess(_NextstateProcess):
 
     def __enter__(self) -> "WorkerProcess":
         return self.start()
+
+
+# ------------------------------------------------------------------------------------------
+# talking to a gateway's `policy` alias (the publish tests)
+
+
+def openai_client(gw: GatewayProcess, timeout: float = 180) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=timeout)
+
+
+def greedy_reply(gw: GatewayProcess, messages: list[dict[str, Any]], max_tokens: int, model: str = "policy") -> str:
+    r = openai_client(gw).chat.completions.create(model=model, messages=messages, temperature=0,
+                                                  max_tokens=max_tokens)
+    return r.choices[0].message.content or ""
+
+
+def alias_root(gw: GatewayProcess) -> str | None:
+    """What the gateway's `policy` alias serves now: a version's name or the base model's."""
+    models = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
+    return next(m.get("root") for m in models if m["id"] == "policy")
+
+
+class PolicyStream(threading.Thread):
+    """A streaming request via `policy` that runs its full *max_tokens* (ignore_eos), in a
+    thread: start it, wait for ``first_chunk``, switch something, then :meth:`result`."""
+
+    def __init__(self, gw: GatewayProcess, messages: list[dict[str, Any]], max_tokens: int):
+        super().__init__(daemon=True)
+        self.gw, self.messages, self.max_tokens = gw, messages, max_tokens
+        self.first_chunk = threading.Event()
+        self.text = ""
+        self.tokens = 0
+        self.model: str | None = None
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.ended_at = 0.0
+
+    def run(self) -> None:
+        try:
+            stream = openai_client(self.gw).chat.completions.create(
+                model="policy", messages=self.messages, temperature=0, max_tokens=self.max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            for chunk in stream:
+                if chunk.usage is not None:
+                    self.tokens = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    self.model = chunk.model
+                    self.text += choice.delta.content or ""
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+                    self.first_chunk.set()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+    def result(self, timeout: float = 300) -> PolicyStream:
+        """Wait for the end; assert it completed its full length without an error."""
+        self.join(timeout)
+        assert not self.is_alive(), "the stream did not finish"
+        assert self.error is None, f"stream failed: {self.error!r}"
+        assert self.finish_reason == "length" and self.tokens == self.max_tokens, (self.finish_reason, self.tokens)
+        return self

@@ -19,11 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
-from openai import OpenAI
 
 from datapool.db import make_engine, upgrade
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, free_port, wait_for
+from tests.processes import GatewayProcess, PolicyStream, alias_root, free_port, greedy_reply, wait_for
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
@@ -128,20 +127,9 @@ def store(tmp_path: Path) -> Path:
 # helpers
 
 
-def client(gw: GatewayProcess) -> OpenAI:
-    return OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
 def reply(gw: GatewayProcess) -> str:
     """The greedy reply of `policy` to PROMPT."""
-    r = client(gw).chat.completions.create(model="policy", messages=PROMPT, temperature=0,
-                                           max_tokens=MAX_TOKENS)
-    return r.choices[0].message.content or ""
-
-
-def alias_root(gw: GatewayProcess) -> str | None:
-    models = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
-    return next(m.get("root") for m in models if m["id"] == "policy")
+    return greedy_reply(gw, PROMPT, MAX_TOKENS)
 
 
 def served(url: str) -> dict[str, Any]:
@@ -155,45 +143,15 @@ def wait_alias(gw: GatewayProcess, root: str, timeout: float = 10.0) -> float:
     return time.monotonic() - start
 
 
-class Stream(threading.Thread):
-    """A long streaming request via `policy` (ignore_eos: it runs its full length)."""
-
-    def __init__(self, gw: GatewayProcess, max_tokens: int = 250):
-        super().__init__(daemon=True)
-        self.gw, self.max_tokens = gw, max_tokens
-        self.first_chunk = threading.Event()
-        self.text = ""
-        self.chunks = 0
-        self.finish_reason: str | None = None
-        self.model: str | None = None
-        self.error: BaseException | None = None
-        self.ended_at = 0.0
-
-    def run(self) -> None:
-        try:
-            stream = client(self.gw).chat.completions.create(
-                model="policy", messages=PROMPT, temperature=0, max_tokens=self.max_tokens,
-                stream=True, extra_body={"ignore_eos": True})
-            for chunk in stream:
-                self.chunks += 1
-                self.model = chunk.model
-                self.first_chunk.set()
-                for choice in chunk.choices:
-                    self.text += choice.delta.content or ""
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-            self.first_chunk.set()
+def long_stream(gw: GatewayProcess) -> PolicyStream:
+    """A long stream via `policy`: 1000 tokens take 15-40 s here, long enough to outlast a
+    publish plus the gateway noticing the switch (250 did not, on a loaded CI machine)."""
+    return PolicyStream(gw, PROMPT, 1000)
 
 
-def check_stream(s: Stream, switched_at: float, expected_model: str) -> None:
-    s.join(180)
-    assert not s.is_alive(), "the stream did not finish"
-    assert s.error is None, f"stream failed: {s.error!r}"
-    assert s.finish_reason == "length" and s.text
-    assert s.model == expected_model  # served to the end by the version it started on
+def check_stream(s: PolicyStream, switched_at: float, expected_model: str) -> None:
+    s.result(180)
+    assert s.text and s.model == expected_model  # served to the end by the version it started on
     assert s.ended_at > switched_at, "the stream was not in flight across the switch"
 
 
@@ -211,7 +169,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     assert alias_root(gateway) == BASE_MODEL
 
     # publish while a stream (on the base) is in flight
-    stream = Stream(gateway)
+    stream = long_stream(gateway)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     t0 = time.monotonic()
@@ -247,7 +205,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
               f"{switch_s:.2f}s after publish returned")
 
     # roll back to the base while a stream on the adapter is in flight
-    stream = Stream(gateway)
+    stream = long_stream(gateway)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     result = rollback(engine, servers, to="base")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +19,14 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine, upgrade
-from datapool.models import Judgement, PolicyEvent, PolicyVersion
+from datapool.models import Judgement, PolicyEvent
 from nextstate.settings import Settings
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, wait_for
+from tests.processes import GatewayProcess, PolicyStream, alias_root, greedy_reply, wait_for
 
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
@@ -122,18 +120,8 @@ def perturbed_checkpoint(model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 # helpers
 
 
-def client(gw: GatewayProcess) -> OpenAI:
-    return OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=180)
-
-
 def reply(gw: GatewayProcess, model: str = "policy") -> str:
-    r = client(gw).chat.completions.create(model=model, messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
-    return r.choices[0].message.content or ""
-
-
-def alias_root(gw: GatewayProcess) -> str | None:
-    models = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
-    return next(m.get("root") for m in models if m["id"] == "policy")
+    return greedy_reply(gw, PROMPT, MAX_TOKENS, model)
 
 
 def wait_alias(gw: GatewayProcess, root: str, timeout: float = 15.0) -> None:
@@ -160,44 +148,6 @@ def events(engine: Any) -> list[PolicyEvent]:
         db.expunge_all()
         return rows
 
-
-class Stream(threading.Thread):
-    """A streaming request via `policy` that runs its full length (ignore_eos)."""
-
-    def __init__(self, gw: GatewayProcess, max_tokens: int):
-        super().__init__(daemon=True)
-        self.gw, self.max_tokens = gw, max_tokens
-        self.first_chunk = threading.Event()
-        self.text = ""
-        self.tokens = 0
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.ended_at = 0.0
-
-    def run(self) -> None:
-        try:
-            stream = client(self.gw).chat.completions.create(
-                model="policy", messages=PROMPT, temperature=0, max_tokens=self.max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-            for chunk in stream:
-                if chunk.usage is not None:
-                    self.tokens = chunk.usage.completion_tokens
-                for choice in chunk.choices:
-                    self.text += choice.delta.content or ""
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-                    self.first_chunk.set()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-        finally:
-            self.ended_at = time.monotonic()
-            self.first_chunk.set()
-
-    def result(self) -> "Stream":
-        self.join(300)
-        assert not self.is_alive(), "the stream did not finish"
-        assert self.error is None, f"stream failed: {self.error!r}"
-        assert self.finish_reason == "length" and self.tokens == self.max_tokens, (self.finish_reason, self.tokens)
-        return self
 
 
 def cli(*args: str, data_dir: Path, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -304,11 +254,11 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any,
     then completes on the new weights. Neither sees an error."""
     n = 96
     base = reply(gateway)
-    base_stream = Stream(gateway, n)
+    base_stream = PolicyStream(gateway, PROMPT, n)
     base_stream.start()
     base_text = base_stream.result().text
 
-    stream = Stream(gateway, n)
+    stream = PolicyStream(gateway, PROMPT, n)
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t0 = time.monotonic()
@@ -324,7 +274,7 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any,
     assert tuned != base
 
     # freeze a stream on the full version, reload the base under it, let it continue
-    stream = Stream(gateway, n)
+    stream = PolicyStream(gateway, PROMPT, n)
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t1 = time.monotonic()

@@ -23,7 +23,7 @@ from datapool.db import make_engine, upgrade
 from datapool.models import PolicyEvent
 from tests.conftest import RunningVLLM
 from tests.pg import fresh_database
-from tests.processes import GatewayProcess, wait_for
+from tests.processes import GatewayProcess, alias_root, wait_for
 from tests.ui_seed import TOOL_WORD, XSS_USER, seed
 from trainer import lease
 
@@ -243,11 +243,6 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ui-adapter") / "adapter"
     peft_model.save_pretrained(out)
     return out
-
-
-def alias_root(gw: GatewayProcess) -> str | None:
-    models = httpx.get(f"{gw.base_url}/models", timeout=10).json()["data"]
-    return next(m.get("root") for m in models if m["id"] == "policy")
 
 
 def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, gateway: GatewayProcess,

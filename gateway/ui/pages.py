@@ -222,37 +222,35 @@ async def _label_form(request: Request) -> tuple[str, Any]:
     return kind, None if value in (None, "") and kind not in ("correction", "note") else value
 
 
-@router.post("/turns/{turn_id}/labels")
-async def label_turn(request: Request, turn_id: str) -> Response:
-    gw, admin = gateway_of(request), request.state.admin
+async def _add_label(request: Request, **target: str) -> str | None:
+    """Add the form's label to *target* (``turn_id=`` or ``session_id=``); a 400 becomes the
+    error shown in the htmx fragment, anything else (or a plain form post) propagates."""
     kind, value = await _label_form(request)
     try:
-        await actions.add_label(gw, kind=kind, value=value, author=admin.name, turn_id=turn_id)
-        error = None
+        await actions.add_label(gateway_of(request), kind=kind, value=value, author=request.state.admin.name,
+                                **target)
     except OpenAIError as exc:
         if exc.status != 400 or not _is_htmx(request):
             raise
-        error = exc.message
+        return exc.message
+    return None
+
+
+@router.post("/turns/{turn_id}/labels")
+async def label_turn(request: Request, turn_id: str) -> Response:
+    error = await _add_label(request, turn_id=turn_id)
     if not _is_htmx(request):
         return _back(request, "/admin/sessions")
-    found = await actions.read(gw, lambda db: labels.for_turns(db, [turn_id]))
+    found = await actions.read(gateway_of(request), lambda db: labels.for_turns(db, [turn_id]))
     return render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
 
 
 @router.post("/sessions/{session_id}/labels")
 async def label_session(request: Request, session_id: str) -> Response:
-    gw, admin = gateway_of(request), request.state.admin
-    kind, value = await _label_form(request)
-    try:
-        await actions.add_label(gw, kind=kind, value=value, author=admin.name, session_id=session_id)
-        error = None
-    except OpenAIError as exc:
-        if exc.status != 400 or not _is_htmx(request):
-            raise
-        error = exc.message
+    error = await _add_label(request, session_id=session_id)
     if not _is_htmx(request):
         return _back(request, f"/admin/sessions/{session_id}")
-    found = await actions.read(gw, labels.for_session, session_id)
+    found = await actions.read(gateway_of(request), labels.for_session, session_id)
     return render(request, "_session_labels.html", session_id=session_id, slab=found, error=error)
 
 
