@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -89,6 +90,16 @@ def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'pool.db'}"
     upgrade(url)
     return url
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[Any]:
+    """An engine on :func:`sqlite_url`'s pool, disposed after the test."""
+    from datapool.db import make_engine
+
+    engine = make_engine(sqlite_url)
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from datapool.db import make_engine, upgrade
+from datapool.db import make_engine
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, PolicyStream, alias_root, free_port, greedy_reply, wait_for
 
@@ -99,22 +99,8 @@ def names(servers: list[str]) -> Iterator[Any]:
 
 
 @pytest.fixture
-def pool(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    upgrade(url)
-    return url
-
-
-@pytest.fixture
-def engine(pool: str) -> Iterator[Any]:
-    eng = make_engine(pool)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def gateway(pool: str, vllm_server: RunningVLLM, tmp_path: Path) -> Iterator[GatewayProcess]:
-    with GatewayProcess(tmp_path / "gw", database_url=pool, upstream_url=vllm_server.base_url) as gw:
+def gateway(sqlite_url: str, vllm_server: RunningVLLM, tmp_path: Path) -> Iterator[GatewayProcess]:
+    with GatewayProcess(tmp_path / "gw", database_url=sqlite_url, upstream_url=vllm_server.base_url) as gw:
         yield gw
 
 
@@ -160,7 +146,7 @@ def check_stream(s: PolicyStream, switched_at: float, expected_model: str) -> No
 
 
 def test_publish_switches_the_alias_and_rollback_restores_the_base(
-    gateway: GatewayProcess, engine: Any, adapter_dir: Path, servers: list[str], names: Any,
+    gateway: GatewayProcess, sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any,
     store: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     (name,) = names(1)
@@ -173,7 +159,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     t0 = time.monotonic()
-    v = publish_adapter(engine, adapter_dir, name=name, base_model=BASE_MODEL, vllm_urls=servers,
+    v = publish_adapter(sqlite_engine, adapter_dir, name=name, base_model=BASE_MODEL, vllm_urls=servers,
                         parent=None, stats={"loss": 1.5}, store=store)
     publish_s = time.monotonic() - t0
     assert v["name"] == name and v["status"] == "active" and v["kind"] == "lora"
@@ -208,55 +194,55 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     stream = long_stream(gateway)
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
-    result = rollback(engine, servers, to="base")
+    result = rollback(sqlite_engine, servers, to="base")
     assert result == {"active": None, "rolled_back": [name]}
     wait_alias(gateway, BASE_MODEL)
     switched_at = time.monotonic()
     check_stream(stream, switched_at, name)
     assert reply(gateway) == base
-    assert get_version(engine, name)["status"] == "rolled_back"
-    assert active_version(engine) is None
+    assert get_version(sqlite_engine, name)["status"] == "rolled_back"
+    assert active_version(sqlite_engine) is None
 
 
 def test_publish_copies_to_a_new_path_every_time(
-    engine: Any, adapter_dir: Path, servers: list[str], names: Any, store: Path
+    sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any, store: Path
 ) -> None:
     a, b = names(2)
-    va = publish_adapter(engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
+    va = publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
                          parent=None, stats={}, store=store)
-    vb = publish_adapter(engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
+    vb = publish_adapter(sqlite_engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
                          parent=a, stats={}, store=store)
     assert va["path"] != vb["path"] and all(Path(v["path"]).parent == store.resolve() for v in (va, vb))
     assert vb["parent"] == a and vb["parent_id"] == va["id"]
-    assert [(v["name"], v["status"]) for v in list_versions(engine)] == [(a, "retired"), (b, "active")]
+    assert [(v["name"], v["status"]) for v in list_versions(sqlite_engine)] == [(a, "retired"), (b, "active")]
     # a name is a version's forever
     with pytest.raises(PublishError, match="exists already"):
-        publish_adapter(engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
+        publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
                         parent=None, stats={}, store=store)
     # keeping the directory in place: allowed once, never for a second version
     own = store.parent / "own"
     shutil.copytree(adapter_dir, own)
     (c,) = names(1)
-    vc = publish_adapter(engine, own, name=c, base_model=BASE_MODEL, vllm_urls=servers, parent=b,
+    vc = publish_adapter(sqlite_engine, own, name=c, base_model=BASE_MODEL, vllm_urls=servers, parent=b,
                          stats={}, copy=False, activate=False)
     assert vc["path"] == str(own.resolve()) and vc["status"] == "candidate"
-    assert active_version(engine)["name"] == b  # a candidate does not take the alias
+    assert active_version(sqlite_engine)["name"] == b  # a candidate does not take the alias
     (d,) = names(1)
     with pytest.raises(PublishError, match="already the path of version"):
-        publish_adapter(engine, own, name=d, base_model=BASE_MODEL, vllm_urls=servers, parent=None,
+        publish_adapter(sqlite_engine, own, name=d, base_model=BASE_MODEL, vllm_urls=servers, parent=None,
                         stats={}, copy=False)
 
 
 def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
-    gateway: GatewayProcess, engine: Any, adapter_dir: Path, servers: list[str], names: Any,
+    gateway: GatewayProcess, sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any,
     store: Path, tmp_path: Path,
 ) -> None:
     good, broken, partial, unparsable = names(4)
-    publish_adapter(engine, adapter_dir, name=good, base_model=BASE_MODEL, vllm_urls=servers,
+    publish_adapter(sqlite_engine, adapter_dir, name=good, base_model=BASE_MODEL, vllm_urls=servers,
                     parent=None, stats={}, store=store)
     wait_alias(gateway, good)
     tuned = reply(gateway)
-    before = list_versions(engine)
+    before = list_versions(sqlite_engine)
 
     # weights vLLM cannot read: every server refuses it
     bad = tmp_path / "bad"
@@ -264,30 +250,30 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
     shutil.copy(adapter_dir / "adapter_config.json", bad)
     (bad / "adapter_model.safetensors").write_bytes(b"\x00not safetensors" * 64)
     with pytest.raises(PublishError, match="could not load") as err:
-        publish_adapter(engine, bad, name=broken, base_model=BASE_MODEL, vllm_urls=servers,
+        publish_adapter(sqlite_engine, bad, name=broken, base_model=BASE_MODEL, vllm_urls=servers,
                         parent=good, stats={}, store=store)
     assert all(url in str(err.value) for url in servers)
 
     # one server cannot be reached: the adapter is unloaded again from the one that loaded it
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(PublishError, match="unloaded again from"):
-        publish_adapter(engine, adapter_dir, name=partial, base_model=BASE_MODEL,
+        publish_adapter(sqlite_engine, adapter_dir, name=partial, base_model=BASE_MODEL,
                         vllm_urls=[servers[0], dead], parent=good, stats={}, store=store)
     assert partial not in served(servers[0])
 
     # not an adapter at all: refused before any server is asked
     with pytest.raises(PublishError, match="no adapter_config.json"):
-        publish_adapter(engine, tmp_path, name=unparsable, base_model=BASE_MODEL,
+        publish_adapter(sqlite_engine, tmp_path, name=unparsable, base_model=BASE_MODEL,
                         vllm_urls=servers, parent=None, stats={}, store=store)
     with pytest.raises(PublishError, match="does not exist"):
-        publish_adapter(engine, tmp_path / "missing", base_model=BASE_MODEL, vllm_urls=servers,
+        publish_adapter(sqlite_engine, tmp_path / "missing", base_model=BASE_MODEL, vllm_urls=servers,
                         parent=None, stats={}, store=store)
     with pytest.raises(PublishError, match="reserved"):
-        publish_adapter(engine, adapter_dir, name="policy", base_model=BASE_MODEL,
+        publish_adapter(sqlite_engine, adapter_dir, name="policy", base_model=BASE_MODEL,
                         vllm_urls=servers, parent=None, stats={}, store=store)
 
     # nothing registered, no copy left behind, the alias still serves the good version
-    assert list_versions(engine) == before
+    assert list_versions(sqlite_engine) == before
     assert sorted(p.name for p in store.iterdir()) == [good]
     for url in servers:
         assert broken not in served(url)
@@ -296,17 +282,17 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
 
 
 def test_promote_reloads_an_adapter_vllm_lost(
-    gateway: GatewayProcess, engine: Any, adapter_dir: Path, servers: list[str], names: Any,
+    gateway: GatewayProcess, sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any,
     store: Path,
 ) -> None:
     a, b = names(2)
     base = reply(gateway)
-    publish_adapter(engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
+    publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
                     parent=None, stats={}, store=store)
     wait_alias(gateway, a)
     tuned = reply(gateway)
     assert tuned != base
-    publish_adapter(engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
+    publish_adapter(sqlite_engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
                     parent=a, stats={}, store=store, activate=False)
 
     # a vLLM restart loses every runtime-loaded adapter: simulate it
@@ -316,9 +302,9 @@ def test_promote_reloads_an_adapter_vllm_lost(
                               timeout=10).status_code == 200
         assert a not in served(url) and b not in served(url)
 
-    v = activate(engine, b, servers)  # reloads b from its path before switching
+    v = activate(sqlite_engine, b, servers)  # reloads b from its path before switching
     assert v is not None and v["status"] == "active"
-    assert get_version(engine, a)["status"] == "retired"
+    assert get_version(sqlite_engine, a)["status"] == "retired"
     for url in servers:
         assert Path(served(url)[b]["root"]) == Path(v["path"])
     wait_alias(gateway, b)
@@ -326,16 +312,16 @@ def test_promote_reloads_an_adapter_vllm_lost(
 
     # promoting the active version again is how a restarted vLLM gets it back
     httpx.post(f"{servers[0]}/unload_lora_adapter", json={"lora_name": b}, timeout=10)
-    assert activate(engine, b, servers)["name"] == b
+    assert activate(sqlite_engine, b, servers)["name"] == b
     assert b in served(servers[0])
 
     # a version whose directory is gone cannot be promoted; nothing changes
-    shutil.rmtree(get_version(engine, a)["path"])
+    shutil.rmtree(get_version(sqlite_engine, a)["path"])
     with pytest.raises(PublishError, match="gone from disk"):
-        activate(engine, a, servers)
-    assert active_version(engine)["name"] == b
+        activate(sqlite_engine, a, servers)
+    assert active_version(sqlite_engine)["name"] == b
     with pytest.raises(VersionNotFound):
-        activate(engine, "no-such-version", servers)
+        activate(sqlite_engine, "no-such-version", servers)
 
 
 def test_rollback_walks_back_through_retired_versions(
@@ -385,32 +371,32 @@ def test_rollback_walks_back_through_retired_versions(
     engine.dispose()
 
 
-def test_policy_cli(engine: Any, pool: str, adapter_dir: Path, servers: list[str], names: Any,
+def test_policy_cli(sqlite_engine: Any, sqlite_url: str, adapter_dir: Path, servers: list[str], names: Any,
                     store: Path) -> None:
     a, b = names(2)
     urls = [arg for url in servers for arg in ("--vllm-url", url)]
     runner = CliRunner()
     for name in (a, b):
         res = runner.invoke(policy_cli, ["publish", str(adapter_dir), "--name", name, "--store",
-                                         str(store), "--database-url", pool, *urls])
+                                         str(store), "--database-url", sqlite_url, *urls])
         assert res.exit_code == 0, res.output
         assert f"published {name}" in res.output
 
-    res = runner.invoke(policy_cli, ["list", "--database-url", pool])
+    res = runner.invoke(policy_cli, ["list", "--database-url", sqlite_url])
     assert res.exit_code == 0 and "policy serves: " + b in res.output
     assert any(line.startswith("*") and b in line for line in res.output.splitlines())
-    res = runner.invoke(policy_cli, ["list", "--json", "--database-url", pool])
+    res = runner.invoke(policy_cli, ["list", "--json", "--database-url", sqlite_url])
     assert [v["status"] for v in json.loads(res.output)] == ["retired", "active"]
 
-    res = runner.invoke(policy_cli, ["rollback", "--database-url", pool, *urls])
+    res = runner.invoke(policy_cli, ["rollback", "--database-url", sqlite_url, *urls])
     assert res.exit_code == 0 and f"rolled back {b}; policy serves {a}" in res.output
-    res = runner.invoke(policy_cli, ["promote", b, "--database-url", pool, *urls])
+    res = runner.invoke(policy_cli, ["promote", b, "--database-url", sqlite_url, *urls])
     assert res.exit_code == 0 and f"policy serves {b}" in res.output
-    res = runner.invoke(policy_cli, ["rollback", "base", "--database-url", pool, *urls])
+    res = runner.invoke(policy_cli, ["rollback", "base", "--database-url", sqlite_url, *urls])
     assert res.exit_code == 0 and "policy serves the base model" in res.output
-    res = runner.invoke(policy_cli, ["promote", "nope", "--database-url", pool, *urls])
+    res = runner.invoke(policy_cli, ["promote", "nope", "--database-url", sqlite_url, *urls])
     assert res.exit_code != 0 and "no policy version named 'nope'" in res.output
-    assert active_version(engine) is None
+    assert active_version(sqlite_engine) is None
 
     for cmd in ([], ["list"], ["publish"], ["promote"], ["rollback"]):
         res = runner.invoke(policy_cli, [*cmd, "--help"])

@@ -22,7 +22,6 @@ import pytest
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, PolicyEvent
 from nextstate.settings import Settings
 from tests.conftest import RunningVLLM
@@ -79,22 +78,8 @@ def dev_url(dev_vllm: RunningVLLM) -> Iterator[str]:
 
 
 @pytest.fixture
-def pool(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'pool.db'}"
-    upgrade(url)
-    return url
-
-
-@pytest.fixture
-def engine(pool: str) -> Iterator[Any]:
-    eng = make_engine(pool)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def gateway(pool: str, dev_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
-    with GatewayProcess(tmp_path / "gw", database_url=pool, upstream_url=dev_url) as gw:
+def gateway(sqlite_url: str, dev_url: str, tmp_path: Path) -> Iterator[GatewayProcess]:
+    with GatewayProcess(tmp_path / "gw", database_url=sqlite_url, upstream_url=dev_url) as gw:
         yield gw
 
 
@@ -142,8 +127,8 @@ def stored_turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
                     and r.json())
 
 
-def events(engine: Any) -> list[PolicyEvent]:
-    with OrmSession(engine) as db:
+def events(sqlite_engine: Any) -> list[PolicyEvent]:
+    with OrmSession(sqlite_engine) as db:
         rows = list(db.scalars(select(PolicyEvent).order_by(PolicyEvent.id)))
         db.expunge_all()
         return rows
@@ -162,7 +147,7 @@ def cli(*args: str, data_dir: Path, timeout: float = 900) -> subprocess.Complete
 # tests
 
 
-def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, engine: Any, dev_url: str,
+def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: str, sqlite_engine: Any, dev_url: str,
                                           model_dir: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     """`nextstate train --full --publish` after two full fine-tuning steps: the alias serves a
@@ -183,7 +168,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, en
         ids.append(r.headers["x-turn-id"])
     for tid in ids:
         assert stored_turn(gateway, tid)["policy_version"] == BASE_MODEL
-    with OrmSession(engine) as db, db.begin():
+    with OrmSession(sqlite_engine) as db, db.begin():
         db.execute(delete(Judgement))  # whatever the gateway queued for scoring
         for tid in ids:
             db.add(Judgement(turn_id=tid, status="scored", reward=-1.0, prm_reward=-1.0, attempts=1))
@@ -192,11 +177,11 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, en
     t0 = time.monotonic()
     done = cli("train", "--objective", "rl", "--full", "--steps", "2", "--batch-size", "2",
                "--micro-batch-size", "2", "--lr", "1e-4", "--model-dir", str(model_dir),
-               "--vllm-url", dev_url, "--database-url", pool, data_dir=data)
+               "--vllm-url", dev_url, "--database-url", sqlite_url, data_dir=data)
     train_s = time.monotonic() - t0
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 steps over 4 turns" in done.stdout
-    (version,) = list_versions(engine)
+    (version,) = list_versions(sqlite_engine)
     name = version["name"]
     assert f"published {name}" in done.stdout
     assert name.startswith("full-") and version["kind"] == "full" and version["status"] == "active"
@@ -222,23 +207,23 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, en
         "model": BASE_MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
     assert stored_turn(gateway, direct.headers["x-turn-id"])["policy_version"] == name
 
-    (publish_event,) = events(engine)
+    (publish_event,) = events(sqlite_engine)
     assert publish_event.action == "publish" and publish_event.actor == "trainer"
     (reload,) = publish_event.metrics["reloads"]
     assert reload["url"] == dev_url and reload["label"] == name and reload["path"] == version["path"]
 
-    listed = cli("policy", "list", "--database-url", pool, data_dir=data, timeout=120)
+    listed = cli("policy", "list", "--database-url", sqlite_url, data_dir=data, timeout=120)
     assert listed.returncode == 0 and f"policy serves: {name}" in listed.stdout and " full " in listed.stdout
 
-    back = cli("policy", "rollback", "--vllm-url", dev_url, "--database-url", pool, "--reason", "test",
+    back = cli("policy", "rollback", "--vllm-url", dev_url, "--database-url", sqlite_url, "--reason", "test",
                data_dir=data, timeout=300)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"rolled back {name}; policy serves the base model" in back.stdout
     assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == base_digest
     wait_alias(gateway, BASE_MODEL)
     assert reply(gateway) == base
-    assert active_version(engine) is None and list_versions(engine)[0]["status"] == "rolled_back"
-    rb = events(engine)[-1]
+    assert active_version(sqlite_engine) is None and list_versions(sqlite_engine)[0]["status"] == "rolled_back"
+    rb = events(sqlite_engine)[-1]
     assert (rb.action, rb.actor, rb.reason, rb.version_id) == ("rollback", "cli", "test", None)
     assert rb.metrics["from"] == [name] and rb.metrics["to"] == "base"
     with capsys.disabled():
@@ -246,7 +231,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, pool: str, en
               f"{reload['total_s']:.3f}s (pause {reload['pause_s']:.3f}s, reload_weights {reload['reload_s']:.3f}s)")
 
 
-def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any, dev_url: str,
+def test_requests_in_flight_across_reloads(gateway: GatewayProcess, sqlite_engine: Any, dev_url: str,
                                            perturbed_checkpoint: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     """pause_mode=wait: a stream in flight finishes on the old weights before the reload
@@ -262,13 +247,13 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any,
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t0 = time.monotonic()
-    v = publish_full(engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[dev_url],
+    v = publish_full(sqlite_engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[dev_url],
                      store=tmp_path / "store", pause_mode="wait")
     published_at = time.monotonic()
     stream.result()
     assert stream.ended_at <= published_at, "publish returned before the in-flight request finished"
     assert stream.text == base_text  # every token from the base weights
-    (reload,) = events(engine)[-1].metrics["reloads"]
+    (reload,) = events(sqlite_engine)[-1].metrics["reloads"]
     wait_alias(gateway, v["name"])
     tuned = reply(gateway)
     assert tuned != base
@@ -278,14 +263,14 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any,
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t1 = time.monotonic()
-    result = rollback(engine, [dev_url], to="base", pause_mode="keep")
+    result = rollback(sqlite_engine, [dev_url], to="base", pause_mode="keep")
     rolled_at = time.monotonic()
     assert result == {"active": None, "rolled_back": [v["name"]]}
     stream.result()
     assert stream.ended_at > t1, "the stream was not in flight across the reload"
     wait_alias(gateway, BASE_MODEL)
     assert reply(gateway) == base
-    (keep_reload,) = events(engine)[-1].metrics["reloads"]
+    (keep_reload,) = events(sqlite_engine)[-1].metrics["reloads"]
     with capsys.disabled():
         print(f"\n[publish-full] wait: publish_full {published_at - t0:.2f}s (pause {reload['pause_s']:.2f}s "
               f"waiting for the stream, reload_weights {reload['reload_s']:.3f}s); keep: rollback "
@@ -293,22 +278,22 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, engine: Any,
               f"{keep_reload['reload_s']:.3f}s)")
 
 
-def test_full_weights_need_dev_mode(engine: Any, vllm_server: RunningVLLM, perturbed_checkpoint: Path,
+def test_full_weights_need_dev_mode(sqlite_engine: Any, vllm_server: RunningVLLM, perturbed_checkpoint: Path,
                                     tmp_path: Path) -> None:
     """A vLLM without dev mode cannot reload: a clear error, nothing registered, no copy left."""
     store = tmp_path / "store"
     with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
-        publish_full(engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url],
+        publish_full(sqlite_engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url],
                      store=store)
-    assert list_versions(engine) == [] and events(engine) == []
+    assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 
 
-def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, engine: Any, dev_url: str,
+def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engine: Any, dev_url: str,
                                            perturbed_checkpoint: Path, tmp_path: Path) -> None:
     """A checkpoint of another architecture, or with a truncated weights file, is refused before
     vLLM is touched. And when a reload fails inside vLLM (which leaves its model half-loaded, on
-    the meta device: resuming would kill the engine at the next request), the old weights are
+    the meta device: resuming would kill the sqlite_engine at the next request), the old weights are
     reloaded before the server resumes."""
     import json
     import shutil
@@ -323,15 +308,15 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, engine: Any,
     cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - 1
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PublishError, match="num_hidden_layers"):
-        publish_full(engine, other, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+        publish_full(sqlite_engine, other, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(perturbed_checkpoint, corrupt)
     (weights,) = corrupt.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(PublishError, match="not a readable safetensors file"):
-        publish_full(engine, corrupt, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
-    assert list_versions(engine) == [] and events(engine) == []
+        publish_full(sqlite_engine, corrupt, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+    assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 
     # past the checks (as a file broken after them would be): vLLM fails, the base goes back in
@@ -341,4 +326,4 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, engine: Any,
             full_weights.reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
         assert http.get(f"{full_weights.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
     assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == before
-    assert reply(gateway) == base  # the engine is alive and serves the base weights
+    assert reply(gateway) == base  # the sqlite_engine is alive and serves the base weights
