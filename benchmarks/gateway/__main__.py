@@ -364,9 +364,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stored = _pool_turns(database_url)
         results["capture"] = {"requests_sent": sent_to_gateway, "turns_stored": stored}
         metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
-        results["capture"]["spool_records"] = next(
-            (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("nextstate_spool_records ")),
-            None)
+        for key, metric in (("spool_records", "nextstate_spool_records "),
+                            ("queue_depth", "nextstate_capture_queue_depth ")):
+            # queue_depth: turns answered but still waiting in the gateway's memory for the writer
+            results["capture"][key] = next(
+                (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(metric)), None)
     results["work_dir"] = str(work)
     return results
 
@@ -443,8 +445,10 @@ def table(results: dict[str, Any]) -> str:
                        f"{ns[mode]['saturation_rps'] / ll[mode]['saturation_rps']:.2f}x")
     if "capture" in results:
         c = results["capture"]
-        out.append(f"nextstate capture: {c['turns_stored']} turns stored for {c['requests_sent']} requests sent "
-                   f"(lost {c['requests_sent'] - c['turns_stored']}); spool now {c['spool_records']}")
+        waiting = c.get("queue_depth") or 0
+        out.append(f"nextstate capture, 60 s after the load: {c['turns_stored']} turns stored for {c['requests_sent']} "
+                   f"requests sent, {waiting:.0f} still queued in the gateway's memory, "
+                   f"{c['requests_sent'] - c['turns_stored'] - waiting:.0f} unaccounted; spool now {c['spool_records']}")
     if "litellm_db" in results:
         out.append(f"LiteLLM proxy with PostgreSQL spend logs: {results['litellm_db']}")
     d = rows.get("direct", {})
