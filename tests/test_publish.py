@@ -130,8 +130,8 @@ def wait_alias(gw: GatewayProcess, root: str, timeout: float = 10.0) -> float:
 
 
 def long_stream(gw: GatewayProcess) -> PolicyStream:
-    """A long stream via `policy`: 1000 tokens take 15-40 s here, long enough to outlast a
-    publish plus the gateway noticing the switch (250 did not, on a loaded CI machine)."""
+    """A long stream via `policy`: 1000 tokens (ignore_eos), four times the 250 that a publish
+    plus the gateway noticing the switch once outlasted on a loaded CI machine."""
     return PolicyStream(gw, PROMPT, 1000)
 
 
