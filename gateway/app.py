@@ -73,7 +73,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200),
+            # keepalive_expiry under the upstream's own idle timeout (uvicorn's, vLLM's server,
+            # is 5 s = httpx's default): a pooled connection the server is closing at the moment
+            # it is reused fails the request ("Server disconnected"); seen in CI as a 502
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=200, keepalive_expiry=2.0),
         )
         engine = make_engine(settings.resolved_database_url)
         metrics = Metrics()

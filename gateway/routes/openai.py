@@ -226,7 +226,7 @@ class _Call:
         except httpx.TimeoutException as exc:
             raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
         except httpx.HTTPError as exc:
-            raise self._fail(502, f"upstream {t.group} unreachable: {exc}") from exc
+            raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
         self._observe_upstream()
         if resp.status_code >= 400:
             return await self._upstream_error(resp)
@@ -321,7 +321,7 @@ class _Call:
         except litellm.Timeout as exc:
             raise self._fail(504, f"upstream {self.target.group} timed out: {exc}") from exc
         except litellm.APIConnectionError as exc:
-            raise self._fail(502, f"upstream {self.target.group} unreachable: {exc}") from exc
+            raise self._fail(502, f"upstream {self.target.group} unreachable: {type(exc).__name__}: {exc}") from exc
         except Exception as exc:  # LiteLLM's exceptions carry the provider's status
             status = getattr(exc, "status_code", None) or 502
             raise self._fail(status if status in (400, 404, 422, 429) else 502,
