@@ -49,7 +49,6 @@ import torch
 from verl.trainer.ppo import core_algos as ca
 
 __all__ = [
-    "sample_rewards",
     "ADV_BINARY",
     "ADV_COMBINED",
     "ADV_ESTIMATOR_FOR_OBJECTIVE",
@@ -66,6 +65,7 @@ __all__ = [
     "kl_to_base",
     "masked_mean",
     "rewards_for_batch",
+    "sample_rewards",
     "scores_to_token_rewards",
     "standardize_per_step",
 ]

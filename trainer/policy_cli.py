@@ -35,12 +35,12 @@ def _settings(database_url: str | None) -> Settings:
 def default_vllm_urls(settings: Settings) -> list[str]:
     """The servers a version must be loaded into when no --vllm-url is given: the policy
     server (upstream_url, else the local vLLM) and the teacher replica (teacher_url) if set."""
-    from trainer.publish import normalize_vllm_url
+    from trainer.publish import normalize_vllm_urls
 
     urls = [settings.local_vllm_url]
     if settings.teacher_url:
         urls.append(settings.teacher_url)
-    return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
+    return normalize_vllm_urls(urls)
 
 
 @contextmanager

@@ -120,6 +120,11 @@ def normalize_vllm_url(url: str) -> str:
     return url if url.endswith("/v1") else f"{url}/v1"
 
 
+def normalize_vllm_urls(urls: Sequence[str]) -> list[str]:
+    """:func:`normalize_vllm_url` of each, duplicates dropped, order kept."""
+    return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
+
+
 def _error_text(resp: httpx.Response) -> str:
     try:
         body = resp.json()
@@ -209,7 +214,7 @@ def ensure_loaded(name: str, path: str | Path, vllm_urls: Sequence[str], *,
     path = str(Path(path).resolve())
     if not Path(path, ADAPTER_CONFIG).is_file():
         raise PublishError(f"adapter of {name!r} is gone from disk: no {ADAPTER_CONFIG} in {path}")
-    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    urls = normalize_vllm_urls(vllm_urls)
     if not urls:
         raise PublishError("no vLLM server given (vllm_urls is empty)")
     report = LoadReport()
@@ -501,7 +506,7 @@ def publish_adapter(
     name = name or default_name()
     _check_name(name, base_model)
     _check_adapter(adapter_dir)
-    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    urls = normalize_vllm_urls(vllm_urls)
     return _publish(engine, "lora", adapter_dir, name=name, base_model=base_model, urls=urls, parent=parent,
                     stats=stats, activate=activate, copy=copy, store=store, timeout_s=timeout_s,
                     pause_mode="wait", actor=actor, reason=reason, event_metrics=event_metrics)
@@ -645,7 +650,7 @@ def publish_full(
     checkpoint_dir = Path(checkpoint_dir)
     name = name or default_name("full")
     _check_name(name, base_model)
-    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    urls = normalize_vllm_urls(vllm_urls)
     if activate and not urls:
         raise PublishError("no vLLM server given (vllm_urls is empty)")
     check_checkpoint(checkpoint_dir, urls if activate else ())
@@ -673,7 +678,7 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
                ) -> tuple[dict[str, Any] | None, list[str]]:
     """Make *target* (a version name; None: the base model) the active version; every other
     active version gets *demoted_status*. Makes every server serve it first."""
-    urls = list(dict.fromkeys(normalize_vllm_url(u) for u in vllm_urls))
+    urls = normalize_vllm_urls(vllm_urls)
     kind, path, base_model = "base", None, None
     with OrmSession(engine) as db:
         if target is not None:

@@ -56,11 +56,9 @@ async def add_label(gw: Gateway, *, kind: str, value: Any, author: str, turn_id:
 
 def vllm_urls(gw: Gateway) -> list[str]:
     """The servers a version must be loaded into: the policy upstream and the teacher replica."""
-    from trainer.publish import normalize_vllm_url
+    from trainer.policy_cli import default_vllm_urls
 
-    s = gw.settings
-    urls = [s.local_vllm_url, *([s.teacher_url] if s.teacher_url else [])]
-    return list(dict.fromkeys(normalize_vllm_url(u) for u in urls))
+    return default_vllm_urls(gw.settings)
 
 
 async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
