@@ -40,9 +40,12 @@ def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     made them ready, then send the tasks after it commits."""
     ids = list(dict.fromkeys(turn_ids))
     now = utcnow()
-    for tid in ids:
-        stmt = dialect_insert(db)(Judgement).values(turn_id=tid, status="pending", attempts=0, enqueued_at=now,
-                                              updated_at=now)
+    # one multi-row upsert per 1,000 turns (the capture writer marks a batch's worth at a time);
+    # the ids are distinct, so no row is upserted twice in one statement
+    for i in range(0, len(ids), 1000):
+        rows = [{"turn_id": tid, "status": "pending", "attempts": 0, "enqueued_at": now, "updated_at": now}
+                for tid in ids[i : i + 1000]]
+        stmt = dialect_insert(db)(Judgement).values(rows)
         db.execute(stmt.on_conflict_do_update(
             index_elements=["turn_id"], set_={"status": "pending", "enqueued_at": now, "updated_at": now}))
     return ids

@@ -4,6 +4,14 @@ A request continues an earlier turn when its messages begin with that turn's req
 followed by that turn's reply. Both sides are reduced to hashes of a canonical form of the
 messages, so the match is a pool lookup and works across gateway replicas and out of order:
 whichever of the two turns is written second makes the link.
+
+A batch is stitched in memory, record by record in the order given, by the same rules as if
+each record were written alone after the ones before it. What the pool already holds is read up
+front in a few set-based queries and the outcome is written in bulk, so a batch costs a roughly
+constant number of statements instead of several per turn (the gateway captures faster than a
+per-turn writer can stitch). What needs the pool itself mid-batch (merging a stored inferred
+session into another, a named session whose history was rewritten, a session's end) is done
+where it occurs; those are rare.
 """
 
 from __future__ import annotations
@@ -11,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable, Sequence
-from datetime import datetime
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, NamedTuple
 
-from sqlalchemy import select, text, update
+from sqlalchemy import Row, bindparam, delete, insert, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import dialect_insert
@@ -60,12 +69,12 @@ def canonical_message(message: Message) -> dict[str, Any]:
     return out
 
 
-def _feed(h: "hashlib._Hash", message: Message) -> None:
+def _feed(h: hashlib._Hash, message: Message) -> None:
     h.update(json.dumps(canonical_message(message), sort_keys=True, ensure_ascii=False).encode())
     h.update(b"\x1e")
 
 
-def _hasher(messages: Iterable[Message]) -> "hashlib._Hash":
+def _hasher(messages: Iterable[Message]) -> hashlib._Hash:
     h = hashlib.sha256()
     for m in messages:
         _feed(h, m)
@@ -104,16 +113,439 @@ def lock_key(value: str) -> int:
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big", signed=True)
 
 
-def _next_state(child: Turn, start: int) -> dict[str, Any]:
-    messages = (child.request or {}).get("messages") or []
-    return {"turn_id": child.id, "messages": messages[start:]}
-
-
 def _after_last_assistant(messages: Sequence[Message]) -> int:
     for i in range(len(messages) - 1, -1, -1):
         if messages[i].get("role") == "assistant":
             return i + 1
     return len(messages)
+
+
+def _continuations(r: TurnRecord) -> list[str]:
+    if r.status != "ok" or r.turn_type != "main" or r.endpoint != "chat":
+        return []
+    return continuation_hashes(r.messages, r.replies)
+
+
+_CHUNK = 1000  # values per IN list, far below SQLite's and PostgreSQL's bound-parameter limits
+
+
+def _chunks(values: Iterable[str]) -> Iterator[list[str]]:
+    items = list(values)
+    for i in range(0, len(items), _CHUNK):
+        yield items[i : i + _CHUNK]
+
+
+class _Prepared(NamedTuple):
+    record: TurnRecord
+    candidates: list[tuple[int, str]]  # link_candidates of its messages
+    continuations: list[str]  # hashes a request continuing one of its choices starts with
+
+
+@dataclass(eq=False)
+class _Turn:
+    """A turn as stitching sees it, stored or from this batch. Once loaded, this object and not
+    the pool is the truth for the rest of the batch; its changes reach the pool at a flush."""
+
+    id: str
+    session_id: str
+    created_at: datetime  # as the database compares it: see _Batch.clock
+    turn_type: str
+    status: str
+    parent_id: str | None
+    has_next_state: bool
+    stored: bool  # its row exists, so a change is an UPDATE rather than part of its INSERT
+    messages: list[Message] | None = None  # its request's messages, loaded only for orphans
+    next_state: dict[str, Any] | None = None  # set by this batch, not yet written
+
+    @property
+    def order(self) -> tuple[datetime, str]:
+        """The pool's ORDER BY created_at, id."""
+        return (self.created_at, self.id)
+
+
+# what stitching reads of a stored turn (never its request or response: those are large)
+_COLUMNS = (
+    Turn.id,
+    Turn.session_id,
+    Turn.created_at,
+    Turn.turn_type,
+    Turn.status,
+    Turn.parent_turn_id,
+    Turn.next_state.is_(None).label("open"),
+)
+
+_turns = Turn.__table__
+_sessions = Session.__table__
+_set_next_state = (
+    update(_turns)
+    .where(_turns.c.id == bindparam("b_id"))
+    .values(next_state=bindparam("b_next_state", type_=_turns.c.next_state.type))
+)
+_set_parent = (
+    update(_turns).where(_turns.c.id == bindparam("b_id")).values(parent_turn_id=bindparam("b_parent"))
+)
+_touch_session = (
+    update(_sessions)
+    .where(_sessions.c.id == bindparam("b_id"), _sessions.c.updated_at < bindparam("b_at"))
+    .values(updated_at=bindparam("b_at"))
+)
+
+
+class _Batch:
+    """One batch stitched in memory over what the pool holds, written in bulk by flush()."""
+
+    def __init__(self, db: OrmSession, prepared: Sequence[_Prepared]):
+        self.db = db
+        self.sqlite = db.get_bind().dialect.name == "sqlite"
+        self.prepared = prepared
+        self.ready: list[str] = []  # turns whose next state became known, in the order it did
+        # what is known of the pool and of the batch so far
+        self.turns: dict[str, _Turn] = {}
+        self.members: dict[str, list[_Turn]] = {}  # session id -> its known turns
+        self.by_hash: dict[str, dict[str, _Turn]] = {}  # continuation hash -> turns it continues
+        self.fetched: set[str] = set()  # continuation hashes whose stored turns are in by_hash
+        self.by_link: dict[str, dict[str, _Turn]] = {}  # link hash -> turns that may be orphans
+        self.sources: dict[str, str] = {}  # session id -> "inferred" | "header" | "path"
+        self.latest: dict[str, _Turn | None] | None = None  # see _latest_stored
+        # decided, not yet written
+        self.new_sessions: dict[str, dict[str, Any]] = {}  # inferred: made by this batch
+        self.named_sessions: dict[str, dict[str, Any]] = {}  # named: inserted unless present
+        self.unstored: list[tuple[_Prepared, _Turn]] = []
+        self.changed_next_state: dict[str, _Turn] = {}
+        self.changed_parent: dict[str, _Turn] = {}
+        self.touched: dict[str, datetime] = {}  # session id -> newest created_at written into it
+
+    def clock(self, at: datetime) -> datetime:
+        """``at`` as the database compares it. SQLite stores the wall-clock time and drops the
+        zone; PostgreSQL compares instants and reads a zoneless one in its own zone, taken as UTC
+        (the gateway records aware UTC times)."""
+        if self.sqlite:
+            return at.replace(tzinfo=None)
+        return at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+
+    def run(self) -> None:
+        """Stitch the records in order, then write what is still unwritten."""
+        self._load_orphans({h for p in self.prepared for h in p.continuations})
+        self._prefetch_parents()
+        for p in self.prepared:
+            self._stitch(p)
+        self.flush()
+
+    # -- reading the pool -------------------------------------------------------------------
+
+    def _known(self, row: Row[Any]) -> _Turn:
+        """The turn of a row of _COLUMNS; one that is already known keeps its in-memory state."""
+        turn = self.turns.get(row.id)
+        if turn is None:
+            turn = _Turn(
+                id=row.id,
+                session_id=row.session_id,
+                created_at=self.clock(row.created_at),
+                turn_type=row.turn_type,
+                status=row.status,
+                parent_id=row.parent_turn_id,
+                has_next_state=not row.open,
+                stored=True,
+            )
+            self._add(turn)
+        return turn
+
+    def _add(self, turn: _Turn) -> None:
+        self.turns[turn.id] = turn
+        self.members.setdefault(turn.session_id, []).append(turn)
+
+    def _load_orphans(self, hashes: set[str]) -> None:
+        """Stored turns with no parent whose link hash is one of this batch's continuations: the
+        turns a record of this batch may adopt. Turns only ever gain parents, so one query
+        before stitching finds all of them."""
+        for chunk in _chunks(hashes):
+            rows = self.db.execute(
+                select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
+                .join(Session, Session.id == Turn.session_id)
+                .where(Turn.link_hash.in_(chunk), Turn.parent_turn_id.is_(None))
+            )
+            for row in rows:
+                turn = self._known(row)
+                turn.messages = list((row.request or {}).get("messages") or [])
+                self.by_link.setdefault(row.link_hash, {})[turn.id] = turn
+                self.sources[row.session_id] = row.source
+
+    def _load_parents(self, hashes: Iterable[str]) -> None:
+        """The stored turns that requests starting with these hashes would continue."""
+        todo = set(hashes) - self.fetched
+        self.fetched |= todo
+        for chunk in _chunks(todo):
+            rows = self.db.execute(
+                select(TurnContinuation.hash, *_COLUMNS)
+                .join(Turn, Turn.id == TurnContinuation.turn_id)
+                .where(TurnContinuation.hash.in_(chunk))
+            )
+            for row in rows:
+                self.by_hash.setdefault(row.hash, {})[row.id] = self._known(row)
+
+    def _prefetch_parents(self) -> None:
+        """Loads, in two rounds of queries, the stored turns the records may continue: first each
+        record's longest candidate (the one that matches unless a turn went uncaptured), then
+        every candidate of the records that one cannot match. _find_parent loads what else it
+        needs on its own."""
+        self._load_parents({p.candidates[0][1] for p in self.prepared if p.candidates})
+        earlier: set[str] = set()  # continuations of the records before this one
+        rest: set[str] = set()
+        for p in self.prepared:
+            if len(p.candidates) > 1:
+                longest = p.candidates[0][1]
+                if longest not in earlier and not self.by_hash.get(longest):
+                    rest.update(h for _, h in p.candidates[1:])
+            earlier.update(p.continuations)
+        self._load_parents(rest)
+
+    def _load_latest(self, session_ids: Iterable[str], before: datetime) -> dict[str, _Turn | None]:
+        """For each session, its stored main turn with the latest created_at <= ``before``."""
+        latest = (
+            select(Turn.id)
+            .where(
+                Turn.session_id == Session.id,
+                Turn.turn_type == "main",
+                Turn.status == "ok",
+                Turn.created_at <= before,
+            )
+            .order_by(Turn.created_at.desc(), Turn.id.desc())
+            .limit(1)
+            .correlate(Session)
+            .scalar_subquery()
+        )
+        found: dict[str, _Turn | None] = dict.fromkeys(session_ids)
+        for chunk in _chunks(found):
+            rows = self.db.execute(
+                select(*_COLUMNS).where(Turn.id.in_(select(latest).where(Session.id.in_(chunk))))
+            )
+            for row in rows:
+                found[row.session_id] = self._known(row)
+        return found
+
+    def _latest_stored(self, session_id: str, before: datetime) -> _Turn | None:
+        """The stored part of _latest_main_turn. The first call asks for every named session of
+        the batch at once, up to the batch's newest record; a record older than the answer, or a
+        session that stored turns were merged into since, is asked about on its own."""
+        if self.latest is None:
+            named = [p.record for p in self.prepared if p.record.session_id and p.record.turn_type == "main"]
+            newest = max((r.created_at for r in named), key=self.clock)
+            self.latest = self._load_latest({r.session_id for r in named if r.session_id}, newest)
+        if session_id in self.latest:
+            hit = self.latest[session_id]
+            if hit is None or hit.created_at <= self.clock(before):
+                return hit
+        return self._load_latest([session_id], before)[session_id]
+
+    def _source(self, session_id: str) -> str:
+        if session_id not in self.sources:
+            # a named session of this batch may exist already; then its stored source holds
+            stored = self.db.scalar(select(Session.source).where(Session.id == session_id))
+            self.sources[session_id] = stored or self.named_sessions[session_id]["source"]
+        return self.sources[session_id]
+
+    # -- stitching, one record at a time ----------------------------------------------------
+
+    def _stitch(self, p: _Prepared) -> None:
+        r = p.record
+        parent: _Turn | None = None
+        prefix_end = 0  # index in r.messages where what r appended after the parent begins
+        if r.session_id:
+            session_id = r.session_id
+            self.named_sessions.setdefault(session_id, _session_row(session_id, r, r.session_source or "header"))
+            parent, prefix_end = self._find_parent(p.candidates, session_id)
+            if parent is None and r.turn_type == "main":
+                parent = self._latest_main_turn(session_id, r.created_at)
+                prefix_end = _after_last_assistant(r.messages)
+        else:
+            parent, prefix_end = self._find_parent(p.candidates, None)
+            if parent is not None:
+                session_id = parent.session_id
+            else:
+                session_id = uuid.uuid4().hex
+                self.new_sessions[session_id] = _session_row(session_id, r, "inferred")
+                self.sources[session_id] = "inferred"
+
+        turn = _Turn(
+            id=r.id,
+            session_id=session_id,
+            created_at=self.clock(r.created_at),
+            turn_type=r.turn_type,
+            status=r.status,
+            parent_id=parent.id if parent else None,
+            has_next_state=False,
+            stored=False,
+            messages=r.messages,
+        )
+        self._add(turn)
+        self.unstored.append((p, turn))
+        for h in p.continuations:
+            self.by_hash.setdefault(h, {})[turn.id] = turn
+        if p.candidates:
+            self.by_link.setdefault(p.candidates[0][1], {})[turn.id] = turn
+
+        if parent is not None and r.turn_type == "main" and not parent.has_next_state:
+            self._give_next_state(parent, r.id, r.messages[prefix_end:])
+        if p.continuations:
+            self._adopt_orphans(turn, p)
+        # the session's updated_at follows the turns written into it, not those merged in later
+        newest = self.touched.get(session_id)
+        if newest is None or self.clock(newest) < turn.created_at:
+            self.touched[session_id] = r.created_at
+        if r.session_done:
+            self.flush()  # end_session reads the session's turns from the pool
+            self.ready += end_session(self.db, session_id)
+            self.db.flush()
+
+    def _find_parent(self, candidates: list[tuple[int, str]], session_id: str | None) -> tuple[_Turn | None, int]:
+        """The earliest turn whose continuation is the longest candidate any turn has (within
+        the named session, if there is one), and where what the record appended begins."""
+        for n, (index, h) in enumerate(candidates):
+            if h not in self.fetched:
+                self._load_parents(c for _, c in candidates[n:])
+            turns = [t for t in self.by_hash.get(h, {}).values() if session_id is None or t.session_id == session_id]
+            if turns:
+                return min(turns, key=lambda t: t.order), index + 1
+        return None, 0
+
+    def _latest_main_turn(self, session_id: str, before: datetime) -> _Turn | None:
+        # An explicit session whose agent rewrote its history (compaction, a dropped system
+        # prompt) still continues its latest turn; the next state is what follows the last
+        # assistant message.
+        at = self.clock(before)
+        found = [
+            t
+            for t in self.members.get(session_id, ())
+            if t.turn_type == "main" and t.status == "ok" and t.created_at <= at
+        ]
+        stored = self._latest_stored(session_id, before)
+        if stored is not None:
+            found.append(stored)
+        return max(found, key=lambda t: t.order, default=None)
+
+    def _adopt_orphans(self, turn: _Turn, p: _Prepared) -> None:
+        """Link turns written before their parent (this turn) to it."""
+        orphans = {
+            o.id: o
+            for h in p.continuations
+            for o in self.by_link.get(h, {}).values()
+            if o.parent_id is None and o.id != turn.id and o.created_at >= turn.created_at
+        }
+        for orphan in sorted(orphans.values(), key=lambda t: t.order):
+            if orphan.session_id != turn.session_id:
+                if self._source(orphan.session_id) != "inferred":
+                    continue  # a named session is never merged into another
+                self._merge(orphan.session_id, turn.session_id)
+            orphan.parent_id = turn.id
+            if orphan.stored:
+                self.changed_parent[orphan.id] = orphan
+            if orphan.turn_type == "main" and not turn.has_next_state:
+                start = len(p.record.messages) + 1  # after this turn's messages and reply
+                self._give_next_state(turn, orphan.id, (orphan.messages or [])[start:])
+
+    def _give_next_state(self, parent: _Turn, child_id: str, appended: list[Message]) -> None:
+        parent.next_state = {"turn_id": child_id, "messages": appended}
+        parent.has_next_state = True
+        if parent.stored:
+            self.changed_next_state[parent.id] = parent
+        self.ready.append(parent.id)
+
+    def _merge(self, old: str, new: str) -> None:
+        """Move every turn of inferred session ``old`` into ``new`` and delete ``old``."""
+        if old in self.new_sessions:  # made by this batch and not written: only in memory
+            del self.new_sessions[old]
+            self.touched.pop(old, None)
+        else:
+            self.flush()  # the turns written so far move too, and ``new`` must exist
+            self.db.execute(update(_turns).where(_turns.c.session_id == old).values(session_id=new))
+            self.db.execute(delete(_sessions).where(_sessions.c.id == old))
+            if self.latest is not None:
+                self.latest.pop(new, None)  # stored turns came in: ask again
+        moved = self.members.pop(old, [])
+        for t in moved:
+            t.session_id = new
+        self.members.setdefault(new, []).extend(moved)
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write what was decided since the last flush: a few bulk statements."""
+        sessions = [
+            dict(row, updated_at=max(row["updated_at"], self.touched.get(sid, row["updated_at"]), key=self.clock))
+            for sid, row in self.new_sessions.items()
+        ]
+        sessions += self.named_sessions.values()
+        if sessions:
+            self.db.execute(dialect_insert(self.db)(_sessions).on_conflict_do_nothing(), sessions)
+        if self.unstored:
+            self.db.execute(insert(_turns), [_turn_row(p, t) for p, t in self.unstored])
+            continuations = [
+                {"hash": h, "turn_id": t.id, "choice_index": i}
+                for p, t in self.unstored
+                for i, h in enumerate(p.continuations)
+            ]
+            if continuations:
+                self.db.execute(insert(TurnContinuation.__table__), continuations)
+            for _, t in self.unstored:
+                t.stored = True
+        if self.changed_next_state:
+            self.db.execute(
+                _set_next_state,
+                [{"b_id": t.id, "b_next_state": t.next_state} for t in self.changed_next_state.values()],
+            )
+        if self.changed_parent:
+            self.db.execute(
+                _set_parent, [{"b_id": t.id, "b_parent": t.parent_id} for t in self.changed_parent.values()]
+            )
+        touched = [{"b_id": sid, "b_at": at} for sid, at in self.touched.items() if sid not in self.new_sessions]
+        if touched:
+            self.db.execute(_touch_session, touched)
+        self.new_sessions.clear()
+        self.named_sessions.clear()
+        self.unstored.clear()
+        self.changed_next_state.clear()
+        self.changed_parent.clear()
+        self.touched.clear()
+
+
+def _session_row(session_id: str, r: TurnRecord, source: str) -> dict[str, Any]:
+    return {
+        "id": session_id,
+        "source": source,
+        "task_id": r.task_id,
+        "group_id": r.group_id,
+        "created_at": r.created_at,
+        "updated_at": r.created_at,
+        "metadata": {},
+    }
+
+
+def _turn_row(p: _Prepared, turn: _Turn) -> dict[str, Any]:
+    r = p.record
+    return {
+        "id": r.id,
+        "session_id": turn.session_id,
+        "parent_turn_id": turn.parent_id,
+        "turn_type": r.turn_type,
+        "endpoint": r.endpoint,
+        "status": r.status,
+        "created_at": r.created_at,
+        "model": r.model,
+        "upstream_model": r.upstream_model,
+        "policy_version": r.policy_version,
+        "capture": r.capture,
+        "request": r.request,
+        "response": r.response,
+        "next_state": turn.next_state,
+        "prompt_token_ids": r.prompt_token_ids,
+        "token_ids": r.token_ids,
+        "logprobs": r.logprobs,
+        "latency_ms": r.latency_ms,
+        "usage": r.usage,
+        "error": r.error,
+        "link_hash": p.candidates[0][1] if p.candidates else None,
+        "response_id": (r.response or {}).get("id"),
+    }
 
 
 class Stitcher:
@@ -126,26 +558,24 @@ class Stitcher:
         self.ready: list[str] = []
 
     def write(self, records: Sequence[TurnRecord]) -> int:
-        """Insert the records not yet stored (a replayed spool may repeat some); returns how many."""
+        """Insert the records not yet stored (a replayed spool may repeat some, a record may
+        appear twice in one batch: the first copy counts); returns how many."""
         if not records:
             return 0
-        ids = [r.id for r in records]
-        stored = set(self.db.scalars(select(Turn.id).where(Turn.id.in_(ids))))
-        fresh = [r for r in records if r.id not in stored]
-        prepared = [(r, link_candidates(r.messages), self._continuations(r)) for r in fresh]
+        unique: dict[str, TurnRecord] = {}
+        for r in records:
+            unique.setdefault(r.id, r)
+        stored = {i for chunk in _chunks(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
+        fresh = [r for r in unique.values() if r.id not in stored]
+        prepared = [_Prepared(r, link_candidates(r.messages), _continuations(r)) for r in fresh]
         self._lock(prepared)
-        for record, candidates, continuations in prepared:
-            self._write_one(record, candidates, continuations)
+        batch = _Batch(self.db, prepared)
+        batch.run()
+        self.ready += batch.ready
         self.ready = mark_pending(self.db, self.ready)
         return len(fresh)
 
-    @staticmethod
-    def _continuations(r: TurnRecord) -> list[str]:
-        if r.status != "ok" or r.turn_type != "main" or r.endpoint != "chat":
-            return []
-        return continuation_hashes(r.messages, r.replies)
-
-    def _lock(self, prepared: list[tuple[TurnRecord, list[tuple[int, str]], list[str]]]) -> None:
+    def _lock(self, prepared: list[_Prepared]) -> None:
         # Two replicas writing a parent and its child at the same moment would each miss the
         # other; serialising on the hash that links them makes one of them see the other.
         if self.dialect != "postgresql":
@@ -156,155 +586,9 @@ class Stitcher:
             keys.update(lock_key(h) for h in continuations)
             if r.session_id:
                 keys.add(lock_key("session:" + r.session_id))
-        for key in sorted(keys):
-            self.db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": key})
-
-    def _insert_ignore(self, table: Any, values: dict[str, Any]) -> None:
-        self.db.execute(dialect_insert(self.db)(table).values(**values).on_conflict_do_nothing())
-
-    def _write_one(
-        self, r: TurnRecord, candidates: list[tuple[int, str]], continuations: list[str]
-    ) -> None:
-        parent: Turn | None = None
-        prefix_end = 0  # index in r.messages where what r appended after the parent begins
-        if r.session_id:
-            session_id = r.session_id
-            self._insert_ignore(
-                Session.__table__,
-                {
-                    "id": session_id,
-                    "source": r.session_source or "header",
-                    "task_id": r.task_id,
-                    "group_id": r.group_id,
-                    "created_at": r.created_at,
-                    "updated_at": r.created_at,
-                    "metadata": {},
-                },
+        if keys:
+            # one statement, taking the locks in key order so that two writers cannot deadlock
+            self.db.execute(
+                text("SELECT pg_advisory_xact_lock(k) FROM unnest(CAST(:keys AS bigint[])) AS k ORDER BY k"),
+                {"keys": sorted(keys)},
             )
-            parent, prefix_end = self._find_parent(candidates, session_id)
-            if parent is None and r.turn_type == "main":
-                parent = self._latest_main_turn(session_id, r.created_at)
-                prefix_end = _after_last_assistant(r.messages)
-        else:
-            parent, prefix_end = self._find_parent(candidates, None)
-            if parent is not None:
-                session_id = parent.session_id
-            else:
-                session_id = uuid.uuid4().hex
-                self.db.add(
-                    Session(
-                        id=session_id,
-                        source="inferred",
-                        task_id=r.task_id,
-                        group_id=r.group_id,
-                        created_at=r.created_at,
-                        updated_at=r.created_at,
-                        meta={},
-                    )
-                )
-                self.db.flush()
-
-        turn = Turn(
-            id=r.id,
-            session_id=session_id,
-            parent_turn_id=parent.id if parent else None,
-            turn_type=r.turn_type,
-            endpoint=r.endpoint,
-            status=r.status,
-            created_at=r.created_at,
-            model=r.model,
-            upstream_model=r.upstream_model,
-            policy_version=r.policy_version,
-            capture=r.capture,
-            request=r.request,
-            response=r.response,
-            prompt_token_ids=r.prompt_token_ids,
-            token_ids=r.token_ids,
-            logprobs=r.logprobs,
-            latency_ms=r.latency_ms,
-            usage=r.usage,
-            error=r.error,
-            link_hash=candidates[0][1] if candidates else None,
-            response_id=(r.response or {}).get("id"),
-        )
-        self.db.add(turn)
-        self.db.flush()
-        if parent is not None and r.turn_type == "main" and parent.next_state is None:
-            parent.next_state = _next_state(turn, prefix_end)
-            self.ready.append(parent.id)
-
-        for choice, h in enumerate(continuations):
-            self.db.add(TurnContinuation(hash=h, turn_id=turn.id, choice_index=choice))
-        if continuations:
-            self.db.flush()
-            self._adopt_orphans(turn, continuations)
-        self.db.execute(
-            update(Session)
-            .where(Session.id == turn.session_id, Session.updated_at < r.created_at)
-            .values(updated_at=r.created_at)
-        )
-        if r.session_done:
-            self.ready += end_session(self.db, turn.session_id)
-
-    def _find_parent(
-        self, candidates: list[tuple[int, str]], session_id: str | None
-    ) -> tuple[Turn | None, int]:
-        for index, h in candidates:
-            q = (
-                select(Turn)
-                .join(TurnContinuation, TurnContinuation.turn_id == Turn.id)
-                .where(TurnContinuation.hash == h)
-                .order_by(Turn.created_at, Turn.id)
-                .limit(1)
-            )
-            if session_id is not None:
-                q = q.where(Turn.session_id == session_id)
-            parent = self.db.scalars(q).first()
-            if parent is not None:
-                return parent, index + 1
-        return None, 0
-
-    def _latest_main_turn(self, session_id: str, before: datetime) -> Turn | None:
-        # An explicit session whose agent rewrote its history (compaction, a dropped system
-        # prompt) still continues its latest turn; the next state is what follows the last
-        # assistant message.
-        return self.db.scalars(
-            select(Turn)
-            .where(
-                Turn.session_id == session_id,
-                Turn.turn_type == "main",
-                Turn.status == "ok",
-                Turn.created_at <= before,
-            )
-            .order_by(Turn.created_at.desc(), Turn.id.desc())
-            .limit(1)
-        ).first()
-
-    def _adopt_orphans(self, turn: Turn, continuations: list[str]) -> None:
-        """Link turns written before their parent (this turn) to it."""
-        orphans = self.db.scalars(
-            select(Turn)
-            .where(
-                Turn.link_hash.in_(continuations),
-                Turn.parent_turn_id.is_(None),
-                Turn.id != turn.id,
-                Turn.created_at >= turn.created_at,
-            )
-            .order_by(Turn.created_at, Turn.id)
-        ).all()
-        for orphan in orphans:
-            if orphan.session_id != turn.session_id:
-                source = self.db.get(Session, orphan.session_id)
-                if source is None or source.source != "inferred":
-                    continue  # a named session is never merged into another
-                old = orphan.session_id
-                self.db.execute(
-                    update(Turn).where(Turn.session_id == old).values(session_id=turn.session_id)
-                )
-                self.db.expire_all()
-                self.db.delete(source)
-                self.db.flush()
-            orphan.parent_turn_id = turn.id
-            if orphan.turn_type == "main" and turn.next_state is None:
-                turn.next_state = _next_state(orphan, len(turn.request.get("messages") or []) + 1)
-                self.ready.append(turn.id)
