@@ -2,9 +2,15 @@
 
 One writer task drains an in-memory queue in batches and writes each batch in one transaction.
 While the database is unreachable, batches go to an append-only spool file (fsync'd per batch);
-once the database answers again the spool is replayed in order, and because the pool skips
-turn ids it already holds, a batch that was written but not yet cleared from the spool is
-never stored twice.
+once the database answers again the spool is replayed in order, a bounded chunk per cycle, and
+because the pool skips turn ids it already holds, a batch that was written but not yet cleared
+from the spool is never stored twice.
+
+The queue is bounded: when the database is reachable but slower than the traffic, the writer
+moves the whole backlog to the spool in one append (it "sheds") and writes it to the pool from
+there. Memory stays flat under any load, and what a SIGKILL can lose is what sits in memory:
+at most ``max_queue`` turns plus those answered during one writer cycle, and, while the writer
+keeps up, only the turns of the last flush interval.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +37,16 @@ from datapool.sessions import Stitcher
 log = logging.getLogger("nextstate.capture")
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass
+class SpoolChunk:
+    """Records read from the spool for one replay step, and where they end."""
+
+    records: list[TurnRecord]
+    offset: int  # file offset after the last line read
+    lines: int  # file lines consumed (a torn line counts, though it yields no record)
+    from_memory: int  # records taken from the in-memory overflow, after the file's
 
 
 class Spool:
@@ -46,6 +63,8 @@ class Spool:
         self.path: Path | None = None
         self.records = 0
         self.bytes = 0
+        # bytes of the file already written to the pool by this process's replay
+        self.offset = 0
         # records that could not even be spooled (disk full, read-only) wait here, in order
         self.memory: list[TurnRecord] = []
         self.error: str | None = None
@@ -67,15 +86,26 @@ class Spool:
             self._lock_file = lock
             self.path = self.directory / f"capture-{i}.jsonl"
             if self.path.exists():
-                self.bytes = self.path.stat().st_size
-                with open(self.path, "rb") as f:
+                with open(self.path, "r+b") as f:
                     self.records = sum(1 for _ in f)
+                    if f.tell() > 0:
+                        f.seek(-1, os.SEEK_END)
+                        if f.read(1) != b"\n":
+                            # a crash mid-append tore the last line: end it, so the next append
+                            # starts a line of its own instead of being glued to the torn one
+                            f.write(b"\n")
+                self.bytes = self.path.stat().st_size
             return
         raise OSError("no free spool slot (256 gateways on one data directory?)")
 
     @property
     def pending(self) -> bool:
         return self.records > 0 or bool(self.memory)
+
+    @property
+    def waiting(self) -> int:
+        """Turns waiting here for the pool: in the file and, when it cannot be written, in memory."""
+        return self.records + len(self.memory)
 
     def append(self, batch: Sequence[TurnRecord]) -> None:
         if self.memory or self.path is None:
@@ -102,17 +132,42 @@ class Spool:
         self.bytes += len(data)
 
     def read(self) -> list[TurnRecord]:
-        """Everything waiting, oldest first: the file, then what is held in memory."""
-        out: list[TurnRecord] = []
+        """Everything waiting, oldest first: the file from the replay cursor, then memory."""
+        return self.chunk(None).records
+
+    def chunk(self, limit: int | None) -> "SpoolChunk":
+        """Up to ``limit`` waiting records, oldest first, from the replay cursor; `advance`
+        takes the chunk once its records are in the pool."""
+        chunk = SpoolChunk([], self.offset, 0, 0)
         if self.path is not None and self.path.exists():
             with open(self.path, "rb") as f:
-                for n, line in enumerate(f, 1):
+                f.seek(chunk.offset)
+                for line in f:
+                    if limit is not None and len(chunk.records) >= limit:
+                        break
+                    chunk.offset += len(line)
+                    chunk.lines += 1
                     try:
-                        out.append(TurnRecord.from_json(json.loads(line)))
+                        chunk.records.append(TurnRecord.from_json(json.loads(line)))
                     except (ValueError, TypeError) as exc:
                         # only a crash mid-append leaves a torn line, and only as the last one
-                        log.warning("spool %s line %d unreadable, skipped: %s", self.path, n, exc)
-        return out + self.memory
+                        log.warning("spool %s at byte %d unreadable, skipped: %s",
+                                    self.path, chunk.offset - len(line), exc)
+        room = len(self.memory) if limit is None else max(0, limit - len(chunk.records))
+        chunk.from_memory = min(room, len(self.memory))
+        chunk.records.extend(self.memory[: chunk.from_memory])
+        return chunk
+
+    def advance(self, chunk: "SpoolChunk") -> None:
+        """Mark a chunk as written to the pool; the file goes once all of it is."""
+        self.offset = chunk.offset
+        self.records = max(0, self.records - chunk.lines)
+        del self.memory[: chunk.from_memory]
+        if self.path is not None and self.path.exists() and self.offset >= self.path.stat().st_size:
+            self.path.unlink()
+            self.records = self.bytes = self.offset = 0
+        if self.path is not None and not self.memory:
+            self.error = None  # nothing waits in memory; the next write tries the disk again
 
     def reject(self, record: TurnRecord, exc: Exception) -> None:
         """Park a record the database refuses (never retried automatically; kept for a person)."""
@@ -120,14 +175,6 @@ class Spool:
         line = {"error": str(exc).splitlines()[0], "record": record.to_json()}
         with open(self.directory / "rejected.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
-
-    def clear(self, replayed_from_memory: int) -> None:
-        if self.path is not None and self.path.exists():
-            self.path.unlink()
-        self.records = self.bytes = 0
-        del self.memory[:replayed_from_memory]
-        if self.path is not None and not self.memory:
-            self.error = None  # nothing waits; the next write tries the disk again
 
     def close(self) -> None:
         if self._lock_file is not None:
@@ -152,16 +199,23 @@ class CaptureWriter:
         batch_size: int = 256,
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
+        max_queue: int = 1024,
+        replay_chunk: int | None = None,
         on_written: Callable[[int], None] | None = None,
         on_ready: Callable[[list[str]], None] | None = None,
+        on_shed: Callable[[int], None] | None = None,
     ):
         self.engine = engine
         self.spool = spool
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
+        self.max_queue = max_queue
+        # records replayed per writer cycle: bounds the cycle, so the queue is looked at often
+        self.replay_chunk = replay_chunk or 4 * batch_size
         self.on_written = on_written
         self.on_ready = on_ready  # called with turns whose next state just became known
+        self.on_shed = on_shed  # called with how many queued turns were moved to the spool
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
         self.last_db_error: str | None = None
         self._last_failure = 0.0
@@ -179,7 +233,8 @@ class CaptureWriter:
         """Return once every record submitted before the call is in the pool (or, while the
         database is away, in the spool). A rollout runner calls it before reading a session."""
         target = self.submitted
-        while self.processed < target:
+        while self.processed < target or (self.spool.pending and self.last_db_error is None
+                                           and self.spool.path is not None):
             await asyncio.sleep(max(self.flush_interval_s / 2, 0.005))
 
     @property
@@ -207,21 +262,44 @@ class CaptureWriter:
         stopping = False
         while not stopping:
             batch, stopping = await self._collect()
+            shed = not stopping and self.queue.qsize() >= self.max_queue
+            if shed:
+                # the pool is slower than the traffic: the backlog goes to disk in one append
+                stopping = self._drain(batch)
+                if self.on_shed:
+                    self.on_shed(len(batch))
             try:
-                await asyncio.to_thread(self._persist, batch)
-            except Exception:  # the writer must outlive any one bad batch
+                await asyncio.to_thread(self._persist, batch, shed)
+            except Exception as exc:  # the writer must outlive any one bad batch
                 log.exception("capture writer failed on a batch of %d; spooling it", len(batch))
+                self._failed(exc)  # and waits a retry interval before it tries the pool again
                 await asyncio.to_thread(self.spool.append, batch)
             self.processed += len(batch)
 
+    def _drain(self, batch: list[TurnRecord]) -> bool:
+        """Move everything queued into ``batch``; True if the stop sentinel was among it."""
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return False
+            if item is None:
+                return True
+            batch.append(item)
+
     async def _collect(self) -> tuple[list[TurnRecord], bool]:
-        """The next batch: waits for a first record (or, with a spool to replay, a retry tick),
-        then takes what arrives within flush_interval_s, up to batch_size."""
+        """The next batch: waits for a first record (or, with a spool to replay, a retry tick;
+        no wait at all while the pool answers and the spool still holds turns), then takes
+        what arrives within flush_interval_s, up to batch_size."""
         batch: list[TurnRecord] = []
-        timeout = self.retry_interval_s if self.spool.pending else None
         try:
-            first = await asyncio.wait_for(self.queue.get(), timeout)
-        except TimeoutError:
+            if not self.spool.pending:
+                first = await self.queue.get()
+            elif self.last_db_error is None:
+                first = self.queue.get_nowait()
+            else:
+                first = await asyncio.wait_for(self.queue.get(), self.retry_interval_s)
+        except (TimeoutError, asyncio.QueueEmpty):
             return batch, False
         if first is None:
             return batch, True
@@ -243,8 +321,12 @@ class CaptureWriter:
             batch.append(item)
         return batch, False
 
-    def _persist(self, batch: list[TurnRecord]) -> None:
-        if self.spool.pending:
+    def _persist(self, batch: list[TurnRecord], shed: bool = False) -> None:
+        if shed and not self.spool.pending:
+            log.warning("capture writer behind by %d turns: spooling the backlog, writing it from disk",
+                        len(batch))
+        if self.spool.pending or shed:
+            # while anything waits in the spool, new turns queue up behind it: order is kept
             if batch:
                 self.spool.append(batch)
             if time.monotonic() - self._last_failure >= self.retry_interval_s:
@@ -291,13 +373,14 @@ class CaptureWriter:
             log.warning("pool unreachable, spooling captured turns: %s", self.last_db_error)
 
     def _replay(self) -> None:
-        pending = self.spool.read()
-        from_memory = len(self.spool.memory)
+        """Write the next chunk of the spool to the pool."""
+        chunk = self.spool.chunk(self.replay_chunk)
         try:
-            for i in range(0, len(pending), self.batch_size):
-                self._write(pending[i : i + self.batch_size])
+            for i in range(0, len(chunk.records), self.batch_size):
+                self._write(chunk.records[i : i + self.batch_size])
         except SQLAlchemyError as exc:
             self._failed(exc)
             return
-        self.spool.clear(from_memory)
-        log.info("pool reachable again: replayed %d spooled turns", len(pending))
+        self.spool.advance(chunk)
+        if not self.spool.pending:
+            log.info("capture spool drained: every spooled turn is in the pool")

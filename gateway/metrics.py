@@ -38,6 +38,11 @@ class Metrics:
         self.queue_depth = Gauge(
             "nextstate_capture_queue_depth", "Captured turns waiting to be written.", registry=self.registry
         )
+        self.shed = Counter(
+            "nextstate_capture_shed_turns_total",
+            "Captured turns moved from memory to the spool because the pool fell behind the traffic.",
+            registry=self.registry,
+        )
         self.spool_records = Gauge(
             "nextstate_spool_records",
             "Captured turns spooled to disk (or memory) while the pool is unreachable.",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import yaml
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download at import
@@ -77,7 +77,7 @@ class Upstreams:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         *,
         model_list: list[dict[str, Any]] | None = None,
         upstream_url: str | None = None,
@@ -136,10 +136,10 @@ class Upstreams:
     async def _discover(self) -> list[str]:
         url = f"{self.upstream_url}/models"
         try:
-            resp = await self.http.get(url, timeout=5.0)
-            resp.raise_for_status()
-            names = [m["id"] for m in resp.json()["data"]]
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            async with self.http.get(url, timeout=aiohttp.ClientTimeout(total=5.0),
+                                     raise_for_status=True) as resp:
+                names = [m["id"] for m in (await resp.json(content_type=None))["data"]]
+        except (TimeoutError, aiohttp.ClientError, KeyError, TypeError, ValueError) as exc:
             raise OpenAIError(502, f"upstream {self.upstream_url} unreachable: {exc}") from exc
         if not names:
             raise OpenAIError(502, f"upstream {self.upstream_url} serves no models")
@@ -206,8 +206,9 @@ class Upstreams:
         results: dict[str, str] = {}
         for base in sorted(b for b in bases if b):
             try:
-                r = await self.http.get(f"{base.rstrip('/')}/models", timeout=2.0)
-                results[base] = "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
+                async with self.http.get(f"{base.rstrip('/')}/models",
+                                         timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                    results[base] = "ok" if r.status == 200 else f"HTTP {r.status}"
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 results[base] = f"unreachable: {type(exc).__name__}"
         return results

@@ -82,6 +82,13 @@ class Settings(BaseSettings):
     capture_flush_interval_s: float = Field(
         default=0.05, description="Longest a captured turn waits before its batch is written."
     )
+    capture_queue_max: int = Field(
+        default=1024,
+        ge=1,
+        description="Most captured turns held in memory. When the pool falls this far behind, the "
+        "backlog is moved to the spool (fsync'd) and written from there: memory stays flat, and a "
+        "killed gateway loses at most this many turns plus one writer cycle's.",
+    )
     spool_dir: Path | None = Field(
         default=None,
         description="Where turns are spooled while the database is unreachable. Default: data_dir/spool.",

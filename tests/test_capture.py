@@ -103,12 +103,16 @@ async def test_torn_last_line_is_skipped(tmp_path: Path) -> None:
         f.write(b'{"id": "torn-by-a-cra')  # the crash happened mid-append
     spool.close()
     engine = make_engine(url)
-    writer = CaptureWriter(engine, Spool(tmp_path / "spool"), retry_interval_s=0.05)
+    spool = Spool(tmp_path / "spool")
+    late = _record(3)
+    spool.append([late])  # the next process appends before it replays: a line of its own
+    assert spool.read() == [*records, late]
+    writer = CaptureWriter(engine, spool, retry_interval_s=0.05)
     writer.start()
     await _until(lambda: not writer.spool.pending)
     await writer.stop()
     engine.dispose()
-    assert sorted(_stored_ids(url)) == sorted(r.id for r in records)
+    assert sorted(_stored_ids(url)) == sorted(r.id for r in [*records, late])
 
 
 async def test_unusable_spool_holds_turns_in_memory(tmp_path: Path) -> None:
@@ -120,7 +124,7 @@ async def test_unusable_spool_holds_turns_in_memory(tmp_path: Path) -> None:
     records = [_record(0), _record(1)]
     spool.append(records)
     assert spool.pending and spool.read() == records
-    spool.clear(replayed_from_memory=2)
+    spool.advance(spool.chunk(None))
     assert not spool.pending
 
 
@@ -153,3 +157,57 @@ def test_writer_counts(tmp_path: Path) -> None:
     with OrmSession(engine) as db:
         assert db.scalar(select(func.count()).select_from(Turn)) == 10
     engine.dispose()
+
+
+async def test_writer_behind_sheds_its_backlog_to_the_spool(pg_url: str, tmp_path: Path) -> None:
+    """A burst far above what the writer stores per cycle: the queue never holds more than
+    max_queue turns for long (the backlog moves to the spool in one append), the spool is
+    replayed a bounded chunk per cycle, and every turn is stored exactly once."""
+    engine = make_engine(pg_url)
+    spool = Spool(tmp_path / "spool")
+    shed: list[int] = []
+    writer = CaptureWriter(engine, spool, batch_size=16, max_queue=100, replay_chunk=64,
+                           flush_interval_s=0.005, on_shed=shed.append)
+    writer.start()
+    records = [_record(i) for i in range(3000)]
+    for r in records[:2000]:
+        writer.submit(r)  # no await between them: 2,000 queued before the writer wakes
+    await _until(lambda: sum(shed) > 0)
+    assert writer.depth < 100 and spool.records > 1000  # the backlog is on disk, not in memory
+    for i, r in enumerate(records[2000:]):  # more traffic while the spool is being replayed
+        writer.submit(r)
+        if i % 50 == 0:
+            await asyncio.sleep(0.01)
+    await _until(lambda: writer.processed == 3000 and not spool.pending, timeout=120)
+    await writer.stop()
+    engine.dispose()
+    stored = _stored_ids(pg_url)
+    assert len(stored) == len(set(stored)) == 3000
+    assert set(stored) == {r.id for r in records}
+    assert spool.path is not None and not spool.path.exists()  # drained and removed
+    assert sum(shed) >= 1900
+
+
+async def test_replay_goes_a_chunk_at_a_time_and_resumes_after_an_outage(
+    pg_cluster: ThrowawayPostgres, tmp_path: Path
+) -> None:
+    records = [_record(i) for i in range(50)]
+    spool = Spool(tmp_path / "spool")
+    spool.append(records)
+    first = spool.chunk(20)
+    assert first.records == records[:20] and first.lines == 20
+    spool.advance(first)
+    assert spool.waiting == 30 and spool.read() == records[20:]  # the cursor moved past them
+    # the pool goes away mid-replay: nothing is lost, and the replay resumes at the cursor
+    engine = make_engine(pg_cluster.dsn)
+    writer = CaptureWriter(engine, spool, batch_size=8, replay_chunk=16, retry_interval_s=0.1)
+    pg_cluster.kill()
+    writer.start()
+    await _until(lambda: writer.last_db_error is not None)
+    assert spool.waiting == 30
+    pg_cluster.restart()
+    await _until(lambda: not spool.pending)
+    await writer.stop()
+    engine.dispose()
+    # the first 20 were "written" by a replay whose pool we never saw: only the rest is stored
+    assert sorted(_stored_ids(pg_cluster.dsn)) == sorted(r.id for r in records[20:])

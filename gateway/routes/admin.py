@@ -207,4 +207,4 @@ async def post_capture_flush(request: Request, timeout_s: float = Query(30.0, gt
     except TimeoutError as exc:
         raise OpenAIError(504, f"capture not flushed within {timeout_s}s "
                                f"({gw.writer.depth} turns queued)", code="flush_timeout") from exc
-    return {"flushed": True, "spooled": gw.writer.spool.records + len(gw.writer.spool.memory)}
+    return {"flushed": True, "spooled": gw.writer.spool.waiting}

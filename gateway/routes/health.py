@@ -39,7 +39,7 @@ async def readyz(request: Request) -> JSONResponse:
         checks["pool"] = f"unreachable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
     checks["upstreams"] = await gw.upstreams.check()
     spool = gw.writer.spool
-    checks["spool"] = {"records": spool.records + len(spool.memory), "error": spool.error}
+    checks["spool"] = {"records": spool.waiting, "error": spool.error}
     ready = checks["pool"] == "ok" and all(v == "ok" for v in checks["upstreams"].values())
     return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
                         status_code=200 if ready else 503)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any
 
-import httpx
+import aiohttp
 import litellm
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +37,7 @@ router = APIRouter()
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")  # no "..", no leading dot
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+_JSON = {"Content-Type": "application/json"}
 
 
 def _inline(schema: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +64,8 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
         "schema": _inline(model.model_json_schema())}}}}
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
+    # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
     keys = gateway_of(request).settings.api_keys
     if not keys:
         return
@@ -220,47 +222,51 @@ class _Call:
         url = f"{t.api_base}{_PATHS[self.endpoint]}"
         auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
         payload = white_box_body(self.endpoint, self.body, t.served_name)
-        req = self.gw.http.build_request("POST", url, json=payload, headers=auth)
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
         try:
-            resp = await self.gw.http.send(req, stream=True)
-        except httpx.TimeoutException as exc:
+            resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
+        except TimeoutError as exc:
             raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
         self._observe_upstream()
-        if resp.status_code >= 400:
+        if resp.status >= 400:
             return await self._upstream_error(resp)
         wants = ClientWants.of(self.endpoint, self.body)
         if self.stream:
             return StreamingResponse(
                 self._relay(resp, wants),
-                status_code=resp.status_code,
+                status_code=resp.status,
                 media_type="text/event-stream",
                 headers={**self.headers, "Cache-Control": "no-cache"},
             )
         try:
-            raw = await resp.aread()
-        except httpx.HTTPError as exc:
+            raw = await resp.read()
+        except TimeoutError as exc:
+            raise self._fail(504, f"upstream {t.group} timed out mid-response") from exc
+        except aiohttp.ClientError as exc:
             raise self._fail(502, f"upstream {t.group} failed mid-response: {exc}") from exc
         finally:
-            await resp.aclose()
+            resp.release()
         try:
             obj = json.loads(raw)
         except ValueError as exc:
             raise self._fail(502, f"upstream {t.group} sent invalid JSON") from exc
         self.acc.feed(obj)
-        self._finish(resp.status_code)
+        self._finish(resp.status)
         if not wants.everything:
             strip_for_client(obj, wants)
             raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-        return Response(raw, status_code=resp.status_code, media_type="application/json",
+        return Response(raw, status_code=resp.status, media_type="application/json",
                         headers=self.headers)
 
-    async def _upstream_error(self, resp: httpx.Response) -> Response:
+    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> Response:
         try:
-            raw = await resp.aread()
+            raw = await resp.read()
+        except (TimeoutError, aiohttp.ClientError):
+            raw = b""
         finally:
-            await resp.aclose()
+            resp.release()
         try:
             upstream = json.loads(raw)
         except ValueError:
@@ -268,19 +274,20 @@ class _Call:
         message = (
             upstream.get("error", {}).get("message") if isinstance(upstream, dict)
             and isinstance(upstream.get("error"), dict) else None
-        ) or f"upstream {self.target.group} answered HTTP {resp.status_code}"
+        ) or f"upstream {self.target.group} answered HTTP {resp.status}"
         # a 4xx is about the request and goes back as is; a 5xx is the upstream's failure
-        status = resp.status_code if resp.status_code < 500 else 502
+        status = resp.status if resp.status < 500 else 502
         err = self._fail(status, message, upstream=upstream)
         if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict) and status < 500:
             return JSONResponse(upstream, status_code=status)
         return err.response()
 
-    async def _relay(self, resp: httpx.Response, wants: ClientWants) -> AsyncIterator[bytes]:
+    async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
         status, error = "ok", None
         done = False  # [DONE] relayed: the reply is complete, whatever the client does next
+        ended = False  # the upstream's reply read to its end: its connection can be reused
         try:
-            async for raw, data in sse_events(resp.aiter_raw()):
+            async for raw, data in sse_events(resp.content.iter_any()):
                 if data is None or data == b"[DONE]":
                     done = done or data == b"[DONE]"
                     yield raw
@@ -296,9 +303,11 @@ class _Call:
                 else:
                     strip_for_client(obj, wants)
                     yield b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-        except httpx.HTTPError as exc:
+            ended = True
+        except (TimeoutError, aiohttp.ClientError) as exc:
             status = "error"
-            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}").body()["error"]
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}").body()["error"]
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             # a client that hangs up after [DONE] got the whole reply
@@ -306,7 +315,10 @@ class _Call:
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
-            await resp.aclose()
+            if ended:
+                resp.release()
+            else:
+                resp.close()  # closing the connection is what cancels the request upstream
             self._finish(200, status=status, error=error)
 
     # -- other providers: through the LiteLLM Router ---------------------------------------------

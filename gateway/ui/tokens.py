@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @lru_cache(maxsize=1)
@@ -67,7 +67,7 @@ class Token:
         return f"background: rgba({color}, {min(1.0, abs(g) / 3) * 0.8:.2f})"
 
 
-async def token_texts(http: httpx.AsyncClient, api_base: str, model: str | None, text: str,
+async def token_texts(http: aiohttp.ClientSession, api_base: str, model: str | None, text: str,
                       token_ids: list[int]) -> list[str] | None:
     """The text of each captured token, or None when vLLM cannot give them exactly."""
     root = api_base.rstrip("/").removesuffix("/v1")
@@ -75,9 +75,12 @@ async def token_texts(http: httpx.AsyncClient, api_base: str, model: str | None,
     if model:
         payload["model"] = model
     try:
-        resp = await http.post(f"{root}/tokenize", json=payload, timeout=3.0)
-        body = resp.json() if resp.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
+        async with http.post(f"{root}/tokenize", json=payload,
+                             timeout=aiohttp.ClientTimeout(total=3.0)) as resp:
+            body = await resp.json(content_type=None) if resp.status == 200 else {}
+    except (TimeoutError, aiohttp.ClientError, ValueError):
+        return None
+    if not isinstance(body, dict):
         return None
     ids, strs = body.get("tokens"), body.get("token_strs")
     if not isinstance(ids, list) or not isinstance(strs, list) or len(ids) != len(strs):
