@@ -127,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from gateway.routes import admin, feedback, health, openai
 
     app.include_router(openai.router)
+    app.add_middleware(openai.ProxyFastPath)
     app.include_router(feedback.router)
     app.include_router(admin.router)
     app.include_router(health.router)

@@ -192,19 +192,26 @@ class Accumulator:
         )
 
 
-async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[tuple[bytes, bytes | None]]:
-    """Split a byte stream into server-sent events: (raw event bytes, its data payload or None)."""
+SSEvent = tuple[bytes, bytes | None]  # raw event bytes, its data payload or None
+
+
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEvent]]:
+    """Split a byte stream into server-sent events, yielding the complete events of each read
+    together: what arrived at once can be relayed in one write."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
-        while True:
-            cut = buffer.find(b"\n\n")
-            if cut < 0:
-                break
-            raw, buffer = buffer[: cut + 2], buffer[cut + 2 :]
-            yield raw, _data(raw)
+        events: list[SSEvent] = []
+        start = 0
+        while (cut := buffer.find(b"\n\n", start)) >= 0:
+            raw = buffer[start : cut + 2]
+            events.append((raw, _data(raw)))
+            start = cut + 2
+        buffer = buffer[start:]
+        if events:
+            yield events
     if buffer.strip():
-        yield buffer, _data(buffer)
+        yield [(buffer, _data(buffer))]
 
 
 def _data(raw: bytes) -> bytes | None:
