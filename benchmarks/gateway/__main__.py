@@ -9,7 +9,10 @@ One run starts, on this machine:
   Celery scoring worker (Redis broker) running;
 - LiteLLM's proxy server (``litellm[proxy]``) in front of the same upstream, installed into its
   own virtualenv (``~/.cache/nextstate/bench-litellm-venv``) so its pins never touch ours;
-- the load generator (benchmarks/gateway/load.py) in a process of its own.
+- the load generator (benchmarks/gateway/load.py) in a process of its own;
+- with ``--floor`` (default), benchmarks/gateway/floor.py: a raw ASGI app on the gateway's own
+  server stack that forwards bytes with aiohttp and does nothing else, the least any Python
+  proxy on this machine adds (row ``asgi-floor``).
 
 For whole and streamed replies it measures, per row: latency at a fixed open-loop rate
 (``--rate``, default 200 RPS; TTFT and total, p50/p95/p99, and the added latency = row minus
@@ -287,6 +290,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(gw.stop)
         rows: dict[str, tuple[str, int]] = {"direct": (upstream_url, upstream.pid),
                                             "nextstate": (gw.base_url, gw.proc.pid)}  # type: ignore[union-attr]
+        if args.floor:
+            port = free_port()
+            floor = Proc(_pinned(proxy_cpu, [sys.executable, "-m", "benchmarks.gateway.floor", "--upstream",
+                                             upstream_url, "--port", str(port)]),
+                         work / "floor.log", {"PYTHONPATH": str(ROOT)})
+            stack.callback(floor.stop)
+            _wait_http(f"http://127.0.0.1:{port}/v1/models", floor, 30, "ASGI floor")
+            rows["asgi-floor"] = (f"http://127.0.0.1:{port}/v1", floor.pid)
 
         # LiteLLM's proxy server, on the same core as the gateway
         litellm_exe: Path | None = None
@@ -326,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # memory after many requests (half whole, half streamed), for each proxy
         for name, (url, pid) in rows.items():
-            if name == "direct":
+            if name in ("direct", "asgi-floor"):
                 continue
             mem = [rss_mib(pid)]
             half = args.leak_requests // 2
@@ -469,6 +480,8 @@ def main() -> None:
     ap.add_argument("--leak-requests", type=int, default=20000, help="requests for the memory check, per proxy")
     ap.add_argument("--proxy-cpu", type=int, default=1, help="CPU the gateway and LiteLLM proxy are pinned to")
     ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure benchmarks/gateway/floor.py, a bare forwarder on the same stack")
     ap.add_argument("--litellm-db", action=argparse.BooleanOptionalAction, default=True,
                     help="also try LiteLLM's proxy with PostgreSQL spend logs")
     ap.add_argument("--vllm-url", default="http://127.0.0.1:8501/v1", help="'' to skip the vLLM row")
