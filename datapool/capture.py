@@ -31,6 +31,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.db import chunked
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
 
@@ -135,7 +136,7 @@ class Spool:
         """Everything waiting, oldest first: the file from the replay cursor, then memory."""
         return self.chunk(None).records
 
-    def chunk(self, limit: int | None) -> "SpoolChunk":
+    def chunk(self, limit: int | None) -> SpoolChunk:
         """Up to ``limit`` waiting records, oldest first, from the replay cursor; `advance`
         takes the chunk once its records are in the pool."""
         chunk = SpoolChunk([], self.offset, 0, 0)
@@ -158,7 +159,7 @@ class Spool:
         chunk.records.extend(self.memory[: chunk.from_memory])
         return chunk
 
-    def advance(self, chunk: "SpoolChunk") -> None:
+    def advance(self, chunk: SpoolChunk) -> None:
         """Mark a chunk as written to the pool; the file goes once all of it is."""
         self.offset = chunk.offset
         self.records = max(0, self.records - chunk.lines)
@@ -233,8 +234,7 @@ class CaptureWriter:
         """Return once every record submitted before the call is in the pool (or, while the
         database is away, in the spool). A rollout runner calls it before reading a session."""
         target = self.submitted
-        while self.processed < target or (self.spool.pending and self.last_db_error is None
-                                           and self.spool.path is not None):
+        while self.processed < target or (self.spool.pending and self.last_db_error is None):
             await asyncio.sleep(max(self.flush_interval_s / 2, 0.005))
 
     @property
@@ -376,8 +376,8 @@ class CaptureWriter:
         """Write the next chunk of the spool to the pool."""
         chunk = self.spool.chunk(self.replay_chunk)
         try:
-            for i in range(0, len(chunk.records), self.batch_size):
-                self._write(chunk.records[i : i + self.batch_size])
+            for batch in chunked(chunk.records, self.batch_size):
+                self._write(batch)
         except SQLAlchemyError as exc:
             self._failed(exc)
             return

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
@@ -11,6 +12,18 @@ from sqlalchemy.orm import Session
 from sqlalchemy.engine import make_url
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+# values per IN list or multi-row VALUES, far below SQLite's and PostgreSQL's bound-parameter limits
+BIND_CHUNK = 1000
+
+T = TypeVar("T")
+
+
+def chunked(values: Iterable[T], size: int = BIND_CHUNK) -> Iterator[list[T]]:
+    """``values`` in lists of at most ``size``, in order."""
+    items = list(values)
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def make_engine(url: str, *, pool_size: int = 5) -> Engine:

@@ -20,7 +20,7 @@ import httpx
 from sqlalchemy import Engine, and_, exists, select, update
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import dialect_insert
+from datapool.db import chunked, dialect_insert
 from datapool.labels import correction_for
 from datapool.judge import Judge, Vote, choose_hint, tally
 from datapool.models import Judgement, Session, Turn
@@ -40,11 +40,11 @@ def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     made them ready, then send the tasks after it commits."""
     ids = list(dict.fromkeys(turn_ids))
     now = utcnow()
-    # one multi-row upsert per 1,000 turns (the capture writer marks a batch's worth at a time);
-    # the ids are distinct, so no row is upserted twice in one statement
-    for i in range(0, len(ids), 1000):
+    # one multi-row upsert per chunk (the capture writer marks a batch's worth at a time); the
+    # ids are distinct, so no row is upserted twice in one statement
+    for chunk in chunked(ids):
         rows = [{"turn_id": tid, "status": "pending", "attempts": 0, "enqueued_at": now, "updated_at": now}
-                for tid in ids[i : i + 1000]]
+                for tid in chunk]
         stmt = dialect_insert(db)(Judgement).values(rows)
         db.execute(stmt.on_conflict_do_update(
             index_elements=["turn_id"], set_={"status": "pending", "enqueued_at": now, "updated_at": now}))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, NamedTuple
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Row, bindparam, delete, insert, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import dialect_insert
+from datapool.db import chunked, dialect_insert
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.scoring import end_session, mark_pending
@@ -124,15 +124,6 @@ def _continuations(r: TurnRecord) -> list[str]:
     if r.status != "ok" or r.turn_type != "main" or r.endpoint != "chat":
         return []
     return continuation_hashes(r.messages, r.replies)
-
-
-_CHUNK = 1000  # values per IN list, far below SQLite's and PostgreSQL's bound-parameter limits
-
-
-def _chunks(values: Iterable[str]) -> Iterator[list[str]]:
-    items = list(values)
-    for i in range(0, len(items), _CHUNK):
-        yield items[i : i + _CHUNK]
 
 
 class _Prepared(NamedTuple):
@@ -258,7 +249,7 @@ class _Batch:
         """Stored turns with no parent whose link hash is one of this batch's continuations: the
         turns a record of this batch may adopt. Turns only ever gain parents, so one query
         before stitching finds all of them."""
-        for chunk in _chunks(hashes):
+        for chunk in chunked(hashes):
             rows = self.db.execute(
                 select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
                 .join(Session, Session.id == Turn.session_id)
@@ -274,7 +265,7 @@ class _Batch:
         """The stored turns that requests starting with these hashes would continue."""
         todo = set(hashes) - self.fetched
         self.fetched |= todo
-        for chunk in _chunks(todo):
+        for chunk in chunked(todo):
             rows = self.db.execute(
                 select(TurnContinuation.hash, *_COLUMNS)
                 .join(Turn, Turn.id == TurnContinuation.turn_id)
@@ -315,7 +306,7 @@ class _Batch:
             .scalar_subquery()
         )
         found: dict[str, _Turn | None] = dict.fromkeys(session_ids)
-        for chunk in _chunks(found):
+        for chunk in chunked(found):
             rows = self.db.execute(
                 select(*_COLUMNS).where(Turn.id.in_(select(latest).where(Session.id.in_(chunk))))
             )
@@ -565,7 +556,7 @@ class Stitcher:
         unique: dict[str, TurnRecord] = {}
         for r in records:
             unique.setdefault(r.id, r)
-        stored = {i for chunk in _chunks(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
+        stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
         prepared = [_Prepared(r, link_candidates(r.messages), _continuations(r)) for r in fresh]
         self._lock(prepared)

@@ -116,8 +116,8 @@ async def completions(request: Request, session_id: str | None = None) -> Respon
     return await _proxy(request, "completions", session_id)
 
 
-_PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1/(chat/completions|completions)$")
-_ENDPOINTS = {"chat/completions": "chat", "completions": "completions"}
+_ENDPOINTS = {path: endpoint for endpoint, path in _PATHS.items()}  # "/chat/completions" -> "chat"
+_PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _ENDPOINTS)) + ")$")
 
 
 class ProxyFastPath:
