@@ -13,7 +13,7 @@ SQLite file, once by each implementation. The baseline is datapool/sessions.py a
 
 Columns: turns per second of wall time, CPU seconds of this process, and SQL statements per
 turn as SQLAlchemy sends them (an executemany counts once; `scoring` is the share of them
-spent in datapool.scoring.mark_pending, one statement per turn whose next state became known).
+spent in datapool.judgements.mark_pending, one statement per turn whose next state became known).
 Each database's row pair is followed by whether both implementations stitched the same sessions,
 parents, next states, session times and scoring marks (up to inferred session ids); the
 command exits with status 1 if they did not.

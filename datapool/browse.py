@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
 from datapool import labels
+from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.queries import decode_cursor, encode_cursor
 
@@ -36,10 +37,6 @@ TURN_TYPES = ("main", "side")
 
 class FilterError(ValueError):
     """A filter value that means nothing; the message names the parameter."""
-
-
-def _as_utc(value: datetime) -> datetime:
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -69,7 +66,7 @@ class Browse:
             text = str(raw).strip()
             if f.name in ("since", "until"):
                 try:
-                    values[f.name] = _as_utc(datetime.fromisoformat(text))
+                    values[f.name] = as_utc(datetime.fromisoformat(text))
                 except ValueError:
                     raise FilterError(f"{f.name}: not a date/time: {text!r}") from None
                 continue
@@ -232,7 +229,7 @@ def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
         i = info[s.id]
         out.append({
             "id": s.id, "mode": s.mode, "task_id": s.task_id, "group_id": s.group_id, "source": s.source,
-            "created_at": _as_utc(s.created_at), "ended_at": s.ended_at, "end_reason": s.end_reason,
+            "created_at": s.created_at, "ended_at": s.ended_at, "end_reason": s.end_reason,
             "outcome": s.outcome, "labeled": s.id in labeled,
             "preview": _preview(((previews.get(s.id) or {}).get("messages")) or []),
             **{k: (sorted(v) if isinstance(v, set) else v) for k, v in i.items()},
@@ -336,7 +333,7 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         if gap is not None and gap >= gap_threshold:
             score += gap
             reasons.append(f"|teacher − student| {gap:.2f}")
-        scored.append({"turn_id": r.id, "session_id": r.session_id, "created_at": _as_utc(r.created_at),
+        scored.append({"turn_id": r.id, "session_id": r.session_id, "created_at": r.created_at,
                        "status": r.status, "reward": r.reward, "score": score, "reasons": reasons,
                        "gap": gap})
     scored.sort(key=lambda x: (-x["score"], -x["created_at"].timestamp()))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import DateTime, Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import Session
-from sqlalchemy.engine import make_url
+from sqlalchemy.types import TypeDecorator
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -17,6 +19,40 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 BIND_CHUNK = 1000
 
 T = TypeVar("T")
+
+
+def utcnow() -> datetime:
+    """Now, as an aware UTC datetime: the only clock the pool is written with."""
+    return datetime.now(timezone.utc)
+
+
+def as_utc(value: datetime) -> datetime:
+    """*value* as an aware UTC datetime; a zoneless one is taken to be UTC already."""
+    return value.astimezone(timezone.utc) if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def iso(value: datetime | None) -> str | None:
+    """ISO 8601 text of a pool time (None stays None)."""
+    return value.isoformat() if value is not None else None
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """``DateTime(timezone=True)`` that always hands back aware UTC datetimes.
+
+    PostgreSQL stores instants; SQLite stores the wall-clock text and drops the zone, so it
+    reads back zoneless values. Every value is converted to UTC on the way in (so SQLite's text
+    compares as the instants do) and marked UTC on the way out. The column type in the
+    database is unchanged: DDL and migrations see the plain ``DateTime(timezone=True)``.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return as_utc(value) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        return as_utc(value) if value is not None else None
 
 
 def chunked(values: Iterable[T], size: int = BIND_CHUNK) -> Iterator[list[T]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from datetime import datetime, timezone
+
 from typing import Any
 
 import pyarrow as pa
@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import labels as labels_mod
 from datapool.browse import Browse, content_text, iter_selected
+from datapool.db import iso
 from datapool.models import Judgement, Session, Turn
 
 MESSAGE = pa.struct([
@@ -71,12 +72,6 @@ def _message(m: dict[str, Any]) -> dict[str, Any]:
             "reasoning_content": m.get("reasoning_content")}
 
 
-def _iso(value: datetime | None) -> str | None:
-    if value is None:
-        return None
-    return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
-
-
 def row(turn: Turn, session: Session, judgement: Judgement | None, labels: dict[str, Any]) -> dict[str, Any]:
     """One turn as an export row (see the module docstring)."""
     request = turn.request or {}
@@ -107,7 +102,7 @@ def row(turn: Turn, session: Session, judgement: Judgement | None, labels: dict[
         "extra_info": {
             "turn_id": turn.id, "session_id": session.id, "mode": session.mode, "task_id": session.task_id,
             "group_id": session.group_id, "turn_type": turn.turn_type, "capture": turn.capture,
-            "model": turn.model, "policy_version": turn.policy_version, "created_at": _iso(turn.created_at),
+            "model": turn.model, "policy_version": turn.policy_version, "created_at": iso(turn.created_at),
             "hint": judgement.hint if judgement else None,
             "judgement_status": judgement.status if judgement else None, "outcome": session.outcome,
         },

@@ -7,7 +7,7 @@ label whose value is null withdraws that kind. A turn's own label wins over its 
 
 What the trainer does with them:
 
-* ``exclude`` true — the turn is never leased (``trainer.lease``);
+* ``exclude`` true — the turn is never leased (``datapool.leases``);
 * ``override`` r — r replaces the judge's reward (``trainer.samples``);
 * ``correction`` text — the corrected reply becomes the turn's OPD hint: the scorer uses it
   before any feedback or judge hint and computes teacher logprobs under it
@@ -23,13 +23,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Float, Text, and_, cast, exists, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
+from datapool.db import iso, utcnow
 from datapool.models import Label, Session, Turn
 
 KINDS = ("thumb", "override", "exclude", "correction", "tag", "note")
@@ -41,10 +41,6 @@ FILTERS = ("labeled", "unlabeled", "excluded", "thumb-up", "thumb-down", "overri
 
 class LabelError(ValueError):
     """A label that cannot be stored: unknown kind, bad value, wrong or missing target."""
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def validate(kind: str, value: Any) -> Any:
@@ -111,11 +107,8 @@ def add_label(db: OrmSession, *, kind: str, value: Any, author: str, turn_id: st
 
 
 def label_dict(row: Label) -> dict[str, Any]:
-    created = row.created_at
-    if created is not None and created.tzinfo is None:
-        created = created.replace(tzinfo=timezone.utc)
     return {"id": row.id, "turn_id": row.turn_id, "session_id": row.session_id, "kind": row.kind,
-            "value": row.value, "author": row.author, "created_at": created.isoformat() if created else None}
+            "value": row.value, "author": row.author, "created_at": iso(row.created_at)}
 
 
 def in_force(rows: Iterable[Label]) -> dict[str, Any]:

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from datapool.db import UTCDateTime, utcnow
+from datapool.vocab import SessionMode, TurnKind
+
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere; Python None is SQL NULL.
 Json = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 class Base(DeclarativeBase):
@@ -27,21 +26,21 @@ class Session(Base):
     __tablename__ = "sessions"
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # how the gateway knew the session: "header", "path" or "inferred" (from the message prefix)
+    # how the gateway knew the session: datapool.vocab.SessionSource
     source: Mapped[str] = mapped_column(String(16))
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     group_id: Mapped[str | None] = mapped_column(String(256), index=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", Json, default=dict)
     # terminal reward O of the episode (task success, test verdict), posted by a verifier or user
     outcome: Mapped[float | None] = mapped_column(Float)
     outcome_source: Mapped[str | None] = mapped_column(String(256))
-    outcome_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # "online" (live users) | "offline" (a rollout over a task dataset) | "eval" (never trained on)
-    mode: Mapped[str] = mapped_column(String(16), default="online", server_default="online", index=True)
-    # why the session ended when it did not end normally: "timed_out" | "failed" | "cancelled"
+    outcome_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    # datapool.vocab.SessionMode
+    mode: Mapped[str] = mapped_column(String(16), default=SessionMode.ONLINE, server_default="online", index=True)
+    # why the session ended when it did not end normally: datapool.vocab.EndReason
     end_reason: Mapped[str | None] = mapped_column(String(32))
 
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
@@ -56,14 +55,14 @@ class Turn(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
     # the turn whose reply this turn's request continued; its next_state came from this turn
     parent_turn_id: Mapped[str | None] = mapped_column(String(36), index=True)
-    turn_type: Mapped[str] = mapped_column(String(8), default="main")  # "main" | "side"
-    endpoint: Mapped[str] = mapped_column(String(16))  # "chat" | "completions"
-    status: Mapped[str] = mapped_column(String(16))  # "ok" | "error" | "cancelled"
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    turn_type: Mapped[str] = mapped_column(String(8), default=TurnKind.MAIN)  # vocab.TurnKind
+    endpoint: Mapped[str] = mapped_column(String(16))  # vocab.Endpoint
+    status: Mapped[str] = mapped_column(String(16))  # vocab.TurnStatus
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     model: Mapped[str] = mapped_column(String(256))  # as the client asked
     upstream_model: Mapped[str | None] = mapped_column(String(256))  # as the upstream served
     policy_version: Mapped[str | None] = mapped_column(String(256), index=True)
-    capture: Mapped[str] = mapped_column(String(16))  # "white-box" | "black-box"
+    capture: Mapped[str] = mapped_column(String(16))  # vocab.CaptureKind
     request: Mapped[dict[str, Any]] = mapped_column(Json)
     response: Mapped[dict[str, Any] | None] = mapped_column(Json)
     next_state: Mapped[dict[str, Any] | None] = mapped_column(Json)
@@ -102,12 +101,12 @@ class PolicyVersion(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(256), unique=True)  # the model name vLLM serves it as
     base_model: Mapped[str] = mapped_column(String(256))
-    kind: Mapped[str] = mapped_column(String(16))  # "base" | "lora" | "full"
+    kind: Mapped[str] = mapped_column(String(16))  # vocab.VersionKind
     path: Mapped[str | None] = mapped_column(String(1024))
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("policy_versions.id"))
-    # "candidate" | "active" | "retired" | "rolled_back"
+    # vocab.VersionStatus
     status: Mapped[str] = mapped_column(String(16), index=True)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     stats: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
 
 
@@ -118,7 +117,7 @@ class Vote(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"))
-    kind: Mapped[str] = mapped_column(String(16))  # "prm" | "feedback"
+    kind: Mapped[str] = mapped_column(String(16))  # vocab.VoteKind
     # makes re-delivery harmless: "prm:<judge>:<prompt version>:<i>" is written once per turn
     dedupe_key: Mapped[str] = mapped_column(String(512))
     judge: Mapped[str] = mapped_column(String(256))  # judge model, python path, or "user"
@@ -128,7 +127,7 @@ class Vote(Base):
     rationale: Mapped[str | None] = mapped_column(Text)
     hint: Mapped[str | None] = mapped_column(Text)
     raw: Mapped[str | None] = mapped_column(Text)  # what the judge said, kept when unparsable
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
     __table_args__ = (Index("uq_votes_turn_dedupe", "turn_id", "dedupe_key", unique=True),)
 
@@ -139,23 +138,22 @@ class Judgement(Base):
     __tablename__ = "judgements"
 
     turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True)
-    # "pending" (queued) | "waiting" (no next state yet) | "scored" | "tie" | "unparsable"
-    # | "skipped" (side or failed turn) | "dead" (kept failing; see last_error)
+    # vocab.JudgementStatus
     status: Mapped[str] = mapped_column(String(16), index=True)
     reward: Mapped[float | None] = mapped_column(Float)  # the turn's process reward r_t
     prm_reward: Mapped[float | None] = mapped_column(Float)  # the judges' majority alone
     vote_mean: Mapped[float | None] = mapped_column(Float)  # (1/m) sum_i r_t^(i)
     integrated_reward: Mapped[float | None] = mapped_column(Float)  # O + vote_mean
     hint: Mapped[str | None] = mapped_column(Text)
-    hint_source: Mapped[str | None] = mapped_column(String(16))  # "feedback" | "prm"
+    hint_source: Mapped[str | None] = mapped_column(String(16))  # vocab.HintSource
     teacher_prompt_ids: Mapped[list[int] | None] = mapped_column(Json)
     teacher_logprobs: Mapped[list[float] | None] = mapped_column(Json)
     judge: Mapped[str | None] = mapped_column(String(256))
     prompt_version: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     last_error: Mapped[str | None] = mapped_column(Text)
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class TrainingRun(Base):
@@ -164,14 +162,14 @@ class TrainingRun(Base):
     __tablename__ = "training_runs"
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    objective: Mapped[str] = mapped_column(String(16))  # "rl" | "opd" | "combined"
-    backend: Mapped[str] = mapped_column(String(16))  # "local" | "verl"
+    objective: Mapped[str] = mapped_column(String(16))  # vocab.Objective
+    backend: Mapped[str] = mapped_column(String(16))  # vocab.TrainBackend
     config: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # "running" | "done" | "failed"
+    status: Mapped[str] = mapped_column(String(16), index=True)  # vocab.RunStatus
     base_version: Mapped[str | None] = mapped_column(String(256))
     produced_version: Mapped[str | None] = mapped_column(String(256))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class TrainingLease(Base):
@@ -182,9 +180,9 @@ class TrainingLease(Base):
 
     run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"), primary_key=True)
     turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True)
-    leased_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    acked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    leased_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    acked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     step: Mapped[int | None] = mapped_column(Integer)  # the optimizer step that trained on it
 
 
@@ -197,7 +195,7 @@ class TrainingStep(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("training_runs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class Label(Base):
@@ -217,7 +215,7 @@ class Label(Base):
     kind: Mapped[str] = mapped_column(String(16))
     value: Mapped[Any] = mapped_column(Json, nullable=True)
     author: Mapped[str] = mapped_column(String(256))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
 class PolicyEvent(Base):
@@ -228,9 +226,9 @@ class PolicyEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     version_id: Mapped[int | None] = mapped_column(ForeignKey("policy_versions.id", ondelete="CASCADE"), index=True)
-    # "publish" | "promote" | "refuse" | "rollback" | "eval"
+    # vocab.PolicyAction
     action: Mapped[str] = mapped_column(String(16))
     actor: Mapped[str] = mapped_column(String(256))  # "trainer", "eval-gate", "admin:<name>", ...
     reason: Mapped[str | None] = mapped_column(Text)
     metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, or_, and_, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.models import Judgement, PolicyVersion, Session, Turn, Vote
+from datapool.db import iso
+from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn, Vote
+from datapool.vocab import SessionMode, TurnKind
 
 
 @dataclass(frozen=True)
@@ -20,13 +23,6 @@ class SessionFilter:
     model: str | None = None
     since: datetime | None = None
     until: datetime | None = None
-
-
-def _iso(value: datetime | None) -> str | None:
-    # SQLite hands datetimes back without their zone; everything in the pool is UTC
-    if value is None:
-        return None
-    return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
 
 
 def encode_cursor(created_at: datetime, session_id: str) -> str:
@@ -50,9 +46,9 @@ def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
         "end_reason": s.end_reason,
         "task_id": s.task_id,
         "group_id": s.group_id,
-        "created_at": _iso(s.created_at),
-        "updated_at": _iso(s.updated_at),
-        "ended_at": _iso(s.ended_at),
+        "created_at": iso(s.created_at),
+        "updated_at": iso(s.updated_at),
+        "ended_at": iso(s.ended_at),
         "turn_count": turn_count,
         "metadata": s.meta,
         "outcome": s.outcome,
@@ -64,7 +60,7 @@ def vote_view(v: Vote) -> dict[str, Any]:
     return {"kind": v.kind, "value": v.value, "rationale": v.rationale, "hint": v.hint,
             "judge": v.judge, "prompt_version": v.prompt_version, "index": v.vote_index,
             "parsed": v.value is not None, "raw": v.raw if v.value is None else None,
-            "created_at": _iso(v.created_at)}
+            "created_at": iso(v.created_at)}
 
 
 def judgement_view(j: Judgement | None, votes: list[Vote]) -> dict[str, Any]:
@@ -101,7 +97,7 @@ def turn_view(t: Turn) -> dict[str, Any]:
         "turn_type": t.turn_type,
         "endpoint": t.endpoint,
         "status": t.status,
-        "created_at": _iso(t.created_at),
+        "created_at": iso(t.created_at),
         "model": t.model,
         "upstream_model": t.upstream_model,
         "policy_version": t.policy_version,
@@ -200,4 +196,74 @@ def list_judgements(db: OrmSession, *, status: str | None, limit: int) -> list[d
     if status:
         q = q.where(Judgement.status == status)
     return [{"turn_id": j.turn_id, "status": j.status, "reward": j.reward, "attempts": j.attempts,
-             "last_error": j.last_error, "updated_at": _iso(j.updated_at)} for j in db.scalars(q)]
+             "last_error": j.last_error, "updated_at": iso(j.updated_at)} for j in db.scalars(q)]
+
+
+# --------------------------------------------------------------------------------------------
+# policy versions and the decisions about them
+
+
+def _version_row(row: PolicyVersion, names: dict[int, str]) -> dict[str, Any]:
+    return {"id": row.id, "name": row.name, "base_model": row.base_model, "kind": row.kind, "path": row.path,
+            "parent": names.get(row.parent_id) if row.parent_id is not None else None, "status": row.status,
+            "created_at": iso(row.created_at), "stats": dict(row.stats or {})}
+
+
+def policy_versions(db: OrmSession) -> dict[str, Any]:
+    """Every policy version, oldest first, and the name the `policy` alias serves (None: the base)."""
+    rows = list(db.scalars(select(PolicyVersion).order_by(PolicyVersion.created_at, PolicyVersion.id)))
+    names = {r.id: r.name for r in rows}
+    active = active_policy_version(db)
+    return {"data": [_version_row(r, names) for r in rows], "active": active.name if active else None}
+
+
+def policy_events(db: OrmSession, *, version: str | None, action: str | None, limit: int) -> dict[str, Any] | None:
+    """Decisions about versions, newest first; None when *version* names no version."""
+    q = (select(PolicyEvent, PolicyVersion.name).outerjoin(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
+         .order_by(PolicyEvent.created_at.desc(), PolicyEvent.id.desc()).limit(limit))
+    if version is not None:
+        if db.scalars(select(PolicyVersion.id).where(PolicyVersion.name == version)).first() is None:
+            return None
+        q = q.where(PolicyVersion.name == version)
+    if action is not None:
+        q = q.where(PolicyEvent.action == action)
+    return {"data": [{"id": e.id, "version": name, "action": e.action, "actor": e.actor, "reason": e.reason,
+                      "metrics": dict(e.metrics or {}), "created_at": iso(e.created_at)}
+                     for e, name in db.execute(q)]}
+
+
+# --------------------------------------------------------------------------------------------
+# what the online trainer reads: its batch's versions, held-out prompts, live rewards
+
+
+def produced_by(db: OrmSession, turn_ids: Sequence[str]) -> dict[str, str | None]:
+    """``{turn id: the policy version that produced it}``."""
+    return dict(db.execute(select(Turn.id, Turn.policy_version).where(Turn.id.in_(turn_ids))).all())
+
+
+def scored_at(db: OrmSession, turn_ids: Sequence[str]) -> dict[str, datetime]:
+    """``{turn id: when its judgement last changed}`` (turns with a judgement only)."""
+    return {tid: at for tid, at in db.execute(select(Judgement.turn_id, Judgement.updated_at)
+                                              .where(Judgement.turn_id.in_(turn_ids))).all() if at is not None}
+
+
+def eval_session_prompts(db: OrmSession, n: int) -> list[list[dict[str, Any]]]:
+    """The first main turn's messages of each of the newest *n* eval sessions (held-out prompts)."""
+    prompts: list[list[dict[str, Any]]] = []
+    sids = db.scalars(select(Session.id).where(Session.mode == SessionMode.EVAL)
+                      .order_by(Session.created_at.desc()).limit(n)).all()
+    for sid in sids:
+        first = db.scalars(select(Turn).where(Turn.session_id == sid, Turn.turn_type == TurnKind.MAIN)
+                           .order_by(Turn.created_at).limit(1)).first()
+        if first is not None and (first.request or {}).get("messages"):
+            prompts.append(list(first.request["messages"]))
+    return prompts
+
+
+def live_rewards(db: OrmSession, version: str, limit: int) -> list[float]:
+    """Rewards of the newest *limit* judged turns served by *version*, eval sessions left out."""
+    return [r for r in db.scalars(
+        select(Judgement.reward).join(Turn, Turn.id == Judgement.turn_id)
+        .where(Turn.policy_version == version, Judgement.reward.is_not(None),
+               ~select(Session.id).where(Session.id == Turn.session_id, Session.mode == SessionMode.EVAL).exists())
+        .order_by(Turn.created_at.desc()).limit(limit))]

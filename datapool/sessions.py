@@ -21,16 +21,16 @@ import json
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, NamedTuple
 
 from sqlalchemy import Row, bindparam, delete, insert, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import chunked, dialect_insert
+from datapool.db import as_utc, chunked, dialect_insert
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
-from datapool.scoring import end_session, mark_pending
+from datapool.judgements import end_session, mark_pending
 
 Message = dict[str, Any]
 
@@ -187,7 +187,6 @@ class _Batch:
 
     def __init__(self, db: OrmSession, prepared: Sequence[_Prepared]):
         self.db = db
-        self.sqlite = db.get_bind().dialect.name == "sqlite"
         self.prepared = prepared
         self.ready: list[str] = []  # turns whose next state became known, in the order it did
         # what is known of the pool and of the batch so far
@@ -206,13 +205,11 @@ class _Batch:
         self.changed_parent: dict[str, _Turn] = {}
         self.touched: dict[str, datetime] = {}  # session id -> newest created_at written into it
 
-    def clock(self, at: datetime) -> datetime:
-        """``at`` as the database compares it. SQLite stores the wall-clock time and drops the
-        zone; PostgreSQL compares instants and reads a zoneless one in its own zone, taken as UTC
-        (the gateway records aware UTC times)."""
-        if self.sqlite:
-            return at.replace(tzinfo=None)
-        return at if at.tzinfo else at.replace(tzinfo=timezone.utc)
+    @staticmethod
+    def clock(at: datetime) -> datetime:
+        """``at`` as the pool compares it: an aware UTC instant (the UTCDateTime columns store
+        and read every time so, SQLite included; a zoneless one is taken as UTC)."""
+        return as_utc(at)
 
     def run(self) -> None:
         """Stitch the records in order, then write what is still unwritten."""

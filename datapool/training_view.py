@@ -12,12 +12,6 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingLease, TrainingRun, TrainingStep, Turn
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    if value is None:
-        return None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-
-
 def versions(db: OrmSession) -> list[dict[str, Any]]:
     """Every version, newest first, with its parent's name and its events (newest first);
     ``evals`` are the metrics of its ``eval`` events."""
@@ -31,14 +25,14 @@ def versions(db: OrmSession) -> list[dict[str, Any]]:
         evs = [event_dict(e, names) for e in events.get(r.id, [])]
         out.append({"id": r.id, "name": r.name, "kind": r.kind, "status": r.status, "base_model": r.base_model,
                     "path": r.path, "parent": names.get(r.parent_id) if r.parent_id else None,
-                    "created_at": _utc(r.created_at), "stats": dict(r.stats or {}), "events": evs,
+                    "created_at": r.created_at, "stats": dict(r.stats or {}), "events": evs,
                     "evals": [e["metrics"] for e in evs if e["action"] == "eval"]})
     return out
 
 
 def event_dict(e: PolicyEvent, names: dict[int, str]) -> dict[str, Any]:
     return {"id": e.id, "version": names.get(e.version_id) if e.version_id else None, "action": e.action,
-            "actor": e.actor, "reason": e.reason, "metrics": dict(e.metrics or {}), "created_at": _utc(e.created_at)}
+            "actor": e.actor, "reason": e.reason, "metrics": dict(e.metrics or {}), "created_at": e.created_at}
 
 
 def recent_events(db: OrmSession, limit: int = 30) -> list[dict[str, Any]]:
@@ -62,8 +56,8 @@ def runs(db: OrmSession, limit: int = 20) -> list[dict[str, Any]]:
         metrics = {k: v for k, v in (last.metrics if last else {}).items() if isinstance(v, (int, float))}
         out.append({"id": r.id, "objective": r.objective, "backend": r.backend, "status": r.status,
                     "base_version": r.base_version, "produced_version": r.produced_version,
-                    "created_at": _utc(r.created_at), "finished_at": _utc(r.finished_at), "steps": int(n or 0),
-                    "last_step_at": _utc(last_at), "in_flight": int(leased), "last_metrics": metrics})
+                    "created_at": r.created_at, "finished_at": r.finished_at, "steps": int(n or 0),
+                    "last_step_at": last_at, "in_flight": int(leased), "last_metrics": metrics})
     return out
 
 
@@ -88,7 +82,7 @@ def curves(db: OrmSession, *, steps: int = 2000, days: float = 30.0) -> dict[str
     kl: dict[str, list[tuple[float, float]]] = {}
     adv: dict[str, list[tuple[float, float]]] = {}
     for run_id, step, metrics, at, objective in rows:
-        x = _utc(at).timestamp()
+        x = at.timestamp()
         m = metrics or {}
         for target, keys in ((loss, ("loss", "pg_loss")), (kl, ("kl", "kl_loss", "ppo_kl")),
                              (adv, ("advantage_mean",))):
@@ -99,16 +93,16 @@ def curves(db: OrmSession, *, steps: int = 2000, days: float = 30.0) -> dict[str
     reward: dict[int, list[float]] = {}
     for r, at in db.execute(select(Judgement.reward, Turn.created_at).join(Turn, Turn.id == Judgement.turn_id)
                             .where(Judgement.reward.is_not(None), Turn.created_at >= since)):
-        hour = int(_utc(at).timestamp() // 3600 * 3600)
+        hour = int(at.timestamp() // 3600 * 3600)
         reward.setdefault(hour, []).append(float(r))
     latency: dict[tuple[str, int], list[float]] = {}
-    step_at = {(r[0], r[1]): _utc(r[3]).timestamp() for r in rows}
+    step_at = {(r[0], r[1]): r[3].timestamp() for r in rows}
     if step_at:
         for run_id, step, acked, created in db.execute(
                 select(TrainingLease.run_id, TrainingLease.step, TrainingLease.acked_at, Turn.created_at)
                 .join(Turn, Turn.id == TrainingLease.turn_id)
                 .where(TrainingLease.acked_at.is_not(None), TrainingLease.acked_at >= since)):
-            latency.setdefault((run_id, step), []).append((_utc(acked) - _utc(created)).total_seconds())
+            latency.setdefault((run_id, step), []).append((acked - created).total_seconds())
     lat = sorted((step_at.get(k, max(v)), statistics.median(v)) for k, v in latency.items() if k in step_at)
     return {
         "loss": loss, "kl": kl, "advantage": adv,

@@ -7,12 +7,17 @@ Only what the gateway relies on is validated; every other field passes through u
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import re
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from datapool.vocab import EndReason, SessionMode
 from gateway.errors import OpenAIError
+
+#: a session id the client may name (header, /s/{id} path, PUT /api/sessions/{id}): no "..", no leading dot
+SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
 
 # Parameters that steer LiteLLM itself (where to send the call, with which key). A client must
 # not set them: they would redirect the gateway's upstream call or leak into the pool.
@@ -172,7 +177,7 @@ class SessionTags(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["online", "offline", "eval"] = "offline"
+    mode: SessionMode = SessionMode.OFFLINE
     task_id: str | None = Field(default=None, min_length=1, max_length=256)
     group_id: str | None = Field(default=None, min_length=1, max_length=256)
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -183,6 +188,15 @@ class SessionUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    end_reason: Literal["timed_out", "failed", "cancelled"] | None = None
+    end_reason: EndReason | None = None
     metadata: dict[str, Any] | None = None
     end: bool = False
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_model(request: Request, model: type[M], max_bytes: int, *, invalid_status: int = 422) -> M:
+    """The body as *model*: read within *max_bytes* (413), parsed (400), validated (*invalid_status*)."""
+    raw = await read_body(request, max_bytes)
+    return model.model_validate(parse_body(raw, model, invalid_status=invalid_status))

@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from nextstate.settings import Settings
+from datapool.settings import Settings
 
 
 def check_gateway(settings: Settings, timeout_s: float = 4.0) -> str | None:
@@ -28,7 +28,7 @@ def check_gateway(settings: Settings, timeout_s: float = 4.0) -> str | None:
 
 def check_worker(settings: Settings, timeout_s: float = 5.0) -> str | None:
     """None when this host's Celery worker answers a ping over the broker."""
-    from datapool.worker import make_celery
+    from datapool.queue import make_celery
 
     if not settings.resolved_broker_url.startswith(("redis://", "rediss://", "amqp://", "pyamqp://")):
         return "the broker has no broadcast (SQLite transport): cannot ping the worker"

@@ -46,7 +46,7 @@ def test_db_upgrade_and_current(tmp_path) -> None:  # type: ignore[no-untyped-de
 
 
 def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from nextstate.settings import Settings
+    from datapool.settings import Settings
 
     cfg = tmp_path / "nextstate.yaml"
     cfg.write_text("port: 9001\nadmin_token: from-file\n")
@@ -67,7 +67,7 @@ def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path) -> None:  # 
     url = f"sqlite:///{tmp_path / 'p.db'}"
     assert CliRunner().invoke(main, ["db", "upgrade", "--database-url", url]).exit_code == 0
     from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from nextstate.settings import Settings
+    from datapool.settings import Settings
 
     cache = Settings().cache_dir
     model = ensure_model(cache, ensure_vllm_env(cache))

@@ -31,7 +31,7 @@ from sqlalchemy import create_engine, text
 from nextstate.cli import main as cli
 from nextstate.configref import COMPOSE_VARIABLES, entries, env_example, reference_markdown
 from nextstate.healthcheck import check_trainer
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.pg import to_conninfo
 from tests.processes import GatewayProcess, SilentUpstream, WorkerProcess, free_port, wait_for
 
@@ -682,7 +682,7 @@ def test_the_images_build_context_installs_a_package_whose_migrations_run(tmp_pa
             "NEXTSTATE_DATA_DIR": str(tmp_path / "data")}
     run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True,  # noqa: E731
                                        timeout=300, cwd=tmp_path, env=env)
-    where = run("-c", "import nextstate, migrations, datapool.judge as j; print(nextstate.__file__, j.PROMPTS_DIR)")
+    where = run("-c", "import nextstate, migrations, datapool.scoring.judge as j; print(nextstate.__file__, j.PROMPTS_DIR)")
     assert where.returncode == 0 and where.stdout.startswith(str(target)), where.stdout + where.stderr
     upgraded = run("-m", "nextstate.cli", "db", "upgrade")
     assert upgraded.returncode == 0, upgraded.stderr

@@ -27,7 +27,7 @@ from sqlalchemy import inspect, text
 from starlette.routing import Route
 
 from datapool.db import make_engine, upgrade
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.openai_upstream import UpstreamProcess
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from datapool.teacher import teacher_messages
+from datapool.scoring.teacher import teacher_messages
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from datapool.judge import Vote, choose_hint, coerce_vote, next_state_role, parse_vote, render_prompt, tally
+from datapool.scoring.judge import Vote, choose_hint, coerce_vote, next_state_role, parse_vote, render_prompt, tally
 
 
 def test_majority_tie_and_unparsable() -> None:

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
-from trainer.lease import Filters, lease, start_run
+from datapool.leases import Filters, lease, start_run
 
 
 def _seed(url: str) -> dict[str, str]:
@@ -48,7 +48,7 @@ def test_eval_sessions_are_never_leased(database_url: str) -> None:
 
 
 def test_new_only_skips_turns_an_earlier_run_trained_on(database_url: str) -> None:
-    from trainer.lease import ack
+    from datapool.leases import ack
 
     ids = _seed(database_url)
     engine = make_engine(database_url)

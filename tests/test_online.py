@@ -27,13 +27,15 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingLease, TrainingRun, TrainingStep, Turn
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue
-from trainer import publish
-from trainer.lease import Filters
+from datapool import versions, vllm_admin
+from datapool.vocab import VersionKind
+from trainer.publish import PublishRequest, publish
+from datapool.leases import Filters
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import REFUSED, OnlineConfig, OnlineTrainer
@@ -81,7 +83,7 @@ def cleanup(servers: list[str], pg: str) -> Iterator[None]:
     engine.dispose()
     with httpx.Client(timeout=10) as http:
         for name in names:
-            publish.unload(http, servers, name)
+            vllm_admin.unload(http, servers, name)
 
 
 def _trainer_args(pg: str, model_dir: Path, servers: list[str], *extra: str) -> list[str]:
@@ -277,19 +279,20 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
     online = _online(pg, servers, model_dir, tmp_path, eval_prompts=prompts, eval_scorer=same_as_base,
                      eval_max_tokens=16, eval_threshold=0.34)
     name = f"{online.cfg.version_prefix}-bad"
-    publish.publish_adapter(online.engine, garbling_adapter, name=name, base_model="smollm2", vllm_urls=servers,
-                            activate=False, store=tmp_path / "store", stats={"run_id": online.run_id})
-    assert online.gate(name, {}) == "refuse"
+    publish(online.engine, PublishRequest(garbling_adapter, kind=VersionKind.LORA, name=name, base_model="smollm2",
+                                          vllm_urls=servers, activate=False, store=tmp_path / "store",
+                                          stats={"run_id": online.run_id}))
+    assert online.gate.decide(name, {}) == "refuse"
     with OrmSession(online.engine) as db:
         row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == name)).one()
         events = db.execute(select(PolicyEvent.action, PolicyEvent.metrics).where(PolicyEvent.version_id == row.id)
                             .order_by(PolicyEvent.id)).all()
         assert row.status == REFUSED
-    assert publish.active_version(online.engine) is None  # the base still serves
+    assert versions.active_version(online.engine) is None  # the base still serves
     # published (as a candidate, by trainer.publish), then gated and refused
     assert [a for a, _ in events] == ["publish", "eval", "refuse"]
     assert events[1][1]["score"] < events[1][1]["active_score"] - 0.34
-    assert name not in publish.served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
+    assert name not in vllm_admin.served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
     online.engine.dispose()
 
 
@@ -311,15 +314,15 @@ def test_active_version_regressing_on_live_rewards_is_rolled_back(
         pg: str, servers: list[str], model_dir: Path, garbling_adapter: Path, tmp_path: Path, cleanup: None) -> None:
     online = _online(pg, servers, model_dir, tmp_path, rollback_window=4, rollback_threshold=0.5)
     name = f"{online.cfg.version_prefix}-live"
-    publish.publish_adapter(online.engine, garbling_adapter, name=name, base_model="smollm2", vllm_urls=servers,
-                            store=tmp_path / "store")
+    publish(online.engine, PublishRequest(garbling_adapter, kind=VersionKind.LORA, name=name, base_model="smollm2",
+                                          vllm_urls=servers, store=tmp_path / "store"))
     _add_turns(online.engine, "smollm2", [1.0, 1.0, 0.0, 1.0])
     _add_turns(online.engine, name, [1.0, -1.0, -1.0])
-    assert online.monitor() is None  # fewer live turns than the window: not judged yet
-    assert publish.active_version(online.engine)["name"] == name
+    assert online.monitor.check() is None  # fewer live turns than the window: not judged yet
+    assert versions.active_version(online.engine)["name"] == name
     _add_turns(online.engine, name, [-1.0])
-    assert online.monitor() == name
-    assert publish.active_version(online.engine) is None
+    assert online.monitor.check() == name
+    assert versions.active_version(online.engine) is None
     with OrmSession(online.engine) as db:
         event = db.scalars(select(PolicyEvent).where(PolicyEvent.action == "rollback")).one()
         regressed = db.scalars(select(PolicyVersion).where(PolicyVersion.name == name)).one()
@@ -388,7 +391,7 @@ def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
     # the alias points at a version every vLLM has
     with httpx.Client(timeout=10) as http:
         for url in servers:
-            assert active[0].name in publish.served_models(http, url)
+            assert active[0].name in vllm_admin.served_models(http, url)
     print(json.dumps(versions))
 
 

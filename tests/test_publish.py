@@ -26,17 +26,19 @@ from tests.processes import GatewayProcess, PolicyStream, alias_root, free_port,
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
-from trainer.policy_cli import policy_cli  # noqa: E402
-from trainer.publish import (  # noqa: E402
+from datapool.versions import (  # noqa: E402
     PublishError,
     VersionNotFound,
     activate,
     active_version,
     get_version,
     list_versions,
-    publish_adapter,
     rollback,
 )
+from datapool.vllm_admin import policy_servers  # noqa: E402
+from datapool.vocab import VersionKind  # noqa: E402
+from nextstate.cli.policy import policy_cli  # noqa: E402
+from trainer.publish import PublishRequest, publish  # noqa: E402
 
 BASE_MODEL = "smollm2"
 PROMPT = [{"role": "user", "content": "Name three colors."}]
@@ -56,7 +58,7 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM
 
     from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from nextstate.settings import Settings
+    from datapool.settings import Settings
 
     cache = Settings().cache_dir
     model_dir = ensure_model(cache, ensure_vllm_env(cache))
@@ -159,8 +161,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     t0 = time.monotonic()
-    v = publish_adapter(sqlite_engine, adapter_dir, name=name, base_model=BASE_MODEL, vllm_urls=servers,
-                        parent=None, stats={"loss": 1.5}, store=store)
+    v = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={"loss": 1.5}, store=store))
     publish_s = time.monotonic() - t0
     assert v["name"] == name and v["status"] == "active" and v["kind"] == "lora"
     assert v["stats"] == {"loss": 1.5} and v["base_model"] == BASE_MODEL
@@ -208,29 +209,24 @@ def test_publish_copies_to_a_new_path_every_time(
     sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any, store: Path
 ) -> None:
     a, b = names(2)
-    va = publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
-                         parent=None, stats={}, store=store)
-    vb = publish_adapter(sqlite_engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
-                         parent=a, stats={}, store=store)
+    va = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+    vb = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL, vllm_urls=servers, parent=a, stats={}, store=store))
     assert va["path"] != vb["path"] and all(Path(v["path"]).parent == store.resolve() for v in (va, vb))
     assert vb["parent"] == a and vb["parent_id"] == va["id"]
     assert [(v["name"], v["status"]) for v in list_versions(sqlite_engine)] == [(a, "retired"), (b, "active")]
     # a name is a version's forever
     with pytest.raises(PublishError, match="exists already"):
-        publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
-                        parent=None, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
     # keeping the directory in place: allowed once, never for a second version
     own = store.parent / "own"
     shutil.copytree(adapter_dir, own)
     (c,) = names(1)
-    vc = publish_adapter(sqlite_engine, own, name=c, base_model=BASE_MODEL, vllm_urls=servers, parent=b,
-                         stats={}, copy=False, activate=False)
+    vc = publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=c, base_model=BASE_MODEL, vllm_urls=servers, parent=b, stats={}, copy=False, activate=False))
     assert vc["path"] == str(own.resolve()) and vc["status"] == "candidate"
     assert active_version(sqlite_engine)["name"] == b  # a candidate does not take the alias
     (d,) = names(1)
     with pytest.raises(PublishError, match="already the path of version"):
-        publish_adapter(sqlite_engine, own, name=d, base_model=BASE_MODEL, vllm_urls=servers, parent=None,
-                        stats={}, copy=False)
+        publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=d, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, copy=False))
 
 
 def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
@@ -238,8 +234,7 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
     store: Path, tmp_path: Path,
 ) -> None:
     good, broken, partial, unparsable = names(4)
-    publish_adapter(sqlite_engine, adapter_dir, name=good, base_model=BASE_MODEL, vllm_urls=servers,
-                    parent=None, stats={}, store=store)
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=good, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
     wait_alias(gateway, good)
     tuned = reply(gateway)
     before = list_versions(sqlite_engine)
@@ -250,27 +245,22 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
     shutil.copy(adapter_dir / "adapter_config.json", bad)
     (bad / "adapter_model.safetensors").write_bytes(b"\x00not safetensors" * 64)
     with pytest.raises(PublishError, match="could not load") as err:
-        publish_adapter(sqlite_engine, bad, name=broken, base_model=BASE_MODEL, vllm_urls=servers,
-                        parent=good, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(bad, kind=VersionKind.LORA, name=broken, base_model=BASE_MODEL, vllm_urls=servers, parent=good, stats={}, store=store))
     assert all(url in str(err.value) for url in servers)
 
     # one server cannot be reached: the adapter is unloaded again from the one that loaded it
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(PublishError, match="unloaded again from"):
-        publish_adapter(sqlite_engine, adapter_dir, name=partial, base_model=BASE_MODEL,
-                        vllm_urls=[servers[0], dead], parent=good, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=partial, base_model=BASE_MODEL, vllm_urls=[servers[0], dead], parent=good, stats={}, store=store))
     assert partial not in served(servers[0])
 
     # not an adapter at all: refused before any server is asked
     with pytest.raises(PublishError, match="no adapter_config.json"):
-        publish_adapter(sqlite_engine, tmp_path, name=unparsable, base_model=BASE_MODEL,
-                        vllm_urls=servers, parent=None, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(tmp_path, kind=VersionKind.LORA, name=unparsable, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
     with pytest.raises(PublishError, match="does not exist"):
-        publish_adapter(sqlite_engine, tmp_path / "missing", base_model=BASE_MODEL, vllm_urls=servers,
-                        parent=None, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(tmp_path / "missing", kind=VersionKind.LORA, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
     with pytest.raises(PublishError, match="reserved"):
-        publish_adapter(sqlite_engine, adapter_dir, name="policy", base_model=BASE_MODEL,
-                        vllm_urls=servers, parent=None, stats={}, store=store)
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name="policy", base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
 
     # nothing registered, no copy left behind, the alias still serves the good version
     assert list_versions(sqlite_engine) == before
@@ -287,13 +277,11 @@ def test_promote_reloads_an_adapter_vllm_lost(
 ) -> None:
     a, b = names(2)
     base = reply(gateway)
-    publish_adapter(sqlite_engine, adapter_dir, name=a, base_model=BASE_MODEL, vllm_urls=servers,
-                    parent=None, stats={}, store=store)
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
     wait_alias(gateway, a)
     tuned = reply(gateway)
     assert tuned != base
-    publish_adapter(sqlite_engine, adapter_dir, name=b, base_model=BASE_MODEL, vllm_urls=servers,
-                    parent=a, stats={}, store=store, activate=False)
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL, vllm_urls=servers, parent=a, stats={}, store=store, activate=False))
 
     # a vLLM restart loses every runtime-loaded adapter: simulate it
     for url in servers:
@@ -330,8 +318,7 @@ def test_rollback_walks_back_through_retired_versions(
     engine = make_engine(database_url)
     v1, v2, v3 = names(3)
     for i, name in enumerate((v1, v2, v3)):
-        publish_adapter(engine, adapter_dir, name=name, base_model=BASE_MODEL, vllm_urls=servers,
-                        parent=None if i == 0 else (v1, v2)[i - 1], stats={"step": i}, store=store)
+        publish(engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL, vllm_urls=servers, parent=None if i == 0 else (v1, v2)[i - 1], stats={"step": i}, store=store))
 
     def statuses() -> dict[str, str]:
         return {v["name"]: v["status"] for v in list_versions(engine)}
@@ -403,14 +390,13 @@ def test_policy_cli(sqlite_engine: Any, sqlite_url: str, adapter_dir: Path, serv
         assert res.exit_code == 0 and "Usage:" in res.output
 
 
-def test_default_vllm_urls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nextstate.settings import Settings
-    from trainer.policy_cli import default_vllm_urls
+def test_policy_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datapool.settings import Settings
 
     monkeypatch.delenv("NEXTSTATE_UPSTREAM_URL", raising=False)
     monkeypatch.delenv("NEXTSTATE_TEACHER_URL", raising=False)
     monkeypatch.setenv("NEXTSTATE_VLLM_PORT", "8499")
-    assert default_vllm_urls(Settings()) == ["http://127.0.0.1:8499/v1"]
+    assert policy_servers(Settings()) == ["http://127.0.0.1:8499/v1"]
     monkeypatch.setenv("NEXTSTATE_UPSTREAM_URL", "http://a:1/v1/")
     monkeypatch.setenv("NEXTSTATE_TEACHER_URL", "http://b:2")
-    assert default_vllm_urls(Settings()) == ["http://a:1/v1", "http://b:2/v1"]
+    assert policy_servers(Settings()) == ["http://a:1/v1", "http://b:2/v1"]

@@ -23,14 +23,16 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import Judgement, PolicyEvent
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, PolicyStream, alias_root, greedy_reply, wait_for
 
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
-from trainer import full_weights  # noqa: E402
-from trainer.publish import PublishError, active_version, list_versions, publish_full, rollback  # noqa: E402
+from datapool import vllm_admin  # noqa: E402
+from datapool.versions import PublishError, active_version, list_versions, rollback  # noqa: E402
+from datapool.vocab import VersionKind  # noqa: E402
+from trainer.publish import PublishRequest, publish  # noqa: E402
 
 BASE_MODEL = "smollm2"
 PROMPT = [{"role": "user", "content": "Name three colors."}]
@@ -69,12 +71,12 @@ def dev_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def dev_url(dev_vllm: RunningVLLM) -> Iterator[str]:
     """The dev server's URL; after the test it holds its base weights again, unpaused."""
     url = dev_vllm.base_url
-    assert full_weights.labels([url])[url] is not None, "the dev vLLM has no dev endpoints"
+    assert vllm_admin.labels([url])[url] is not None, "the dev vLLM has no dev endpoints"
     yield url
     with httpx.Client(timeout=120) as http:
-        http.post(f"{full_weights.server_root(url)}/resume")
-        if full_weights.weight_label(http, url) not in full_weights.BASE_LABELS:
-            full_weights.reload_one(http, url, full_weights.base_weights_path(http, url), full_weights.BASE_LABEL)
+        http.post(f"{vllm_admin.server_root(url)}/resume")
+        if vllm_admin.weight_label(http, url) not in vllm_admin.BASE_LABELS:
+            vllm_admin.reload_one(http, url, vllm_admin.base_weights_path(http, url), vllm_admin.BASE_LABEL)
 
 
 @pytest.fixture
@@ -115,11 +117,11 @@ def wait_alias(gw: GatewayProcess, root: str, timeout: float = 15.0) -> None:
 
 def digest(url: str) -> str:
     with httpx.Client(timeout=120) as http:
-        return full_weights.weights_digest(http, url)
+        return vllm_admin.weights_digest(http, url)
 
 
 def label(url: str) -> str | None:
-    return full_weights.labels([url])[url]
+    return vllm_admin.labels([url])[url]
 
 
 def stored_turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
@@ -156,7 +158,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
     base = reply(gateway)
     assert base and reply(gateway) == base
     base_digest = digest(dev_url)
-    assert label(dev_url) in full_weights.BASE_LABELS
+    assert label(dev_url) in vllm_admin.BASE_LABELS
 
     # turns captured through the gateway, each greedy reply judged -1: training pushes them away
     ids = []
@@ -219,7 +221,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
                data_dir=data, timeout=300)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"rolled back {name}; policy serves the base model" in back.stdout
-    assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == base_digest
+    assert label(dev_url) == vllm_admin.BASE_LABEL and digest(dev_url) == base_digest
     wait_alias(gateway, BASE_MODEL)
     assert reply(gateway) == base
     assert active_version(sqlite_engine) is None and list_versions(sqlite_engine)[0]["status"] == "rolled_back"
@@ -247,8 +249,7 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, sqlite_engin
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t0 = time.monotonic()
-    v = publish_full(sqlite_engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[dev_url],
-                     store=tmp_path / "store", pause_mode="wait")
+    v = publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=tmp_path / "store", pause_mode="wait"))
     published_at = time.monotonic()
     stream.result()
     assert stream.ended_at <= published_at, "publish returned before the in-flight request finished"
@@ -283,8 +284,7 @@ def test_full_weights_need_dev_mode(sqlite_engine: Any, vllm_server: RunningVLLM
     """A vLLM without dev mode cannot reload: a clear error, nothing registered, no copy left."""
     store = tmp_path / "store"
     with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
-        publish_full(sqlite_engine, perturbed_checkpoint, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url],
-                     store=store)
+        publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url], store=store))
     assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 
@@ -308,22 +308,22 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engin
     cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - 1
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PublishError, match="num_hidden_layers"):
-        publish_full(sqlite_engine, other, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+        publish(sqlite_engine, PublishRequest(other, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store))
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(perturbed_checkpoint, corrupt)
     (weights,) = corrupt.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(PublishError, match="not a readable safetensors file"):
-        publish_full(sqlite_engine, corrupt, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store)
+        publish(sqlite_engine, PublishRequest(corrupt, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store))
     assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 
     # past the checks (as a file broken after them would be): vLLM fails, the base goes back in
     with httpx.Client(timeout=300) as http:
-        base_path = full_weights.base_weights_path(http, dev_url)
-        with pytest.raises(full_weights.WeightsError, match="reload_weights"):
-            full_weights.reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
-        assert http.get(f"{full_weights.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
-    assert label(dev_url) == full_weights.BASE_LABEL and digest(dev_url) == before
+        base_path = vllm_admin.base_weights_path(http, dev_url)
+        with pytest.raises(vllm_admin.WeightsError, match="reload_weights"):
+            vllm_admin.reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
+        assert http.get(f"{vllm_admin.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
+    assert label(dev_url) == vllm_admin.BASE_LABEL and digest(dev_url) == before
     assert reply(gateway) == base  # the sqlite_engine is alive and serves the base weights

@@ -393,7 +393,7 @@ def test_then_train_trains_on_the_run_s_sessions(vllm_server: RunningVLLM, teach
     from datapool.db import make_engine
     from datapool.models import Turn, TrainingLease, TrainingRun
     from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from nextstate.settings import Settings
+    from datapool.settings import Settings
     from tests.processes import WorkerProcess
     from tests.redis_server import unique_queue
 

@@ -1,9 +1,9 @@
-"""Teacher logprobs (datapool.teacher): hint placement, and exact prompt_logprobs from real vLLM.
+"""Teacher logprobs (datapool.scoring.teacher): hint placement, and exact prompt_logprobs from real vLLM.
 
 The server tests run against the session's vLLM-CPU server (SmolLM2 as `smollm2`, bf16). They
 send one request at a time on purpose: vLLM 0.32 CPU started with ``--enable-lora`` kills its
 engine when a ``prompt_logprobs`` request shares a scheduler step with another request (see
-datapool/teacher.py), so nothing here runs requests concurrently.
+datapool/scoring/teacher.py), so nothing here runs requests concurrently.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
-from datapool.teacher import (
+from datapool.scoring.teacher import (
     HINT_TEMPLATE,
     TeacherError,
     TeacherResult,
-    api_root,
     teacher_logprobs,
     teacher_messages,
 )
+from datapool.vllm_admin import server_root
 
 TIMEOUT = httpx.Timeout(120.0)
 
@@ -98,11 +98,11 @@ def test_teacher_messages_never_mutates_input() -> None:
     assert list_only == snapshot
 
 
-def test_api_root() -> None:
-    assert api_root("http://h:1/v1") == "http://h:1"
-    assert api_root("http://h:1/v1/") == "http://h:1"
-    assert api_root("http://h:1/prefix/v1") == "http://h:1/prefix"
-    assert api_root("http://h:1") == "http://h:1"
+def test_server_root() -> None:
+    assert server_root("http://h:1/v1") == "http://h:1"
+    assert server_root("http://h:1/v1/") == "http://h:1"
+    assert server_root("http://h:1/prefix/v1") == "http://h:1/prefix"
+    assert server_root("http://h:1") == "http://h:1"
 
 
 # --------------------------------------------------------------------------- offline error paths

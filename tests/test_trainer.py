@@ -19,11 +19,11 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, TrainingLease, TrainingStep, Turn
-from datapool.teacher import teacher_logprobs, teacher_messages
-from nextstate.settings import Settings
+from datapool.scoring.teacher import teacher_logprobs, teacher_messages
+from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, wait_for
-from trainer.lease import Filters
+from datapool.leases import Filters
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
 from trainer.offline import train_offline

@@ -19,9 +19,9 @@ from datapool import browse, labels
 from datapool.db import make_engine
 from datapool.models import Judgement, Label, Turn
 from gateway.app import create_app
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.ui_seed import TOOL_WORD, seed
-from trainer import lease
+from datapool import leases as lease
 
 # routes anyone may reach: the login page itself and the UI's static files
 PUBLIC = {("GET", "/admin/login"), ("POST", "/admin/login"), ("GET", "/admin/static")}
@@ -212,8 +212,8 @@ def test_correction_becomes_the_opd_hint_with_teacher_logprobs(pg_url: str, vllm
     scorer computes the turn's teacher logprobs under it on the real teacher replica."""
     import httpx
 
-    from datapool.judge import PythonJudge
-    from datapool.scoring import TeacherConfig, score_turn
+    from datapool.scoring.judge import PythonJudge
+    from datapool.scoring.score import TeacherConfig, score_turn
     from trainer.samples import load_samples
 
     root = vllm_server.base_url.removesuffix("/v1")

@@ -25,7 +25,7 @@ from tests.conftest import RunningVLLM
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess, alias_root, wait_for
 from tests.ui_seed import TOOL_WORD, XSS_USER, seed
-from trainer import lease
+from datapool import leases as lease
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
@@ -233,7 +233,7 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM
 
     from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from nextstate.settings import Settings
+    from datapool.settings import Settings
 
     cache = Settings().cache_dir
     torch.manual_seed(0)
@@ -248,13 +248,13 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, gateway: GatewayProcess,
                                                       adapter: Path, vllm_server: RunningVLLM,
                                                       teacher_server: RunningVLLM, tmp_path: Path) -> None:
-    from trainer.publish import publish_adapter
+    from datapool.vocab import VersionKind
+    from trainer.publish import PublishRequest, publish
 
     servers = [vllm_server.base_url, teacher_server.base_url]
     name = f"ui-{uuid.uuid4().hex[:8]}"
     try:
-        publish_adapter(engine, adapter, name=name, base_model="smollm2", vllm_urls=servers, parent=None,
-                        stats={"run_id": "seeded", "steps": 5}, store=tmp_path / "store", activate=False)
+        publish(engine, PublishRequest(adapter, kind=VersionKind.LORA, name=name, base_model="smollm2", vllm_urls=servers, parent=None, stats={"run_id": "seeded", "steps": 5}, store=tmp_path / "store", activate=False))
         assert alias_root(gateway) == "smollm2"
         page.goto("/admin/training")
         assert page.get_by_test_id("active-version").inner_text() == "the base model"

@@ -22,10 +22,10 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
-from nextstate.settings import Settings
+from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, wait_for
-from trainer import lease as leases
+from datapool import leases
 from trainer import objectives
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
@@ -249,7 +249,8 @@ def test_checkpoint_engine_writes_an_adapter_vllm_serves(model_dir: Path, vllm_s
     from peft.utils.save_and_load import get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from trainer.publish import publish_adapter
+    from datapool.vocab import VersionKind
+    from trainer.publish import PublishRequest, publish
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
@@ -280,8 +281,7 @@ def test_checkpoint_engine_writes_an_adapter_vllm_serves(model_dir: Path, vllm_s
     upgrade(pool_url)
     name = f"verl-{uuid.uuid4().hex[:8]}"
     db = make_engine(pool_url)
-    version = publish_adapter(db, path, name=name, base_model="smollm2", vllm_urls=[vllm_server.base_url],
-                              store=tmp_path / "store")
+    version = publish(db, PublishRequest(path, kind=VersionKind.LORA, name=name, base_model="smollm2", vllm_urls=[vllm_server.base_url], store=tmp_path / "store"))
     assert version["status"] == "active"
     r = httpx.post(f"{vllm_server.base_url}/chat/completions", timeout=120, json={
         "model": name, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})

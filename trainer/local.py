@@ -10,28 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainer import objectives
+from trainer.config import LocalConfig
 from trainer.samples import Sample
-
-
-@dataclass
-class LocalConfig:
-    model_dir: Path
-    lora: bool = True
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    lr: float = 5e-5
-    micro_batch_size: int = 4
-    device: str | None = None  # default: cuda if available, else cpu
-    bf16: bool | None = None  # default: on CUDA with bf16 support; fp32 on the CPU
-    seed: int = 0
-    init_adapter: Path | None = None  # continue training this adapter (the active version)
 
 
 def _device(cfg: LocalConfig) -> torch.device:

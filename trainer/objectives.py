@@ -41,12 +41,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from verl.trainer.ppo import core_algos as ca
+
+from trainer.config import (  # the objectives' names and their configuration
+    ADV_BINARY,
+    ADV_COMBINED,
+    ADV_ESTIMATOR_FOR_OBJECTIVE,
+    ADV_OPD,
+    LOSS_AGG_MODES,
+    Objective,
+    ObjectiveConfig,
+)
 
 __all__ = [
     "ADV_BINARY",
@@ -69,85 +78,6 @@ __all__ = [
     "scores_to_token_rewards",
     "standardize_per_step",
 ]
-
-Objective = Literal["rl", "opd", "combined"]
-
-#: veRL's loss aggregation modes (``core_algos.agg_loss``).
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
-
-ADV_BINARY = "nextstate_binary"
-ADV_OPD = "nextstate_opd"
-ADV_COMBINED = "nextstate_combined"
-
-#: Which registered advantage estimator each objective uses.
-ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
-    "rl": ADV_BINARY,
-    "opd": ADV_OPD,
-    "combined": ADV_COMBINED,
-}
-
-
-@dataclass(frozen=True)
-class ObjectiveConfig:
-    """What to optimise and how.
-
-    Attributes:
-        objective: ``"rl"`` (binary / GRPO reward), ``"opd"`` (hindsight on-policy
-            distillation) or ``"combined"`` (weighted sum of both advantages).
-        w_rl: weight of the RL advantage under ``"combined"``.
-        w_opd: weight of the OPD advantage under ``"combined"``.
-        clip_low: ε_low of the PPO clip; the ratio is clipped below at 1 − clip_low.
-        clip_high: ε_high of the PPO clip; the ratio is clipped above at 1 + clip_high.
-        clip_ratio_c: veRL's dual-clip bound: for negative advantages the per-token loss is
-            at most −A · clip_ratio_c (must be > 1; veRL's default 3.0).
-        opd_clip: bound on |log π_teacher − log π_θ| per token (the OPD advantage).
-        kl_coef: coefficient of the KL-to-base-policy term; 0 disables it (the KL is still
-            reported as a metric when base log-probs are given).
-        kl_type: veRL ``kl_penalty`` estimator; ``"low_var_kl"`` is k3.
-        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
-        grpo: standardize the reward within task groups when group ids are given.
-        grpo_norm_by_std: divide by the group std (GRPO); False only centres (Dr. GRPO).
-        grpo_eps: ε added to the group std.
-        policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
-            ``"vanilla"`` is the PPO clipped surrogate the design calls for.
-    """
-
-    objective: Objective = "rl"
-    w_rl: float = 1.0
-    w_opd: float = 1.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    clip_ratio_c: float = 3.0
-    opd_clip: float = 5.0
-    kl_coef: float = 0.0
-    kl_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
-    grpo: bool = True
-    grpo_norm_by_std: bool = True
-    grpo_eps: float = 1e-6
-    policy_loss: str = "vanilla"
-
-    def __post_init__(self) -> None:
-        if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
-            raise ValueError(f"objective must be one of {sorted(ADV_ESTIMATOR_FOR_OBJECTIVE)}, "
-                             f"got {self.objective!r}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
-        if self.opd_clip <= 0.0:
-            raise ValueError(f"opd_clip must be > 0, got {self.opd_clip}")
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-
 
 def _as_objective_config(config: Any) -> ObjectiveConfig:
     """Accept an ObjectiveConfig, None (defaults) or any config object veRL hands an estimator

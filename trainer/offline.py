@@ -12,7 +12,8 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.queries import active_policy_version
-from trainer import lease as leases
+from datapool import leases
+from trainer.config import RunLimits
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import Sample, load_samples
@@ -46,10 +47,10 @@ def train_offline(
     objective: ObjectiveConfig,
     local: LocalConfig,
     filters: leases.Filters,
-    batch_size: int = 8,
+    batch_size: int = RunLimits.batch_size,
     max_steps: int | None = None,
-    epochs: int = 1,
-    lease_s: float = 600.0,
+    epochs: int = RunLimits.epochs,
+    lease_s: float = RunLimits.lease_s,
     output_root: Path,
     resume: str | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
@@ -99,7 +100,7 @@ def run_epochs(
 ) -> tuple[str, list[dict[str, float]], int]:
     """The offline loop both backends share: per epoch one training run (the first one resumed
     when *resume* names a run); in it lease a batch of scored turns, one optimizer step, record
-    the step and ack its turns (``trainer.lease``), until *max_steps* in all or nothing is left.
+    the step and ack its turns (``datapool.leases``), until *max_steps* in all or nothing is left.
 
     *after_step* runs after each step, before it is recorded (the veRL backend pushes weights
     there); what it returns is recorded with the step. Returns (last run id, step metrics,

@@ -3,7 +3,7 @@
 Built on veRL 0.9.1's own classes, patched nowhere:
 
 - :class:`PoolPPOTrainer` is veRL's separation-style ``SeparateRayPPOTrainer`` with its
-  generation step replaced: a step's batch is leased from the pool (``trainer.lease``) and
+  generation step replaced: a step's batch is leased from the pool (``datapool.leases``) and
   turned into veRL's ``DataProto`` by :func:`samples_to_batch` — prompts, responses, masks,
   behaviour logprobs, teacher logprobs and the turn rewards as ``token_level_scores``.
   Everything after that is veRL's own step: the actor recomputes the current policy's
@@ -54,6 +54,7 @@ from verl.trainer.ppo.utils import Role
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 from trainer import objectives
+from trainer.config import RunLimits, VerlConfig
 from trainer.samples import Sample
 
 log = logging.getLogger("nextstate.trainer.verl")
@@ -156,36 +157,6 @@ def add_advantages(batch: DataProto, cfg: objectives.ObjectiveConfig) -> DataPro
 
 
 # ------------------------------------------------------------------------------- the config
-
-
-@dataclass
-class VerlConfig:
-    """What ``nextstate train --backend verl`` sets in veRL's ``ppo_trainer`` config; anything
-    else is reachable through ``overrides`` (Hydra ``key=value`` strings, applied last)."""
-
-    model_dir: Path
-    n_gpus_per_node: int = 1
-    nnodes: int = 1
-    lora: bool = True
-    lora_rank: int = 8
-    lora_alpha: int = 16
-    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    lr: float = 5e-5
-    micro_batch_size: int = 4  # per GPU
-    gradient_checkpointing: bool = True
-    bf16: bool = True  # bf16 compute (FSDP mixed precision); False: fp32 throughout
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    strategy: str = "fsdp2"  # veRL's actor strategy: fsdp (FSDP1) or fsdp2
-    clip_grad: float = 1.0  # veRL's gradient-norm clip (the local backend does not clip)
-    # None: flash_attention_2 with veRL's padding-free packing where flash-attn is installed,
-    # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
-    # to each other)
-    attn_implementation: str | None = None
-    ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
-    output_dir: Path = Path("verl-runs")
-    seed: int = 0
-    overrides: tuple[str, ...] = ()
 
 
 def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batch_size: int,
@@ -636,20 +607,20 @@ def train_verl(
     objective: objectives.ObjectiveConfig,
     verl: VerlConfig,
     filters: Any,
-    batch_size: int = 8,
+    batch_size: int = RunLimits.batch_size,
     max_steps: int | None = None,
-    epochs: int = 1,
-    lease_s: float = 600.0,
+    epochs: int = RunLimits.epochs,
+    lease_s: float = RunLimits.lease_s,
     output_root: Path,
     resume: str | None = None,
     publish: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-    push_every: int = 0,
+    push_every: int = RunLimits.push_every,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
 ) -> Any:
     """``trainer.offline.train_offline`` on the veRL backend: lease scored turns, one veRL step
     per batch, record and ack each step, and push the weights through the checkpoint engine
     every ``push_every`` steps (0: only at the end) and at the end; with ``publish`` each push
-    is hot-loaded into vLLM and registered as the active policy version (``trainer.publish``).
+    is hot-loaded into vLLM and registered as the active policy version (``trainer.publish.publish``).
     A LoRA run continues from the active version's adapter, as the local backend does."""
     from sqlalchemy.orm import Session as OrmSession
 

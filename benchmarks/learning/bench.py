@@ -8,7 +8,7 @@ LoRA loading, and the teacher replica), as the test suite does, and stops them a
 
 Everything is real: a `nextstate gateway` process in front of the vLLM --upstream, a SQLite
 pool, the official `openai` client as the user, the python (or LLM) judge scoring each turn
-from its next state through ``datapool.scoring.score_turn`` (the code a Celery worker runs,
+from its next state through ``datapool.scoring.score.score_turn`` (the code a Celery worker runs,
 called in-process so that scoring finishes before the next round is counted), teacher
 logprobs from --teacher, and the online trainer (``trainer.online.OnlineTrainer``: lease,
 train LoRA on the CPU, publish to both vLLMs, flip the alias).
@@ -56,12 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.learning import preference  # noqa: E402
 from datapool.db import make_engine, upgrade  # noqa: E402
-from datapool.judge import LLMJudge, PythonJudge  # noqa: E402
+from datapool.scoring.judge import LLMJudge, PythonJudge  # noqa: E402
 from datapool.models import Judgement, Turn  # noqa: E402
-from datapool.scoring import TeacherConfig, score_turn  # noqa: E402
+from datapool.scoring.score import TeacherConfig, score_turn  # noqa: E402
 from tests.processes import GatewayProcess, wait_for  # noqa: E402
-from trainer import publish  # noqa: E402
-from trainer.lease import Filters  # noqa: E402
+from datapool import versions, vllm_admin  # noqa: E402
+from datapool.leases import Filters  # noqa: E402
 from trainer.local import LocalConfig  # noqa: E402
 from trainer.objectives import ObjectiveConfig  # noqa: E402
 from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
@@ -114,7 +114,7 @@ class Bench:
             self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
             self.votes = args.votes
         from nextstate.modelserver import ensure_model, ensure_vllm_env
-        from nextstate.settings import Settings
+        from datapool.settings import Settings
 
         cache = Settings().cache_dir
         self.model_dir = Path(args.model_dir) if args.model_dir else ensure_model(cache, ensure_vllm_env(cache))
@@ -173,7 +173,7 @@ class Bench:
 
     def run(self, gw: GatewayProcess, arm: str, seed: int) -> dict[str, Any]:
         a = self.args
-        publish.activate(self.engine, publish.BASE, self.urls)  # every arm starts from the base model
+        versions.activate(self.engine, versions.BASE, self.urls)  # every arm starts from the base model
         wait_for(lambda: policy_root(gw) == a.model, timeout=30)
         client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=2, timeout=300)
         started = now()
@@ -323,7 +323,7 @@ def main() -> None:
     with contextlib.ExitStack() as servers:
         if not args.upstream or not args.teacher:
             from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
-            from nextstate.settings import Settings
+            from datapool.settings import Settings
 
             cache = Settings().cache_dir
             python = ensure_vllm_env(cache)
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
                 # partial results survive an interrupted run
                 (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
                 print(tables(results, args.k), flush=True)
-        publish.activate(bench.engine, publish.BASE, bench.urls)
+        versions.activate(bench.engine, versions.BASE, bench.urls)
         from sqlalchemy import select
         from sqlalchemy.orm import Session as OrmSession
 
@@ -359,7 +359,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
             names = list(db.scalars(select(PolicyVersion.name)))
         with httpx.Client(timeout=30) as http:
             for name in names:
-                publish.unload(http, bench.urls, name)
+                vllm_admin.unload(http, bench.urls, name)
     elapsed = time.monotonic() - t0
     title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
              f"{args.heldout} held-out, {args.seeds} seeds")

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.app import gateway_of
+from gateway.state import gateway_of
 
 router = APIRouter()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import time
@@ -20,9 +19,9 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from datapool.records import TurnRecord
-from gateway.app import Gateway, gateway_of
+from gateway.auth import require_api_key
 from gateway.errors import OpenAIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
+from gateway.protocol import SESSION_ID, ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from gateway.recording import (
     Accumulator,
     ClientWants,
@@ -31,11 +30,11 @@ from gateway.recording import (
     strip_for_client,
     white_box_body,
 )
+from gateway.state import Gateway, gateway_of
 from gateway.upstream import POLICY_ALIAS, Target
 
 router = APIRouter()
 
-SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")  # no "..", no leading dot
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 _JSON = {"Content-Type": "application/json"}
@@ -63,18 +62,6 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     fields passed through), so the OpenAPI schema and fuzzers know its shape."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": _inline(model.model_json_schema())}}}}
-
-
-async def require_api_key(request: Request) -> None:
-    # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    keys = gateway_of(request).settings.api_keys
-    if not keys:
-        return
-    auth = request.headers.get("authorization", "")
-    token = auth[7:] if auth[:7].lower() == "bearer " else ""
-    if not any(hmac.compare_digest(token, k) for k in keys):
-        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                          code="invalid_api_key")
 
 
 @router.get("/v1/models", dependencies=[Depends(require_api_key)])

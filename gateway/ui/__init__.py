@@ -1,4 +1,4 @@
-"""The admin web UI at /admin and the admin API's label, queue, export and policy routes."""
+"""The admin web UI at /admin: server-rendered HTML pages (the JSON API is ``gateway.api``)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from gateway.ui.auth import CsrfFailed, LoginRequired
+from gateway.auth import CsrfFailed, LoginRequired
+from gateway.ui import pages
 
 STATIC = Path(__file__).parent / "static"
 
 
 def mount(app: FastAPI) -> None:
     """Add the UI's routes, static files and its two exception handlers to the gateway."""
-    from gateway.ui import api, pages
-
     @app.exception_handler(LoginRequired)
     async def _login(request: Request, _: LoginRequired) -> Response:
         target = "/admin/login?next=" + request.url.path
@@ -33,5 +32,4 @@ def mount(app: FastAPI) -> None:
 
     app.include_router(pages.public)
     app.include_router(pages.router)
-    app.include_router(api.router)
     app.mount("/admin/static", StaticFiles(directory=STATIC), name="admin-static")

@@ -13,12 +13,14 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, export, labels, queries, training_view
+from datapool import browse, labels, queries, training_view
 from datapool.models import Turn
-from gateway.app import Gateway, gateway_of
+from gateway import actions, auth
+from gateway.auth import Admin, require_ui
 from gateway.errors import OpenAIError
-from gateway.ui import actions, auth, plots, tokens
-from gateway.ui.auth import Admin, require_ui
+from gateway.pool import in_pool, in_thread
+from gateway.state import Gateway, gateway_of
+from gateway.ui import plots, tokens
 
 HERE = Path(__file__).parent
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
@@ -133,7 +135,7 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
         page, next_cursor = browse.sessions_page(db, f, limit=50, cursor=cursor)
         return {"sessions": page, "next_cursor": next_cursor, "counts": browse.counts(db, f)}
 
-    data = await actions.read(gw, run)
+    data = await in_pool(gw.engine, run)
     data["query"] = urlencode(f.params())
     data["filters"] = f
     return data
@@ -143,7 +145,7 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
 async def sessions_page(request: Request) -> HTMLResponse:
     f = _filters(request)
     data = await _results(request, f)
-    choices = await actions.read(gateway_of(request), _choices)
+    choices = await in_pool(gateway_of(request).engine, _choices)
     return render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
                   rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES)
 
@@ -203,7 +205,7 @@ async def session_page(request: Request, session_id: str) -> HTMLResponse:
         return {"session": s, "labels": labels.for_turns(db, [t["id"] for t in s["turns"]]),
                 "session_labels": labels.for_session(db, session_id)}
 
-    data = await actions.read(gw, run)
+    data = await in_pool(gw.engine, run)
     if data is None:
         return render(request, "error.html", status=404, message=f"No session {session_id!r}.")
     data["blocks"] = _conversation(data["session"])
@@ -241,7 +243,7 @@ async def label_turn(request: Request, turn_id: str) -> Response:
     error = await _add_label(request, turn_id=turn_id)
     if not _is_htmx(request):
         return _back(request, "/admin/sessions")
-    found = await actions.read(gateway_of(request), lambda db: labels.for_turns(db, [turn_id]))
+    found = await in_pool(gateway_of(request).engine, labels.for_turns, [turn_id])
     return render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
 
 
@@ -250,7 +252,7 @@ async def label_session(request: Request, session_id: str) -> Response:
     error = await _add_label(request, session_id=session_id)
     if not _is_htmx(request):
         return _back(request, f"/admin/sessions/{session_id}")
-    found = await actions.read(gateway_of(request), labels.for_session, session_id)
+    found = await in_pool(gateway_of(request).engine, labels.for_session, session_id)
     return render(request, "_session_labels.html", session_id=session_id, slab=found, error=error)
 
 
@@ -264,7 +266,7 @@ async def queue_page(request: Request) -> HTMLResponse:
         views = {t["id"]: t for t in (queries.get_turn(db, tid) for tid in ids) if t}
         return {"items": items, "views": views, "labels": labels.for_turns(db, ids)}
 
-    return render(request, "queue.html", **await actions.read(gw, run))
+    return render(request, "queue.html", **await in_pool(gw.engine, run))
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +283,7 @@ async def training_page(request: Request) -> HTMLResponse:
                 "events": training_view.recent_events(db), "curves": training_view.curves(db),
                 "active": active.name if active else None}
 
-    data = await actions.read(gw, run)
+    data = await in_pool(gw.engine, run)
     c = data["curves"]
     data["charts"] = [
         plots.line_chart("Reward of judged turns (hourly mean)", c["reward"], time_axis=True),
@@ -306,7 +308,7 @@ async def promote(request: Request) -> Response:
         raise OpenAIError(400, "name the version to promote", param="name")
     if not confirmed:
         return render(request, "confirm.html", action="promote", name=name,
-                      active=await actions.read(gateway_of(request), _active))
+                      active=await in_thread(actions.active_name, gateway_of(request).engine))
     try:
         result = await actions.promote(gateway_of(request), name, f"admin:{request.state.admin.name}",
                                        form.get("reason") or None)
@@ -322,7 +324,7 @@ async def rollback(request: Request) -> Response:
     to = form.get("to", "").strip() or None
     if not confirmed:
         return render(request, "confirm.html", action="rollback", name=to,
-                      active=await actions.read(gateway_of(request), _active))
+                      active=await in_thread(actions.active_name, gateway_of(request).engine))
     try:
         result = await actions.rollback(gateway_of(request), to, f"admin:{request.state.admin.name}",
                                         form.get("reason") or None)
@@ -333,27 +335,10 @@ async def rollback(request: Request) -> Response:
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
 
-def _active(db: OrmSession) -> str | None:
-    row = queries.active_policy_version(db)
-    return row.name if row else None
-
-
 # --------------------------------------------------------------------------------------------
 # export
 
 
-def export_response(request: Request, f: browse.Browse, fmt: str) -> StreamingResponse:
-    engine = gateway_of(request).engine
-    if fmt == "jsonl":
-        body, media = export.jsonl(engine, f), "application/x-ndjson"
-    elif fmt == "parquet":
-        body, media = export.parquet(engine, f), "application/vnd.apache.parquet"
-    else:
-        raise OpenAIError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
-    return StreamingResponse(body, media_type=media,
-                             headers={"Content-Disposition": f'attachment; filename="nextstate-turns.{fmt}"'})
-
-
 @router.get("/export.{fmt}")
 async def export_file(request: Request, fmt: str) -> StreamingResponse:
-    return export_response(request, _filters(request), fmt)
+    return actions.export_response(gateway_of(request), _filters(request), fmt)

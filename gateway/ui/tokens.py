@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from datapool.vllm_admin import server_root
+
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
@@ -70,7 +72,7 @@ class Token:
 async def token_texts(http: aiohttp.ClientSession, api_base: str, model: str | None, text: str,
                       token_ids: list[int]) -> list[str] | None:
     """The text of each captured token, or None when vLLM cannot give them exactly."""
-    root = api_base.rstrip("/").removesuffix("/v1")
+    root = server_root(api_base)
     payload: dict[str, Any] = {"prompt": text, "add_special_tokens": False, "return_token_strs": True}
     if model:
         payload["model"] = model

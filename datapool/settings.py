@@ -122,7 +122,7 @@ class Settings(BaseSettings):
         default=None, description="`module:function` (turn, next_state) -> vote(s), for the python judge."
     )
     judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
-    judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/prompts/NAME.md).")
+    judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/scoring/prompts/NAME.md).")
     judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
     judge_max_retries: int = Field(
         default=4, description="Retries of a failing scoring task before it is dead-lettered."

@@ -1,7 +1,4 @@
-"""`nextstate policy`: list, publish, promote and roll back the versions the `policy` alias serves.
-
-Registered on the main command with ``main.add_command(policy_cli)``.
-"""
+"""`nextstate policy`: list, publish, promote and roll back the versions the `policy` alias serves."""
 
 from __future__ import annotations
 
@@ -12,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import click
-from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from nextstate.settings import Settings
+from datapool import vllm_admin
+from datapool.settings import Settings
+from datapool.vocab import PauseMode
+from nextstate.cli import options as opt
 
-_DB_HELP = "SQLAlchemy URL of the pool (default: SQLite in the data dir). [env NEXTSTATE_DATABASE_URL]"
 _VLLM_HELP = (
     "Base URL (…/v1) of a vLLM server that must have the version loaded; repeat for each "
     "(the policy server and the teacher replica). Default: NEXTSTATE_UPSTREAM_URL (or the "
@@ -26,21 +24,7 @@ _VLLM_HELP = (
 
 
 def _settings(database_url: str | None) -> Settings:
-    try:
-        return Settings(**({"database_url": database_url} if database_url else {}))
-    except (ValidationError, ValueError) as exc:
-        raise click.UsageError(f"invalid settings: {exc}") from exc
-
-
-def default_vllm_urls(settings: Settings) -> list[str]:
-    """The servers a version must be loaded into when no --vllm-url is given: the policy
-    server (upstream_url, else the local vLLM) and the teacher replica (teacher_url) if set."""
-    from trainer.publish import normalize_vllm_urls
-
-    urls = [settings.local_vllm_url]
-    if settings.teacher_url:
-        urls.append(settings.teacher_url)
-    return normalize_vllm_urls(urls)
+    return opt.settings(database_url=database_url)
 
 
 @contextmanager
@@ -55,25 +39,18 @@ def _engine(database_url: str | None) -> Iterator[Engine]:
 
 
 def _urls(given: Sequence[str], database_url: str | None) -> list[str]:
-    return list(given) if given else default_vllm_urls(_settings(database_url))
+    return list(given) if given else vllm_admin.policy_servers(_settings(database_url))
 
 
 def _fail(exc: Exception) -> click.ClickException:
     return click.ClickException(str(exc))
 
 
-_pause_option = click.option(
-    "--pause-mode", type=click.Choice(["wait", "keep"]), default="wait", show_default=True,
-    help="Full versions only, while the weights are reloaded: `wait` lets running requests finish "
-         "on the old weights first (new ones queue); `keep` freezes them and they continue on the new "
-         "weights (shorter pause).")
-
-
 def _line(v: dict[str, Any]) -> str:
     return f"{v['name']} ({v['kind']}, {v['path'] or 'no path'})"
 
 
-@click.group("policy", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group("policy", context_settings=opt.CONTEXT)
 def policy_cli() -> None:
     """The versions the `policy` alias serves: list, publish, promote, roll back.
 
@@ -91,11 +68,11 @@ def policy_cli() -> None:
 
 
 @policy_cli.command("list")
-@click.option("--database-url", metavar="DSN", help=_DB_HELP)
+@opt.database_url(opt.DB_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the versions as a JSON array.")
 def list_cmd(database_url: str | None, as_json: bool) -> None:
     """List every policy version, oldest first; `*` marks the one the alias serves."""
-    from trainer.publish import active_version, list_versions
+    from datapool.versions import active_version, list_versions
 
     with _engine(database_url) as engine:
         versions = list_versions(engine)
@@ -128,9 +105,9 @@ def list_cmd(database_url: str | None, as_json: bool) -> None:
 @click.option("--store", type=click.Path(file_okay=False, path_type=Path),
               help="Directory the adapter is copied into (default: <data dir>/policies). It must "
                    "be readable by every vLLM server at the same path.")
-@click.option("--database-url", metavar="DSN", help=_DB_HELP)
-@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
-@_pause_option
+@opt.database_url(opt.DB_HELP)
+@opt.vllm_urls(_VLLM_HELP)
+@opt.pause_mode
 def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, parent: str | None,
                 activate: bool, store: Path | None, database_url: str | None,
                 vllm_urls: tuple[str, ...], pause_mode: str) -> None:
@@ -142,15 +119,15 @@ def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, par
     and resuming), and only then registers it (active: the previous active version is
     retired). On failure nothing is registered and every vLLM serves what it served before.
     """
-    from trainer.publish import PublishError, publish
+    from trainer.publish import PublishError, PublishRequest, publish
 
     settings = _settings(database_url)
     with _engine(database_url) as engine:
         try:
-            v = publish(engine, adapter_dir, name=name,
-                        base_model=base_model or settings.vllm_served_name,
-                        vllm_urls=_urls(vllm_urls, database_url), parent=parent, stats={},
-                        activate=activate, store=store, pause_mode=pause_mode, actor="cli")
+            v = publish(engine, PublishRequest(
+                adapter_dir, name=name, base_model=base_model or settings.vllm_served_name,
+                vllm_urls=_urls(vllm_urls, database_url), parent=parent, stats={}, activate=activate,
+                store=store, pause_mode=PauseMode(pause_mode), actor="cli"))
         except PublishError as exc:
             raise _fail(exc) from exc
     click.echo(f"published {_line(v)} as {v['status']}")
@@ -158,10 +135,10 @@ def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, par
 
 @policy_cli.command("promote")
 @click.argument("version")
-@click.option("--database-url", metavar="DSN", help=_DB_HELP)
-@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
-@_pause_option
-@click.option("--reason", help="Why (recorded in the policy_events row).")
+@opt.database_url(opt.DB_HELP)
+@opt.vllm_urls(_VLLM_HELP)
+@opt.pause_mode
+@opt.reason
 def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ...], pause_mode: str,
                 reason: str | None) -> None:
     """Make VERSION the one the `policy` alias serves (`base`: the base model).
@@ -170,7 +147,7 @@ def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ..
     and a full version's weights are gone), then marks it active and the previously active
     version retired. Promoting the active version again just reloads it where it is missing.
     """
-    from trainer.publish import PublishError, activate
+    from datapool.versions import PublishError, activate
 
     with _engine(database_url) as engine:
         try:
@@ -183,10 +160,10 @@ def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ..
 
 @policy_cli.command("rollback")
 @click.argument("version", required=False)
-@click.option("--database-url", metavar="DSN", help=_DB_HELP)
-@click.option("--vllm-url", "vllm_urls", multiple=True, metavar="URL", help=_VLLM_HELP)
-@_pause_option
-@click.option("--reason", help="Why (recorded in the policy_events row).")
+@opt.database_url(opt.DB_HELP)
+@opt.vllm_urls(_VLLM_HELP)
+@opt.pause_mode
+@opt.reason
 def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple[str, ...], pause_mode: str,
                  reason: str | None) -> None:
     """Roll back from the active version, to VERSION if given (`base`: the base model).
@@ -195,7 +172,7 @@ def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple
     model if there is none. The version rolled back from is marked rolled_back. Servers that
     held a full version's weights reload the target's (or their base weights).
     """
-    from trainer.publish import PublishError, rollback
+    from datapool.versions import PublishError, rollback
 
     with _engine(database_url) as engine:
         try:

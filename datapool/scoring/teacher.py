@@ -43,11 +43,12 @@ from typing import Any
 
 import httpx
 
+from datapool.vllm_admin import server_root
+
 __all__ = [
     "HINT_TEMPLATE",
     "TeacherError",
     "TeacherResult",
-    "api_root",
     "teacher_logprobs",
     "teacher_messages",
 ]
@@ -112,16 +113,6 @@ def teacher_messages(messages: list[dict[str, Any]], hint: str) -> list[dict[str
         return out
     out.append({"role": "user", "content": marked})
     return out
-
-
-def api_root(api_base: str) -> str:
-    """The server root of an OpenAI base URL: ``http://h:p/v1`` → ``http://h:p``.
-
-    vLLM serves ``/tokenize`` and ``/detokenize`` at the root, not under ``/v1``. A base that
-    does not end in ``/v1`` is returned unchanged (without a trailing slash).
-    """
-    base = api_base.rstrip("/")
-    return base[: -len("/v1")] if base.endswith("/v1") else base
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -223,7 +214,7 @@ async def teacher_logprobs(
     if tools:
         tokenize_payload["tools"] = tools
     tokenized = await _post_json(
-        http, f"{api_root(base)}/tokenize", tokenize_payload, headers, "teacher tokenize"
+        http, f"{server_root(base)}/tokenize", tokenize_payload, headers, "teacher tokenize"
     )
     prompt_ids = tokenized.get("tokens")
     if not isinstance(prompt_ids, list) or not prompt_ids or not all(

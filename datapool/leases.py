@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, exists, func, or_, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import labels
-from datapool.db import dialect_insert
+from datapool.db import dialect_insert, utcnow
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+from datapool.vocab import RunStatus, SessionMode, TurnKind, TurnStatus
 
 
 @dataclass(frozen=True)
@@ -37,7 +35,7 @@ class Filters:
     task_id: str | None = None
     needs_teacher: bool = False  # OPD: only hinted turns with teacher logprobs
     # session modes to train on; "eval" sessions are never trained on, whatever is asked
-    modes: tuple[str, ...] = ("online", "offline")
+    modes: tuple[str, ...] = (SessionMode.ONLINE.value, SessionMode.OFFLINE.value)
     # people's labels the turn must carry, all of them (datapool.labels.FILTERS or "tag:NAME");
     # turns a person excluded are never leased, whatever is asked
     labels: tuple[str, ...] = ()
@@ -50,7 +48,7 @@ def start_run(engine: Engine, *, objective: str, backend: str, config: dict[str,
               base_version: str | None) -> str:
     run_id = uuid.uuid4().hex
     with OrmSession(engine) as db, db.begin():
-        db.add(TrainingRun(id=run_id, objective=objective, backend=backend, config=config, status="running",
+        db.add(TrainingRun(id=run_id, objective=objective, backend=backend, config=config, status=RunStatus.RUNNING,
                            base_version=base_version, created_at=utcnow()))
     return run_id
 
@@ -63,7 +61,7 @@ def resume_run(engine: Engine, run_id: str) -> TrainingRun:
             raise LookupError(f"no training run {run_id!r}")
         db.execute(update(TrainingLease).where(TrainingLease.run_id == run_id, TrainingLease.acked_at.is_(None))
                    .values(expires_at=utcnow()))
-        run.status = "running"
+        run.status = RunStatus.RUNNING
         db.expunge(run)
         return run
 
@@ -71,7 +69,7 @@ def resume_run(engine: Engine, run_id: str) -> TrainingRun:
 def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
     q = (select(Judgement.turn_id).join(Turn, Turn.id == Judgement.turn_id)
          .where(Judgement.reward.is_not(None) | Judgement.teacher_logprobs.is_not(None),
-                Turn.turn_type == "main", Turn.status == "ok"))
+                Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK))
     if filters.needs_teacher:
         q = q.where(Judgement.teacher_logprobs.is_not(None))
     else:
@@ -86,7 +84,7 @@ def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
         q = q.where(Turn.capture == filters.capture)
     if filters.task_id:
         q = q.where(exists().where(Session.id == Turn.session_id, Session.task_id == filters.task_id))
-    modes = [m for m in filters.modes if m != "eval"]
+    modes = [m for m in filters.modes if m != SessionMode.EVAL]
     q = q.where(exists().where(Session.id == Turn.session_id, Session.mode.in_(modes)))
     q = q.where(~labels.excluded(Turn.id, Turn.session_id), labels.all_of(filters.labels, Turn.id, Turn.session_id))
     if filters.new_only:
@@ -105,7 +103,7 @@ def lease(engine: Engine, run_id: str, *, limit: int, lease_s: float = 600.0,
     with OrmSession(engine) as db, db.begin():
         dialect = db.get_bind().dialect.name
         # take the write lock first on SQLite; on PostgreSQL this only touches the run's own row
-        db.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(status="running"))
+        db.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(status=RunStatus.RUNNING))
         q = _candidates(run_id, filters, now).limit(limit)
         if dialect == "postgresql":
             q = q.with_for_update(of=Judgement, skip_locked=True)
@@ -137,3 +135,30 @@ def finish_run(engine: Engine, run_id: str, *, status: str, produced_version: st
         db.execute(update(TrainingRun).where(TrainingRun.id == run_id).values(
             status=status, produced_version=produced_version, finished_at=utcnow()))
 
+
+def available(engine: Engine, run_id: str, filters: Filters) -> int:
+    """Scored turns matching *filters* that run *run_id* has not trained on (nor leased) yet."""
+    q = _candidates(run_id, filters, utcnow()).subquery()
+    with OrmSession(engine) as db:
+        return db.scalar(select(func.count()).select_from(q)) or 0
+
+
+def running_run(engine: Engine, backend: str, match: Callable[[dict[str, Any]], bool]) -> str | None:
+    """The newest running run of *backend* whose config *match* accepts (a restarted trainer's run)."""
+    with OrmSession(engine) as db:
+        runs = db.scalars(select(TrainingRun).where(TrainingRun.status == RunStatus.RUNNING,
+                                                    TrainingRun.backend == backend)
+                          .order_by(TrainingRun.created_at.desc())).all()
+        return next((r.id for r in runs if match(r.config or {})), None)
+
+
+def last_step(engine: Engine, run_id: str) -> int:
+    """The run's newest recorded step (0: none yet)."""
+    with OrmSession(engine) as db:
+        return db.scalar(select(func.max(TrainingStep.step)).where(TrainingStep.run_id == run_id)) or 0
+
+
+def step_metrics(engine: Engine, run_id: str) -> list[dict[str, Any]]:
+    """The metrics of every recorded step of the run, in no particular order."""
+    with OrmSession(engine) as db:
+        return [dict(s.metrics or {}) for s in db.scalars(select(TrainingStep).where(TrainingStep.run_id == run_id))]

@@ -1,47 +1,33 @@
-"""The admin JSON API (read side): sessions and their turns."""
+"""The admin JSON API for sessions and their turns: reads, tags, outcomes, ends, judgements, and
+flushing the capture queue."""
 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries
-from datapool.db import dialect_insert
+from datapool.db import dialect_insert, utcnow
+from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
-from datapool.scoring import apply_outcome, end_session, mark_pending
-from gateway.app import gateway_of
+from datapool.vocab import CaptureKind, JudgementStatus, SessionSource
+from gateway.auth import require_api
 from gateway.errors import OpenAIError
-from gateway.protocol import OutcomeRequest, SessionTags, SessionUpdate, parse_body, read_body
+from gateway.pool import in_pool, in_thread
+from gateway.protocol import SESSION_ID, OutcomeRequest, SessionTags, SessionUpdate, read_model
+from gateway.state import gateway_of
 
-
-async def require_admin(request: Request) -> None:
-    """The admin token as a bearer token, or an admin UI login (see gateway.ui.auth)."""
-    from gateway.ui.auth import require_api
-
-    await require_api(request)
-
-
-router = APIRouter(prefix="/api", dependencies=[Depends(require_admin)])
+router = APIRouter(prefix="/api", dependencies=[Depends(require_api)])
 
 
 async def _read(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    engine = gateway_of(request).engine
-
-    def run() -> Any:
-        with OrmSession(engine) as db:
-            return fn(db, *args, **kwargs)
-
-    try:
-        return await asyncio.to_thread(run)
-    except SQLAlchemyError as exc:
-        raise OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}") from exc
+    return await in_pool(gateway_of(request).engine, fn, *args, **kwargs)
 
 
 @router.get("/sessions")
@@ -50,7 +36,7 @@ async def list_sessions(
     limit: int = Query(50, ge=1, le=500),
     cursor: str | None = None,
     task_id: str | None = None,
-    capture: str | None = Query(None, pattern="^(white-box|black-box)$"),
+    capture: CaptureKind | None = None,
     model: str | None = None,
     since: datetime | None = None,
     until: datetime | None = None,
@@ -88,19 +74,15 @@ async def _session_signal(request: Request, session_id: str, change: Any) -> lis
     """Apply a change to a session and queue its newly scoreable turns; 404 for an unknown id."""
     gw = gateway_of(request)
 
-    def run() -> list[str] | None:
-        with OrmSession(gw.engine) as db, db.begin():
-            if db.get(Session, session_id) is None:
-                return None
-            return mark_pending(db, change(db))
+    def run(db: OrmSession) -> list[str] | None:
+        if db.get(Session, session_id) is None:
+            return None
+        return mark_pending(db, change(db))
 
-    try:
-        ready = await asyncio.to_thread(run)
-    except SQLAlchemyError as exc:
-        raise OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}") from exc
+    ready = await in_pool(gw.engine, run, write=True)
     if ready is None:
         raise OpenAIError(404, f"no session {session_id!r}", code="session_not_found")
-    await asyncio.to_thread(gw.enqueuer.send, ready)
+    await in_thread(gw.enqueuer.send, ready)
     return ready
 
 
@@ -108,8 +90,7 @@ async def _session_signal(request: Request, session_id: str, change: Any) -> lis
 async def post_outcome(request: Request, session_id: str) -> dict[str, Any]:
     """The session's terminal outcome O (a number; optional `source`). Every scored turn gets the
     integrated reward R_t = O + mean of its votes; turns still without a next state are scored."""
-    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
-    body = OutcomeRequest.model_validate(parse_body(raw, OutcomeRequest, invalid_status=422))
+    body = await read_model(request, OutcomeRequest, gateway_of(request).settings.max_body_bytes)
     queued = await _session_signal(request, session_id,
                                    lambda db: apply_outcome(db, session_id, body.outcome, body.source))
     return {"session_id": session_id, "outcome": body.outcome, "queued": queued}
@@ -125,7 +106,7 @@ async def post_end(request: Request, session_id: str) -> dict[str, Any]:
 @router.get("/judgements")
 async def list_judgements(
     request: Request,
-    status: str | None = Query(None, pattern="^(pending|waiting|scored|tie|unparsable|skipped|dead)$"),
+    status: JudgementStatus | None = None,
     limit: int = Query(100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Scoring state of turns, newest change first; `status=dead` lists the dead-lettered ones."""
@@ -144,19 +125,16 @@ async def put_session(request: Request, session_id: str) -> JSONResponse:
     send no header). Idempotent: an existing session with the same tags is returned as it is
     (200, with its turn count, end and outcome, so a resumed run can skip it); different tags
     are a 409. Created: 201."""
-    from gateway.routes.openai import SESSION_ID
-
     if not SESSION_ID.match(session_id):
         raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
                           param="session_id")
-    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
-    tags = SessionTags.model_validate(parse_body(raw, SessionTags, invalid_status=422))
+    tags = await read_model(request, SessionTags, gateway_of(request).settings.max_body_bytes)
 
     def run(db: OrmSession) -> tuple[bool, dict[str, Any] | str]:
         with db.begin():
-            now = datetime.now(timezone.utc)
+            now = utcnow()
             created = db.execute(dialect_insert(db)(Session.__table__).values(
-                id=session_id, source="path", mode=tags.mode, task_id=tags.task_id, group_id=tags.group_id,
+                id=session_id, source=SessionSource.PATH, mode=tags.mode, task_id=tags.task_id, group_id=tags.group_id,
                 created_at=now, updated_at=now, metadata=tags.metadata,
             ).on_conflict_do_nothing().returning(Session.__table__.c.id)).first() is not None
             session = db.get(Session, session_id)
@@ -178,8 +156,7 @@ async def patch_session(request: Request, session_id: str) -> dict[str, Any]:
     """Record why a session ended (`end_reason`: timed_out, failed, cancelled), merge
     `metadata` into its own, and with `end: true` (implied by an end_reason) end it, so its
     last turn is scored."""
-    raw = await read_body(request, gateway_of(request).settings.max_body_bytes)
-    body = SessionUpdate.model_validate(parse_body(raw, SessionUpdate, invalid_status=422))
+    body = await read_model(request, SessionUpdate, gateway_of(request).settings.max_body_bytes)
 
     def change(db: OrmSession) -> list[str]:
         session = db.get(Session, session_id)

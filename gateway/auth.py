@@ -1,6 +1,10 @@
-"""Who may use the admin UI and API, and protection of every state change.
+"""Who may use the gateway: clients' API keys, and the admin UI and API with protection of every
+state change.
 
-Auth is configured when ``admin_token`` or ``admin_password`` is set. Then:
+Clients (``/v1``, ``/s/{id}/v1``): with ``api_keys`` set, ``Authorization: Bearer <key>``
+(:func:`require_api_key`).
+
+Admin auth is configured when ``admin_token`` or ``admin_password`` is set. Then:
 
 * the JSON API (``/api``) takes ``Authorization: Bearer <admin token>`` as before, or the UI's
   session cookie (and then, for a state change, the CSRF token in ``X-CSRF-Token``);
@@ -25,9 +29,9 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
-from gateway.app import gateway_of
 from gateway.errors import OpenAIError
-from nextstate.settings import Settings
+from gateway.state import gateway_of
+from datapool.settings import Settings
 
 COOKIE = "nextstate_admin"
 CSRF_FIELD = "csrf_token"
@@ -114,6 +118,18 @@ async def _check_csrf(request: Request, admin: Admin) -> None:
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     return auth[7:] if auth[:7].lower() == "bearer " else None
+
+
+async def require_api_key(request: Request) -> None:
+    """Dependency of the client routes: one of ``api_keys`` as the bearer token, when any is set."""
+    # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
+    keys = gateway_of(request).settings.api_keys
+    if not keys:
+        return
+    token = _bearer(request) or ""
+    if not any(hmac.compare_digest(token, k) for k in keys):
+        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                          code="invalid_api_key")
 
 
 async def require_ui(request: Request) -> Admin:

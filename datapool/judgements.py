@@ -1,0 +1,144 @@
+"""The pool's side of scoring: which turns must be scored, and the signals people and programs post.
+
+The pool, not the broker, remembers what must be scored: a judgement row in state ``pending``
+exists before a task is sent (:func:`mark_pending`, called in the transaction that made the
+turn ready), and :func:`sweep` re-sends stale ones. The workers (``datapool.scoring``) read
+:func:`effective_next_state` and record failures here; the gateway records feedback, outcomes
+and session ends here and sends the returned turn ids with ``datapool.queue.Enqueuer``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine, and_, exists, select, update
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.db import chunked, dialect_insert, utcnow
+from datapool.models import Judgement, Session, Turn
+from datapool.models import Vote as VoteRow
+from datapool.vocab import JudgementStatus, TurnKind, TurnStatus, VoteKind
+
+
+def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
+    """Record that these turns must be (re)scored; returns them. Call inside the transaction that
+    made them ready, then send the tasks after it commits."""
+    ids = list(dict.fromkeys(turn_ids))
+    now = utcnow()
+    # one multi-row upsert per chunk (the capture writer marks a batch's worth at a time); the
+    # ids are distinct, so no row is upserted twice in one statement
+    for chunk in chunked(ids):
+        rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "enqueued_at": now, "updated_at": now}
+                for tid in chunk]
+        stmt = dialect_insert(db)(Judgement).values(rows)
+        db.execute(stmt.on_conflict_do_update(
+            index_elements=["turn_id"], set_={"status": JudgementStatus.PENDING, "enqueued_at": now, "updated_at": now}))
+    return ids
+
+
+def effective_next_state(db: OrmSession, turn: Turn, session: Session) -> dict[str, Any] | None:
+    """The turn's next state with explicit signals folded in; None while nothing followed yet."""
+    state: dict[str, Any] = dict(turn.next_state or {})
+    feedback = db.scalars(
+        select(VoteRow).where(VoteRow.turn_id == turn.id, VoteRow.kind == VoteKind.FEEDBACK).order_by(VoteRow.id)
+    ).all()
+    if feedback:
+        state["feedback"] = [{"value": v.value, "text": v.hint} for v in feedback]
+    if not state.get("messages") and (session.ended_at is not None or session.outcome is not None):
+        state["end"] = True
+    if session.outcome is not None:
+        state["outcome"] = session.outcome
+    ready = state.get("messages") or state.get("feedback") or state.get("end")
+    return state if ready else None
+
+
+def mark_dead(engine: Engine, turn_id: str, error: str) -> None:
+    with OrmSession(engine) as db, db.begin():
+        db.execute(update(Judgement).where(Judgement.turn_id == turn_id).values(
+            status=JudgementStatus.DEAD, last_error=error[:4000], updated_at=utcnow()))
+
+
+def record_failure(engine: Engine, turn_id: str, error: str) -> None:
+    with OrmSession(engine) as db, db.begin():
+        db.execute(update(Judgement).where(Judgement.turn_id == turn_id).values(
+            last_error=error[:4000], updated_at=utcnow()))
+
+
+def apply_outcome(db: OrmSession, session_id: str, outcome: float, source: str | None) -> list[str]:
+    """Set a session's outcome and the integrated reward R_t = O + mean votes of its scored turns.
+    Returns the turns that now have a next state to be scored (those without one before)."""
+    session = db.get(Session, session_id)
+    assert session is not None
+    session.outcome, session.outcome_source, session.outcome_at = outcome, source, utcnow()
+    judged = select(Judgement.turn_id).join(Turn, Turn.id == Judgement.turn_id).where(
+        Turn.session_id == session_id)
+    db.execute(update(Judgement).where(Judgement.turn_id.in_(judged), Judgement.vote_mean.is_not(None))
+               .values(integrated_reward=Judgement.vote_mean + outcome, updated_at=utcnow()))
+    return unscored_last_turns(db, session_id)
+
+
+def unscored_last_turns(db: OrmSession, session_id: str) -> list[str]:
+    """Main turns of the session with no next state and no finished judgement."""
+    return list(db.scalars(select(Turn.id).where(
+        Turn.session_id == session_id, Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK,
+        Turn.next_state.is_(None),
+        ~exists().where(and_(Judgement.turn_id == Turn.id, Judgement.status.not_in((JudgementStatus.WAITING,)))))))
+
+
+def end_session(db: OrmSession, session_id: str) -> list[str]:
+    session = db.get(Session, session_id)
+    assert session is not None
+    if session.ended_at is None:
+        session.ended_at = utcnow()
+    return unscored_last_turns(db, session_id)
+
+
+@dataclass
+class SweepResult:
+    ended_sessions: int
+    requeue: list[str]
+
+
+def sweep(engine: Engine, *, idle_timeout_s: float, requeue_after_s: float) -> SweepResult:
+    """Periodic safety net: end idle sessions, and find scoring work whose task was lost
+    (broker down or restarted, worker killed) so it can be sent again."""
+    now = utcnow()
+    with OrmSession(engine) as db, db.begin():
+        idle = db.scalars(select(Session.id).where(
+            Session.ended_at.is_(None), Session.updated_at < now - timedelta(seconds=idle_timeout_s))).all()
+        ready: list[str] = []
+        for sid in idle:
+            ready += end_session(db, sid)
+        # turns whose next state arrived while nothing recorded it (e.g. before workers existed)
+        ready += list(db.scalars(select(Turn.id).where(
+            Turn.next_state.is_not(None), Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK,
+            ~exists().where(Judgement.turn_id == Turn.id)).limit(1000)))
+        stale = list(db.scalars(select(Judgement.turn_id).where(
+            Judgement.status == JudgementStatus.PENDING,
+            Judgement.enqueued_at < now - timedelta(seconds=requeue_after_s)).limit(1000)))
+        requeue = mark_pending(db, ready + stale)
+    return SweepResult(len(idle), requeue)
+
+
+def record_feedback(db: OrmSession, *, turn_id: str | None, response_id: str | None, value: int | None,
+                    text: str | None) -> tuple[int, str] | None:
+    """Store a person's feedback as a vote of its own kind; returns (vote id, turn id), or None
+    when no turn has that id. The turn is then (re)scored: the rating outranks the judges and
+    the text is a hint candidate."""
+    if turn_id is not None:
+        turn = db.get(Turn, turn_id)
+    else:
+        turn = db.scalars(select(Turn).where(Turn.response_id == response_id)
+                          .order_by(Turn.created_at).limit(1)).first()
+    if turn is None:
+        return None
+    row = VoteRow(turn_id=turn.id, kind=VoteKind.FEEDBACK, dedupe_key=f"feedback:{uuid.uuid4().hex}", judge="user",
+                  vote_index=0, value=value, hint=text, created_at=utcnow())
+    db.add(row)
+    db.flush()
+    mark_pending(db, [turn.id])
+    return row.id, turn.id

@@ -1,0 +1,15 @@
+"""The JSON admin API under ``/api``: sessions and judgements, labels, the queue and export,
+policy versions. Every route takes the admin token or an admin UI login (``gateway.auth``)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from gateway.api import labels, policy, sessions
+
+
+def include(app: FastAPI) -> None:
+    """Add every /api router to *app*."""
+    app.include_router(sessions.router)
+    app.include_router(policy.router)
+    app.include_router(labels.router)

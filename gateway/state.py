@@ -1,0 +1,116 @@
+"""The gateway's state: one upstream client, one capture queue, one pool engine per process,
+built when the app starts and reached by handlers through :func:`gateway_of` (Starlette's
+``request.app.state``), so no router imports the app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from fastapi import Request
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.capture import CaptureWriter, Spool
+from datapool.db import make_engine
+from datapool.queries import active_policy_version
+from datapool.queue import Enqueuer
+from datapool.settings import Settings
+from gateway.metrics import Metrics
+from gateway.upstream import ActiveVersion, Upstreams
+
+log = logging.getLogger("nextstate.gateway")
+
+POLICY_REFRESH_S = 2.0
+
+
+@dataclass
+class Gateway:
+    """Everything a request handler needs, built once per process."""
+
+    settings: Settings
+    engine: Engine
+    http: aiohttp.ClientSession
+    upstreams: Upstreams
+    writer: CaptureWriter
+    metrics: Metrics
+    enqueuer: Enqueuer
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The running gateway's state (set by :func:`running` on ``app.state``)."""
+    return request.app.state.gateway
+
+
+def _active_version(engine: Engine) -> ActiveVersion | None:
+    with OrmSession(engine) as db:
+        row = active_policy_version(db)
+        return ActiveVersion(name=row.name, kind=row.kind) if row else None
+
+
+async def _follow_policy(gw: Gateway) -> None:
+    # The alias is read from the pool so every replica agrees; a stale value for a couple of
+    # seconds is fine because a version is published only after vLLM loaded it.
+    while True:
+        try:
+            gw.upstreams.active_version = await asyncio.to_thread(_active_version, gw.engine)
+        except SQLAlchemyError:
+            pass  # the pool is down: keep serving the last known version
+        await asyncio.sleep(POLICY_REFRESH_S)
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings, model_list: list[dict[str, Any]] | None, policy_model: str | None
+                  ) -> AsyncIterator[Gateway]:
+    """Build the gateway's state, start its capture writer and policy follower; stop them on exit."""
+    # aiohttp, not httpx: on this path httpx spent ~0.9 ms of CPU per request against
+    # aiohttp's ~0.13 ms (benchmarks/gateway/README.md), most of the gateway's own cost.
+    http = aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=settings.upstream_timeout_s,
+                                      connect=settings.upstream_connect_timeout_s),
+        # keep-alive under the upstream's own idle timeout (uvicorn's, vLLM's server, is 5 s):
+        # a pooled connection the server is closing at the moment it is reused fails the
+        # request ("Server disconnected"); seen in CI as a 502
+        connector=aiohttp.TCPConnector(limit=2000, limit_per_host=0, keepalive_timeout=2.0),
+    )
+    engine = make_engine(settings.resolved_database_url)
+    metrics = Metrics()
+    spool = Spool(settings.resolved_spool_dir)
+    enqueuer = Enqueuer(settings)
+    writer = CaptureWriter(
+        engine,
+        spool,
+        batch_size=settings.capture_batch_size,
+        flush_interval_s=settings.capture_flush_interval_s,
+        retry_interval_s=settings.spool_retry_interval_s,
+        max_queue=settings.capture_queue_max,
+        on_written=metrics.captured.inc,
+        on_ready=enqueuer.send,
+        on_shed=metrics.shed.inc,
+    )
+    metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes)
+    upstreams = Upstreams(
+        http,
+        model_list=model_list,
+        upstream_url=settings.upstream_url,
+        upstream_model=settings.upstream_model,
+        policy_model=policy_model,
+    )
+    metrics.watch_pool(engine)
+    metrics.watch_spool_error(lambda: spool.error)
+    gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer)
+    writer.start()
+    follower = asyncio.create_task(_follow_policy(gw), name="policy-alias")
+    try:
+        yield gw
+    finally:
+        follower.cancel()
+        await writer.stop()
+        await http.close()
+        engine.dispose()

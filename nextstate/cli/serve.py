@@ -1,0 +1,279 @@
+"""Commands that run nextstate's processes and look after the pool: gateway, worker, up, db, config."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from datapool.settings import Settings
+from datapool.vocab import Objective, VersionKind
+from nextstate.cli import options as opt
+
+
+def _serve_gateway(settings: Settings, migrate: bool) -> None:
+    """Serve until interrupted; prints `base_url: ...` once the socket accepts connections."""
+    import uvicorn
+
+    from datapool.db import upgrade
+    from gateway.app import create_app
+
+    if migrate:
+        upgrade(settings.resolved_database_url)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=10)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                click.echo(f"base_url: http://{settings.host}:{settings.port}/v1")
+
+    Server(config).run()
+
+
+@click.command()
+@click.option("--upstream", "upstream_url", metavar="URL",
+              help="Base URL (…/v1) of one OpenAI-compatible vLLM server. [env NEXTSTATE_UPSTREAM_URL]")
+@click.option("--model-list", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="LiteLLM-style model list (YAML) for several upstreams. [env NEXTSTATE_MODEL_LIST]")
+@click.option("--port", type=int, help="Port to listen on (default 8400). [env NEXTSTATE_PORT]")
+@click.option("--host", help="Address to bind (default 127.0.0.1). [env NEXTSTATE_HOST]")
+@click.option("--database-url", metavar="DSN",
+              help="SQLAlchemy URL of the pool (default: SQLite in the data dir). [env NEXTSTATE_DATABASE_URL]")
+@click.option("--migrate/--no-migrate", default=False, show_default=True,
+              help="Upgrade the pool's schema before serving.")
+@opt.log_level()
+def gateway(upstream_url: str | None, model_list: Path | None, port: int | None, host: str | None,
+            database_url: str | None, migrate: bool, log_level: str) -> None:
+    """Run the gateway alone, in front of running upstreams.
+
+    \b
+    Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models,
+    the same under /s/{session_id}/v1/..., GET /api/sessions[/{id}],
+    GET /healthz, /readyz, /metrics.
+
+    \b
+    Example:
+      nextstate gateway --upstream http://127.0.0.1:8401/v1 --port 8400 \\
+          --database-url postgresql+psycopg://postgres@127.0.0.1/nextstate
+    """
+    opt.setup_logging(log_level)
+    settings = opt.settings(upstream_url=upstream_url, model_list=model_list, port=port, host=host,
+                         database_url=database_url)
+    if not settings.upstream_url and not settings.model_list:
+        raise click.UsageError("give --upstream URL or --model-list FILE (or NEXTSTATE_UPSTREAM_URL)")
+    _serve_gateway(settings, migrate)
+
+
+@click.command()
+@click.option("--database-url", metavar="DSN", help="The pool. [env NEXTSTATE_DATABASE_URL]")
+@click.option("--broker-url", metavar="URL",
+              help="Celery broker (default: SQLite file in the data dir). [env NEXTSTATE_BROKER_URL]")
+@click.option("--concurrency", type=int, help="Scoring tasks at once (default 4). [env NEXTSTATE_WORKER_CONCURRENCY]")
+@click.option("--beat/--no-beat", default=True, show_default=True,
+              help="Also run the periodic sweep (re-queues lost tasks, ends idle sessions). "
+                   "Run it in one worker of a fleet.")
+@opt.log_level()
+def worker(database_url: str | None, broker_url: str | None, concurrency: int | None, beat: bool,
+           log_level: str) -> None:
+    """Run a Celery worker that scores turns: m judge votes per turn given its next state,
+    the majority reward, hints, and teacher logprobs for hinted turns.
+
+    \b
+    The judge is set in the environment: NEXTSTATE_JUDGE_BACKEND=llm (default; NEXTSTATE_JUDGE_MODEL,
+    default the local vLLM) or =python with NEXTSTATE_JUDGE_PYTHON=module:function.
+    NEXTSTATE_JUDGE_VOTES sets m (default 3).
+    """
+    from datapool.scoring.worker import build_worker_app
+
+    opt.setup_logging(log_level)
+    settings = opt.settings(database_url=database_url, broker_url=broker_url, worker_concurrency=concurrency)
+    try:
+        app = build_worker_app(settings)
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise click.UsageError(f"cannot set up the judge: {exc}") from exc
+    argv = ["worker", "--pool", "threads", "--concurrency", str(settings.worker_concurrency),
+            "--loglevel", log_level.upper(), "--without-gossip", "--without-mingle",
+            "--queues", settings.queue]
+    if beat:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        argv += ["--beat", "--schedule", str(settings.data_dir / f"beat-{settings.queue}")]
+    app.worker_main(argv)
+
+
+@click.group()
+def db() -> None:
+    """The pool's schema (Alembic migrations)."""
+
+
+@db.command("upgrade")
+@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@click.option("--revision", default="head", show_default=True)
+def db_upgrade(database_url: str | None, revision: str) -> None:
+    """Apply migrations up to REVISION (works on PostgreSQL and SQLite)."""
+    from datapool.db import current_revision, upgrade
+
+    url = opt.settings(database_url=database_url).resolved_database_url
+    upgrade(url, revision)
+    click.echo(f"pool at revision {current_revision(url)}")
+
+
+@db.command("current")
+@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+def db_current(database_url: str | None) -> None:
+    """Print the pool's schema revision."""
+    from datapool.db import current_revision
+
+    click.echo(current_revision(opt.settings(database_url=database_url).resolved_database_url) or "empty")
+
+
+def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
+    """A fresh vLLM has no runtime adapters: load the pool's active version again before the
+    gateway's `policy` alias sends traffic to it."""
+    from datapool.db import make_engine
+    from datapool.versions import activate, active_version
+
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        current = active_version(engine)
+        if current is not None:
+            if current["kind"] == VersionKind.FULL and not settings.vllm_dev_mode:
+                raise click.ClickException(
+                    f"the active policy version {current['name']} is a full checkpoint: its weights can only "
+                    "be loaded into a vLLM in dev mode; run with --vllm-dev-mode (NEXTSTATE_VLLM_DEV_MODE=1) "
+                    "or `nextstate policy rollback` first")
+            activate(engine, current["name"], vllm_urls, actor="up", reason="vLLM started")
+            click.echo(f"policy: {current['name']} (reloaded into vLLM)")
+    finally:
+        engine.dispose()
+
+
+@click.command()
+@click.option("--port", type=int, help="Gateway port (default 8400). [env NEXTSTATE_PORT]")
+@click.option("--vllm-port", type=int, help="Policy vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
+@click.option("--database-url", metavar="DSN", help="Pool (default: SQLite in the data dir).")
+@click.option("--scoring/--no-scoring", default=True, show_default=True,
+              help="Also run a scoring worker (LLM judge on the local vLLM) and the teacher vLLM replica.")
+@click.option("--vllm-dev-mode/--no-vllm-dev-mode", default=None,
+              help="Start vLLM with its development endpoints (VLLM_SERVER_DEV_MODE=1), needed to publish "
+                   "full fine-tuned weights (`train --full`). Unauthenticated: the servers listen on "
+                   "127.0.0.1 only. [env NEXTSTATE_VLLM_DEV_MODE, default off]")
+@click.option("--train", "train_objective", type=opt.choice(Objective),
+              help="Also run the online trainer with this objective (`nextstate train --online`; "
+                   "its log: <data dir>/logs/trainer.log).")
+@opt.log_level()
+def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool,
+       vllm_dev_mode: bool | None, train_objective: str | None, log_level: str) -> None:
+    """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
+    and a scoring worker.
+
+    \b
+    The first run installs vLLM (the CPU build where there is no GPU) in its own virtualenv and
+    converts the model once; both are cached in the cache dir. Processes:
+      vLLM (policy, LoRA hot-loading)    127.0.0.1:8401
+      vLLM (teacher replica, scoring)    127.0.0.1:8402   one request at a time
+      worker (Celery, SQLite broker)     scores turns with the LLM judge
+      gateway                            127.0.0.1:8400   prints `base_url: ...` when ready
+    Ctrl-C stops everything.
+    """
+    import contextlib
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datapool.db import upgrade
+    from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
+
+    opt.setup_logging(log_level)
+    settings = opt.settings(port=port, vllm_port=vllm_port, database_url=database_url)
+    if vllm_dev_mode is not None:
+        settings = settings.model_copy(update={"vllm_dev_mode": vllm_dev_mode})
+    python = ensure_vllm_env(settings.cache_dir)
+    model_dir = ensure_model(settings.cache_dir, python)
+    upgrade(settings.resolved_database_url)
+    logs = settings.data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    servers = [VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
+                          port=settings.vllm_port, log_path=logs / "vllm.log", dev_mode=settings.vllm_dev_mode)]
+    if scoring:
+        servers.append(VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
+                                  port=settings.teacher_vllm_port, log_path=logs / "vllm-teacher.log",
+                                  extra_args=TEACHER_ARGS, dev_mode=settings.vllm_dev_mode))
+    if settings.vllm_dev_mode:
+        click.echo("vLLM dev mode: /pause, /resume, /collective_rpc are open on 127.0.0.1 (full-weight publishing)")
+    click.echo(f"starting vLLM on 127.0.0.1:{settings.vllm_port}"
+               + (f" and its teacher replica on :{settings.teacher_vllm_port}" if scoring else "")
+               + f" (logs in {logs}) ...")
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            stack.callback(server.stop)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for started in [pool.submit(server.start) for server in servers]:
+                started.result()
+        settings = settings.model_copy(update={
+            "upstream_url": servers[0].base_url, "upstream_model": settings.vllm_served_name,
+            "teacher_url": servers[-1].base_url if scoring else None})
+        _reload_active_version(settings, [server.base_url for server in servers])
+        if scoring:
+            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
+                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
+                   "NEXTSTATE_TEACHER_URL": servers[1].base_url,
+                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url}
+            worker_log = open(logs / "worker.log", "ab")
+            worker = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "worker", "--log-level", log_level],
+                                      env=env, stdout=worker_log, stderr=subprocess.STDOUT)
+            stack.callback(worker.wait, 30)
+            stack.callback(worker.terminate)
+            click.echo(f"worker: LLM judge on {settings.vllm_served_name} (log: {logs / 'worker.log'})")
+        if train_objective:
+            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
+                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
+                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url,
+                   **({"NEXTSTATE_TEACHER_URL": servers[1].base_url} if scoring else {})}
+            trainer_log = open(logs / "trainer.log", "ab")
+            trainer = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "train", "--online", "--objective",
+                                        train_objective, "--model-dir", str(model_dir), "--log-level", log_level],
+                                       env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
+            stack.callback(trainer.wait, 60)
+            stack.callback(trainer.terminate)
+            click.echo(f"trainer: online, {train_objective} (log: {logs / 'trainer.log'})")
+        click.echo(f"pool: {settings.resolved_database_url}")
+        click.echo(f"model: {settings.vllm_served_name} (also as `policy`)")
+        _serve_gateway(settings, migrate=False)
+
+
+@click.group("config")
+def config_group() -> None:
+    """The settings every process reads: print the reference and the compose .env.example,
+    both generated from datapool/settings.py."""
+
+
+@config_group.command("reference")
+def config_reference() -> None:
+    """Print the configuration reference (Markdown), as committed in docs/configuration.md.
+
+    \b
+    nextstate config reference > docs/configuration.md
+    """
+    from nextstate.configref import reference_markdown
+
+    click.echo(reference_markdown(), nl=False)
+
+
+@config_group.command("env-example")
+def config_env_example() -> None:
+    """Print the documented environment file, as committed in deploy/compose/.env.example.
+
+    \b
+    nextstate config env-example > deploy/compose/.env.example
+    """
+    from nextstate.configref import env_example
+
+    click.echo(env_example(), nl=False)

@@ -1,0 +1,313 @@
+"""`nextstate train`: offline runs (local or veRL backend), periodic runs, and the online loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from datapool import vllm_admin
+from datapool.db import as_utc
+from datapool.leases import Filters
+from datapool.settings import Settings
+from datapool.vocab import Objective, TrainBackend, VersionKind
+from nextstate.cli import options as opt
+from trainer.config import LocalConfig, ObjectiveConfig, OnlineConfig, RunLimits, VerlConfig
+
+
+def _oc(name: str) -> Any:
+    return opt.field_default(OnlineConfig, name)
+
+
+def _rl(name: str) -> Any:
+    return opt.field_default(RunLimits, name)
+
+
+def optimisation_options() -> Any:
+    """What a run optimises and how (``ObjectiveConfig``, ``LocalConfig``, the run's loop)."""
+    return opt.group(
+        opt.objective(required=True, help=opt.OBJECTIVE_HELP),
+        click.option("--steps", type=int, help="Stop after this many optimizer steps."),
+        click.option("--epochs", type=int, default=_rl("epochs"), show_default=True,
+                     help="Passes over the pool; each pass trains every matching turn once."),
+        click.option("--batch-size", type=int, default=_rl("batch_size"), show_default=True,
+                     help="Turns per optimizer step."),
+        click.option("--micro-batch-size", type=int, default=opt.field_default(LocalConfig, "micro_batch_size"),
+                     show_default=True, help="Turns per forward pass."),
+        click.option("--lr", type=float, default=opt.field_default(LocalConfig, "lr"), show_default=True),
+        click.option("--full", is_flag=True,
+                     help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
+                          "servers need VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)."),
+        click.option("--lora-rank", type=int, default=opt.field_default(LocalConfig, "lora_rank"), show_default=True),
+        click.option("--kl-coef", type=float, default=opt.field_default(ObjectiveConfig, "kl_coef"),
+                     show_default=True, help="k3 KL to the base policy (LoRA only)."),
+        click.option("--w-rl", type=float, default=opt.field_default(ObjectiveConfig, "w_rl"), show_default=True,
+                     help="combined: weight of the reward term."),
+        click.option("--w-opd", type=float, default=opt.field_default(ObjectiveConfig, "w_opd"), show_default=True,
+                     help="combined: weight of the OPD term."),
+        click.option("--loss-agg-mode", default=opt.field_default(ObjectiveConfig, "loss_agg_mode"),
+                     show_default=True,
+                     help="veRL's loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, ..."),
+    )
+
+
+def run_options() -> Any:
+    """Periodic runs, leases, resuming, the base model and publishing."""
+    return opt.group(
+        click.option("--repeat-every", type=click.FloatRange(min=1), metavar="SECONDS",
+                     help="Periodic mode (either backend): run, sleep SECONDS, run again, each run with "
+                          "--new-only. For continual training with an eval gate and rollback use --online "
+                          "(local backend)."),
+        click.option("--lease-s", type=float, default=_rl("lease_s"), show_default=True,
+                     help="A leased batch not acked this long goes back to the pool (the trainer died)."),
+        click.option("--resume", metavar="RUN_ID", help="Continue a run whose trainer died (releases its leases)."),
+        opt.model_dir("The base model (default: the converted SmolLM2 in the cache dir)."),
+        click.option("--publish/--no-publish", default=True, show_default=True,
+                     help="Hot-load the new version into vLLM and make it the active `policy`."),
+        opt.vllm_urls("vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher "
+                      "replica."),
+        opt.database_url(),
+    )
+
+
+def online_options() -> Any:
+    """``--online``: the continual loop (``OnlineConfig``)."""
+    return opt.group(
+        click.option("--online", is_flag=True,
+                     help="Continual mode: wait for --k new scored turns, train, publish, gate, repeat (until "
+                          "Ctrl-C)."),
+        click.option("--k", "online_k", type=int, default=_oc("k"), show_default=True,
+                     help="online: newly scored turns per round (the batch size of a round)."),
+        click.option("--max-wait-s", type=float, default=_oc("max_wait_s"), show_default=True,
+                     help="online: train on fewer than --k turns once this long has passed."),
+        click.option("--updates-per-round", type=int, default=_oc("updates_per_round"), show_default=True,
+                     help="online: optimizer steps over each round's batch."),
+        click.option("--staleness", type=int, default=_oc("staleness"), show_default=True,
+                     help="online: turns more than this many versions behind are stale."),
+        click.option("--stale", "stale_policy", type=click.Choice(["correct", "drop"]), default=_oc("stale_policy"),
+                     show_default=True,
+                     help="online: correct stale turns with the capped importance ratio from their logprobs, or "
+                          "drop them."),
+        click.option("--ratio-cap", type=float, default=_oc("ratio_cap"), show_default=True,
+                     help="online: cap of a stale turn's importance ratio."),
+        click.option("--eval-prompts", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                     help="online: held-out prompts for the eval gate (JSONL of {\"messages\": [...]} or one "
+                          "prompt a line)."),
+        click.option("--eval-sessions", type=int, default=_oc("eval_sessions"), show_default=True,
+                     help="online: also use the first prompts of the newest N eval sessions (mode \"eval\")."),
+        click.option("--eval-scorer", metavar="MODULE:FN",
+                     help="online: (reply, messages) -> score in [0, 1]; without it candidates are promoted "
+                          "ungated."),
+        click.option("--eval-threshold", type=float, default=_oc("eval_threshold"), show_default=True,
+                     help="online: refuse a candidate scoring more than this below the active version."),
+        click.option("--rollback-window", type=int, default=_oc("rollback_window"), show_default=True,
+                     help="online: live scored turns of a version before the monitor judges it (0: off)."),
+        click.option("--rollback-threshold", type=float, default=_oc("rollback_threshold"), show_default=True,
+                     help="online: roll back when a version's mean live reward is this far below its parent's."),
+        click.option("--rounds", type=int, help="online: stop after this many rounds."),
+    )
+
+
+def verl_options() -> Any:
+    """``--backend verl``: veRL's Ray trainer (``VerlConfig``)."""
+    def vc(name: str) -> Any:
+        return opt.field_default(VerlConfig, name)
+
+    return opt.group(
+        opt.backend(),
+        click.option("--gpus", type=int, default=vc("n_gpus_per_node"), show_default=True, help="verl: GPUs per node."),
+        click.option("--nnodes", type=int, default=vc("nnodes"), show_default=True,
+                     help="verl: nodes of the Ray cluster."),
+        click.option("--ray-address", metavar="ADDR",
+                     help="verl: join this Ray cluster ('auto', or ray://head:10001); default: start a local one."),
+        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=vc("gradient_checkpointing"),
+                     show_default=True, help="verl: recompute activations in the backward pass."),
+        click.option("--fsdp", "fsdp_strategy", type=click.Choice(["fsdp2", "fsdp"]), default=vc("strategy"),
+                     show_default=True, help="verl: FSDP2 (per-parameter sharding) or FSDP1."),
+        click.option("--offload/--no-offload", default=vc("param_offload"), show_default=True,
+                     help="verl: keep parameters and optimizer state in CPU memory between uses."),
+        click.option("--push-every", type=int, default=_rl("push_every"),
+                     show_default=True,
+                     help="verl: push (and with --publish, hot-load) the weights every N steps; 0: at the end only."),
+        click.option("--verl-override", "verl_overrides", multiple=True, metavar="KEY=VALUE",
+                     help="verl: any key of veRL's ppo_trainer config, e.g. "
+                          "actor_rollout_ref.actor.optim.clip_grad=0.5."),
+    )
+
+
+@click.command()
+@optimisation_options()
+@opt.turn_filters()
+@run_options()
+@online_options()
+@opt.log_level()
+@verl_options()
+def train(**p: Any) -> None:
+    """Train the policy offline from the scored turns in the pool, then publish it.
+
+    \b
+    With --online: the continual loop. It waits for --k newly scored turns, trains on them
+    (stale turns corrected or dropped), publishes a candidate, scores it on the held-out set
+    (--eval-prompts/--eval-sessions with --eval-scorer) against the active version, promotes
+    or refuses it, and rolls an active version back when its live rewards regress. Every
+    decision is in GET /api/policy/events. Kill and restart it at any time: it continues its
+    run, and trains every turn once.
+
+    \b
+    Leases scored turns in batches (each trained once per pass; a crashed run's batch returns
+    to the pool), optimises the objective with the local backend (torch + peft, LoRA by
+    default, CPU or one GPU), records per-step metrics in the pool and TensorBoard
+    (<data dir>/tensorboard), writes the new version to a new directory and — with
+    --publish — loads it into vLLM and switches the `policy` alias to it.
+    """
+    if p["repeat_every"] is not None:
+        if p["online"] or p["resume"]:
+            raise click.UsageError("--repeat-every starts new runs; it does not combine with --online or --resume")
+        import time
+
+        ctx = click.get_current_context()
+        while True:  # each run trains only what no earlier run trained on
+            ctx.invoke(train, **{**ctx.params, "repeat_every": None, "new_only": True})
+            time.sleep(p["repeat_every"])
+    opt.setup_logging(p["log_level"])
+    settings = opt.settings(database_url=p["database_url"])
+    model_dir = p["model_dir"]
+    if model_dir is None:
+        from nextstate.modelserver import ensure_model, ensure_vllm_env
+
+        model_dir = ensure_model(settings.cache_dir, ensure_vllm_env(settings.cache_dir))
+    from datapool.db import make_engine
+
+    engine = make_engine(settings.resolved_database_url)
+    filters = _filters(p)
+    cfg = ObjectiveConfig(objective=p["objective"], w_rl=p["w_rl"], w_opd=p["w_opd"], kl_coef=p["kl_coef"],
+                          loss_agg_mode=p["loss_agg_mode"])
+    local = LocalConfig(model_dir=model_dir, lora=not p["full"], lora_rank=p["lora_rank"],
+                        lora_alpha=2 * p["lora_rank"], lr=p["lr"], micro_batch_size=p["micro_batch_size"])
+    urls = list(p["vllm_urls"]) or vllm_admin.policy_servers(settings)
+    base_model = settings.upstream_model or settings.vllm_served_name
+    if p["online"]:
+        _train_online(p, settings, engine, cfg, local, filters, urls, base_model)
+        return
+    _train_offline(p, settings, engine, cfg, local, filters, urls, base_model, model_dir)
+
+
+def _filters(p: dict[str, Any]) -> Filters:
+    utc = (lambda d: as_utc(d) if d is not None else None)
+    return Filters(since=utc(p["since"]), until=utc(p["until"]), min_abs_reward=p["min_abs_reward"],
+                   capture=p["capture"], task_id=p["task_id"], needs_teacher=p["objective"] == Objective.OPD,
+                   modes=p["modes"] or opt.field_default(Filters, "modes"),
+                   labels=opt.label_filters(p["label_filters"]), new_only=p["new_only"])
+
+
+def _train_online(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
+                  filters: Filters, urls: list[str], base_model: str) -> None:
+    from trainer.online import load_prompts, load_scorer, run_online
+
+    if p["full"]:
+        raise click.UsageError("--online trains LoRA versions; drop --full")
+    if p["backend"] != TrainBackend.LOCAL:
+        raise click.UsageError("--online runs the local backend; the veRL backend trains offline (for now)")
+    try:
+        scorer = load_scorer(p["eval_scorer"]) if p["eval_scorer"] else None
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise click.UsageError(f"--eval-scorer: {exc}") from exc
+    online_cfg = OnlineConfig(
+        k=p["online_k"], max_wait_s=p["max_wait_s"], updates_per_round=p["updates_per_round"], lease_s=p["lease_s"],
+        staleness=p["staleness"], stale_policy=p["stale_policy"], ratio_cap=p["ratio_cap"],
+        eval_prompts=load_prompts(p["eval_prompts"]) if p["eval_prompts"] else [],
+        eval_sessions=p["eval_sessions"], eval_scorer=scorer, eval_threshold=p["eval_threshold"],
+        rollback_window=p["rollback_window"], rollback_threshold=p["rollback_threshold"], max_rounds=p["rounds"])
+    run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
+               base_model=base_model, output_root=settings.data_dir / "runs", echo=click.echo)
+
+
+def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
+                   filters: Filters, urls: list[str], base_model: str, model_dir: Path) -> None:
+    from trainer.offline import train_offline
+    from trainer.publish import PublishError, PublishRequest, publish
+
+    board_dir = settings.data_dir / "tensorboard"
+    writer = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=str(board_dir))
+    except ImportError:
+        click.echo("tensorboard not installed: metrics go to the pool only", err=True)
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=p["steps"], unit="step", desc=f"train {p['objective']}", dynamic_ncols=True)
+
+    def on_step(step: int, m: dict[str, float]) -> None:
+        bar.set_postfix(loss=f"{m.get('pg_loss', float('nan')):.4f}", adv=f"{m['advantage_mean']:+.3f}",
+                        clip=f"{m.get('pg_clipfrac', 0.0):.3f}", kl=f"{m.get('kl', 0.0):.4f}",
+                        tok_s=f"{m['tokens_per_s']:.0f}", turns=int(m["samples"]))
+        bar.update(1)
+        if writer is not None:
+            for key, value in m.items():
+                writer.add_scalar(f"train/{key}", value, step)
+
+    if p["backend"] == TrainBackend.VERL:
+        result = _train_verl(p, settings, engine, cfg, filters, model_dir=model_dir, urls=urls,
+                             base_model=base_model, on_step=on_step)
+    else:
+        result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=p["batch_size"],
+                               max_steps=p["steps"], epochs=p["epochs"], lease_s=p["lease_s"],
+                               output_root=settings.data_dir / "runs", resume=p["resume"], on_step=on_step)
+    bar.close()
+    if writer is not None:
+        writer.close()
+    if result.output_dir is None:
+        click.echo("nothing to train on: no scored turn matches (see `GET /api/judgements`)")
+        return
+    click.echo(f"run {result.run_id}: {result.steps} steps over {result.turns} turns; saved {result.output_dir}")
+    if p["publish"] and result.version is not None:  # the veRL backend's checkpoint manager published it
+        click.echo(f"published {result.version}: the `policy` alias serves it now")
+    elif p["publish"]:
+        stats = {"run_id": result.run_id, "steps": result.steps, "turns": result.turns, "objective": p["objective"]}
+        try:
+            # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
+            version = publish(engine, PublishRequest(
+                result.output_dir, base_model=base_model, vllm_urls=urls, parent=result.parent, stats=stats,
+                kind=VersionKind.FULL if p["full"] else VersionKind.LORA))
+        except PublishError as exc:
+            raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
+        click.echo(f"published {version['name']}: the `policy` alias serves it now")
+
+
+def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
+                model_dir: Path, urls: list[str], base_model: str, on_step: Any) -> Any:
+    """`train --backend verl`: trainer.verl_backend, publishing each push through trainer.publish."""
+    from trainer.verl_backend import train_verl
+
+    gpus, nnodes, batch_size = p["gpus"], p["nnodes"], p["batch_size"]
+    if cfg.kl_coef > 0:
+        raise click.UsageError("--kl-coef is not supported on the veRL backend yet (it needs veRL's reference worker)")
+    if batch_size % (gpus * nnodes):
+        raise click.UsageError(f"--batch-size {batch_size} must be a multiple of the GPU count {gpus * nnodes}")
+
+    def publish_written(written: dict[str, Any]) -> dict[str, Any]:
+        from datapool.versions import active_version
+        from trainer.publish import PublishRequest, publish
+
+        current = active_version(engine)
+        # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
+        version = publish(engine, PublishRequest(
+            Path(written["path"]), base_model=base_model, vllm_urls=urls,
+            kind=VersionKind.FULL if p["full"] else VersionKind.LORA,
+            parent=current["name"] if current else None, stats={"backend": "verl", "step": written.get("step")}))
+        click.echo(f"published {version['name']}: the `policy` alias serves it now")
+        return version
+
+    verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not p["full"],
+                      lora_rank=p["lora_rank"], lora_alpha=2 * p["lora_rank"], lr=p["lr"],
+                      micro_batch_size=p["micro_batch_size"], gradient_checkpointing=p["gradient_checkpointing"],
+                      strategy=p["fsdp_strategy"], param_offload=p["offload"], optimizer_offload=p["offload"],
+                      ray_address=p["ray_address"], overrides=p["verl_overrides"])
+    return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=p["steps"],
+                      epochs=p["epochs"], lease_s=p["lease_s"], output_root=settings.data_dir / "runs",
+                      resume=p["resume"], publish=publish_written if p["publish"] else None,
+                      push_every=p["push_every"], on_step=on_step)

@@ -1,0 +1,172 @@
+"""The trainer's configuration dataclasses, free of torch and veRL so the CLI can read their
+defaults (``nextstate train --help``) where the trainer's extra is not installed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+#: (reply text, prompt messages) -> score in [0, 1]: the online eval gate's scorer
+Scorer = Callable[[str, list[dict[str, Any]]], float]
+
+Objective = Literal["rl", "opd", "combined"]
+
+#: veRL's loss aggregation modes (``core_algos.agg_loss``).
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+ADV_BINARY = "nextstate_binary"
+ADV_OPD = "nextstate_opd"
+ADV_COMBINED = "nextstate_combined"
+
+#: Which registered advantage estimator each objective uses.
+ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
+    "rl": ADV_BINARY,
+    "opd": ADV_OPD,
+    "combined": ADV_COMBINED,
+}
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """What to optimise and how.
+
+    Attributes:
+        objective: ``"rl"`` (binary / GRPO reward), ``"opd"`` (hindsight on-policy
+            distillation) or ``"combined"`` (weighted sum of both advantages).
+        w_rl: weight of the RL advantage under ``"combined"``.
+        w_opd: weight of the OPD advantage under ``"combined"``.
+        clip_low: ε_low of the PPO clip; the ratio is clipped below at 1 − clip_low.
+        clip_high: ε_high of the PPO clip; the ratio is clipped above at 1 + clip_high.
+        clip_ratio_c: veRL's dual-clip bound: for negative advantages the per-token loss is
+            at most −A · clip_ratio_c (must be > 1; veRL's default 3.0).
+        opd_clip: bound on |log π_teacher − log π_θ| per token (the OPD advantage).
+        kl_coef: coefficient of the KL-to-base-policy term; 0 disables it (the KL is still
+            reported as a metric when base log-probs are given).
+        kl_type: veRL ``kl_penalty`` estimator; ``"low_var_kl"`` is k3.
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        grpo: standardize the reward within task groups when group ids are given.
+        grpo_norm_by_std: divide by the group std (GRPO); False only centres (Dr. GRPO).
+        grpo_eps: ε added to the group std.
+        policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
+            ``"vanilla"`` is the PPO clipped surrogate the design calls for.
+    """
+
+    objective: Objective = "rl"
+    w_rl: float = 1.0
+    w_opd: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_ratio_c: float = 3.0
+    opd_clip: float = 5.0
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    grpo: bool = True
+    grpo_norm_by_std: bool = True
+    grpo_eps: float = 1e-6
+    policy_loss: str = "vanilla"
+
+    def __post_init__(self) -> None:
+        if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
+            raise ValueError(f"objective must be one of {sorted(ADV_ESTIMATOR_FOR_OBJECTIVE)}, "
+                             f"got {self.objective!r}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.opd_clip <= 0.0:
+            raise ValueError(f"opd_clip must be > 0, got {self.opd_clip}")
+        if self.kl_coef < 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+
+@dataclass
+class LocalConfig:
+    model_dir: Path
+    lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lr: float = 5e-5
+    micro_batch_size: int = 4
+    device: str | None = None  # default: cuda if available, else cpu
+    bf16: bool | None = None  # default: on CUDA with bf16 support; fp32 on the CPU
+    seed: int = 0
+    init_adapter: Path | None = None  # continue training this adapter (the active version)
+
+
+@dataclass
+class VerlConfig:
+    """What ``nextstate train --backend verl`` sets in veRL's ``ppo_trainer`` config; anything
+    else is reachable through ``overrides`` (Hydra ``key=value`` strings, applied last)."""
+
+    model_dir: Path
+    n_gpus_per_node: int = 1
+    nnodes: int = 1
+    lora: bool = True
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lr: float = 5e-5
+    micro_batch_size: int = 4  # per GPU
+    gradient_checkpointing: bool = True
+    bf16: bool = True  # bf16 compute (FSDP mixed precision); False: fp32 throughout
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    strategy: str = "fsdp2"  # veRL's actor strategy: fsdp (FSDP1) or fsdp2
+    clip_grad: float = 1.0  # veRL's gradient-norm clip (the local backend does not clip)
+    # None: flash_attention_2 with veRL's padding-free packing where flash-attn is installed,
+    # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
+    # to each other)
+    attn_implementation: str | None = None
+    ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
+    output_dir: Path = Path("verl-runs")
+    seed: int = 0
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass
+class OnlineConfig:
+    """How the loop trains, gates and monitors."""
+
+    k: int = 16  # new scored turns per round
+    max_wait_s: float = 600.0  # ... or train on what there is (>= min_turns) after this long
+    min_turns: int = 1
+    poll_s: float = 2.0
+    updates_per_round: int = 1  # optimizer steps over each round's batch
+    lease_s: float = 600.0
+    staleness: int = 2  # S: turns more than S versions behind are stale
+    stale_policy: Literal["correct", "drop"] = "correct"
+    ratio_cap: float = 2.0  # cap of the importance ratio of corrected stale turns
+    # eval gate: held-out prompts (lists of messages) and a scorer (reply, messages) -> [0, 1]
+    eval_prompts: list[list[dict[str, Any]]] = field(default_factory=list)
+    eval_sessions: int = 0  # also take prompts from the newest N sessions with mode "eval"
+    eval_scorer: Scorer | None = None
+    eval_threshold: float = 0.05  # refuse a candidate scoring more than this below the active one
+    eval_max_tokens: int = 64
+    # live monitor
+    rollback_window: int = 16  # live scored turns of a version before it is judged
+    rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's
+    version_prefix: str = "online"
+    max_rounds: int | None = None
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    """How an offline run (either backend) walks the pool: its defaults, shared by the CLI and
+    ``trainer.offline.train_offline`` / ``trainer.verl_backend.train_verl``."""
+
+    batch_size: int = 8  # turns per optimizer step
+    epochs: int = 1  # passes over the pool
+    lease_s: float = 600.0  # a leased batch not acked this long goes back to the pool
+    push_every: int = 0  # veRL: push the weights every N steps; 0: at the end only
