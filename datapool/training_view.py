@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import statistics
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.db import utcnow
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingLease, TrainingRun, TrainingStep, Turn
 
 
@@ -89,7 +90,7 @@ def curves(db: OrmSession, *, steps: int = 2000, days: float = 30.0) -> dict[str
             v = _metric(m, *keys)
             if v is not None:
                 target.setdefault(objective, []).append((x, v))
-    since = datetime.now(timezone.utc) - timedelta(days=days)
+    since = utcnow() - timedelta(days=days)
     reward: dict[int, list[float]] = {}
     for r, at in db.execute(select(Judgement.reward, Turn.created_at).join(Turn, Turn.id == Judgement.turn_id)
                             .where(Judgement.reward.is_not(None), Turn.created_at >= since)):

@@ -161,7 +161,8 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     stream.start()
     assert stream.first_chunk.wait(60) and stream.error is None
     t0 = time.monotonic()
-    v = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={"loss": 1.5}, store=store))
+    v = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL,
+                                              vllm_urls=servers, parent=None, stats={"loss": 1.5}, store=store))
     publish_s = time.monotonic() - t0
     assert v["name"] == name and v["status"] == "active" and v["kind"] == "lora"
     assert v["stats"] == {"loss": 1.5} and v["base_model"] == BASE_MODEL
@@ -209,24 +210,29 @@ def test_publish_copies_to_a_new_path_every_time(
     sqlite_engine: Any, adapter_dir: Path, servers: list[str], names: Any, store: Path
 ) -> None:
     a, b = names(2)
-    va = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
-    vb = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL, vllm_urls=servers, parent=a, stats={}, store=store))
+    va = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL,
+                                               vllm_urls=servers, parent=None, stats={}, store=store))
+    vb = publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL,
+                                               vllm_urls=servers, parent=a, stats={}, store=store))
     assert va["path"] != vb["path"] and all(Path(v["path"]).parent == store.resolve() for v in (va, vb))
     assert vb["parent"] == a and vb["parent_id"] == va["id"]
     assert [(v["name"], v["status"]) for v in list_versions(sqlite_engine)] == [(a, "retired"), (b, "active")]
     # a name is a version's forever
     with pytest.raises(PublishError, match="exists already"):
-        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL,
+                                              vllm_urls=servers, parent=None, stats={}, store=store))
     # keeping the directory in place: allowed once, never for a second version
     own = store.parent / "own"
     shutil.copytree(adapter_dir, own)
     (c,) = names(1)
-    vc = publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=c, base_model=BASE_MODEL, vllm_urls=servers, parent=b, stats={}, copy=False, activate=False))
+    vc = publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=c, base_model=BASE_MODEL,
+                                               vllm_urls=servers, parent=b, stats={}, copy=False, activate=False))
     assert vc["path"] == str(own.resolve()) and vc["status"] == "candidate"
     assert active_version(sqlite_engine)["name"] == b  # a candidate does not take the alias
     (d,) = names(1)
     with pytest.raises(PublishError, match="already the path of version"):
-        publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=d, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, copy=False))
+        publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=d, base_model=BASE_MODEL,
+                                              vllm_urls=servers, parent=None, stats={}, copy=False))
 
 
 def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
@@ -234,7 +240,8 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
     store: Path, tmp_path: Path,
 ) -> None:
     good, broken, partial, unparsable = names(4)
-    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=good, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=good, base_model=BASE_MODEL,
+                                          vllm_urls=servers, parent=None, stats={}, store=store))
     wait_alias(gateway, good)
     tuned = reply(gateway)
     before = list_versions(sqlite_engine)
@@ -245,22 +252,30 @@ def test_broken_adapter_fails_cleanly_and_leaves_the_alias(
     shutil.copy(adapter_dir / "adapter_config.json", bad)
     (bad / "adapter_model.safetensors").write_bytes(b"\x00not safetensors" * 64)
     with pytest.raises(PublishError, match="could not load") as err:
-        publish(sqlite_engine, PublishRequest(bad, kind=VersionKind.LORA, name=broken, base_model=BASE_MODEL, vllm_urls=servers, parent=good, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(bad, kind=VersionKind.LORA, name=broken, base_model=BASE_MODEL,
+                                              vllm_urls=servers, parent=good, stats={}, store=store))
     assert all(url in str(err.value) for url in servers)
 
     # one server cannot be reached: the adapter is unloaded again from the one that loaded it
     dead = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(PublishError, match="unloaded again from"):
-        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=partial, base_model=BASE_MODEL, vllm_urls=[servers[0], dead], parent=good, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=partial,
+                                              base_model=BASE_MODEL, vllm_urls=[servers[0], dead], parent=good,
+                                              stats={}, store=store))
     assert partial not in served(servers[0])
 
     # not an adapter at all: refused before any server is asked
     with pytest.raises(PublishError, match="no adapter_config.json"):
-        publish(sqlite_engine, PublishRequest(tmp_path, kind=VersionKind.LORA, name=unparsable, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(tmp_path, kind=VersionKind.LORA, name=unparsable,
+                                              base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={},
+                                              store=store))
     with pytest.raises(PublishError, match="does not exist"):
-        publish(sqlite_engine, PublishRequest(tmp_path / "missing", kind=VersionKind.LORA, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(tmp_path / "missing", kind=VersionKind.LORA, base_model=BASE_MODEL,
+                                              vllm_urls=servers, parent=None, stats={}, store=store))
     with pytest.raises(PublishError, match="reserved"):
-        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name="policy", base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+        publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name="policy",
+                                              base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={},
+                                              store=store))
 
     # nothing registered, no copy left behind, the alias still serves the good version
     assert list_versions(sqlite_engine) == before
@@ -277,11 +292,13 @@ def test_promote_reloads_an_adapter_vllm_lost(
 ) -> None:
     a, b = names(2)
     base = reply(gateway)
-    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL, vllm_urls=servers, parent=None, stats={}, store=store))
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=a, base_model=BASE_MODEL,
+                                          vllm_urls=servers, parent=None, stats={}, store=store))
     wait_alias(gateway, a)
     tuned = reply(gateway)
     assert tuned != base
-    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL, vllm_urls=servers, parent=a, stats={}, store=store, activate=False))
+    publish(sqlite_engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=b, base_model=BASE_MODEL,
+                                          vllm_urls=servers, parent=a, stats={}, store=store, activate=False))
 
     # a vLLM restart loses every runtime-loaded adapter: simulate it
     for url in servers:
@@ -318,7 +335,9 @@ def test_rollback_walks_back_through_retired_versions(
     engine = make_engine(database_url)
     v1, v2, v3 = names(3)
     for i, name in enumerate((v1, v2, v3)):
-        publish(engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL, vllm_urls=servers, parent=None if i == 0 else (v1, v2)[i - 1], stats={"step": i}, store=store))
+        publish(engine, PublishRequest(adapter_dir, kind=VersionKind.LORA, name=name, base_model=BASE_MODEL,
+                                       vllm_urls=servers, parent=None if i == 0 else (v1, v2)[i - 1],
+                                       stats={"step": i}, store=store))
 
     def statuses() -> dict[str, str]:
         return {v["name"]: v["status"] for v in list_versions(engine)}

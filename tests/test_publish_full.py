@@ -249,7 +249,8 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, sqlite_engin
     stream.start()
     assert stream.first_chunk.wait(120) and stream.error is None
     t0 = time.monotonic()
-    v = publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=tmp_path / "store", pause_mode="wait"))
+    v = publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                              vllm_urls=[dev_url], store=tmp_path / "store", pause_mode="wait"))
     published_at = time.monotonic()
     stream.result()
     assert stream.ended_at <= published_at, "publish returned before the in-flight request finished"
@@ -284,7 +285,8 @@ def test_full_weights_need_dev_mode(sqlite_engine: Any, vllm_server: RunningVLLM
     """A vLLM without dev mode cannot reload: a clear error, nothing registered, no copy left."""
     store = tmp_path / "store"
     with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
-        publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[vllm_server.base_url], store=store))
+        publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                              vllm_urls=[vllm_server.base_url], store=store))
     assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 
@@ -308,14 +310,16 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engin
     cfg["num_hidden_layers"] = cfg["num_hidden_layers"] - 1
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PublishError, match="num_hidden_layers"):
-        publish(sqlite_engine, PublishRequest(other, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store))
+        publish(sqlite_engine, PublishRequest(other, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                              vllm_urls=[dev_url], store=store))
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(perturbed_checkpoint, corrupt)
     (weights,) = corrupt.glob("*.safetensors")
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(PublishError, match="not a readable safetensors file"):
-        publish(sqlite_engine, PublishRequest(corrupt, kind=VersionKind.FULL, base_model=BASE_MODEL, vllm_urls=[dev_url], store=store))
+        publish(sqlite_engine, PublishRequest(corrupt, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                              vllm_urls=[dev_url], store=store))
     assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
     assert not store.exists() or list(store.iterdir()) == []
 

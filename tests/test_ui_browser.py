@@ -254,7 +254,9 @@ def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, ga
     servers = [vllm_server.base_url, teacher_server.base_url]
     name = f"ui-{uuid.uuid4().hex[:8]}"
     try:
-        publish(engine, PublishRequest(adapter, kind=VersionKind.LORA, name=name, base_model="smollm2", vllm_urls=servers, parent=None, stats={"run_id": "seeded", "steps": 5}, store=tmp_path / "store", activate=False))
+        publish(engine, PublishRequest(adapter, kind=VersionKind.LORA, name=name, base_model="smollm2",
+                                       vllm_urls=servers, parent=None, stats={"run_id": "seeded", "steps": 5},
+                                       store=tmp_path / "store", activate=False))
         assert alias_root(gateway) == "smollm2"
         page.goto("/admin/training")
         assert page.get_by_test_id("active-version").inner_text() == "the base model"

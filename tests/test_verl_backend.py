@@ -281,7 +281,8 @@ def test_checkpoint_engine_writes_an_adapter_vllm_serves(model_dir: Path, vllm_s
     upgrade(pool_url)
     name = f"verl-{uuid.uuid4().hex[:8]}"
     db = make_engine(pool_url)
-    version = publish(db, PublishRequest(path, kind=VersionKind.LORA, name=name, base_model="smollm2", vllm_urls=[vllm_server.base_url], store=tmp_path / "store"))
+    version = publish(db, PublishRequest(path, kind=VersionKind.LORA, name=name, base_model="smollm2",
+                                         vllm_urls=[vllm_server.base_url], store=tmp_path / "store"))
     assert version["status"] == "active"
     r = httpx.post(f"{vllm_server.base_url}/chat/completions", timeout=120, json={
         "model": name, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Hi"}]})

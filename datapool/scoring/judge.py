@@ -8,10 +8,10 @@ or a turn whose votes are all unparsable gets no reward (and is recorded as such
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import os
+import pkgutil
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -189,7 +189,7 @@ class PythonJudge:
         if not module or not attr:
             raise ValueError(f"judge_python must be `module:function`, not {path!r}")
         self.name = path
-        self.fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+        self.fn: Callable[..., Any] = pkgutil.resolve_name(path)
         self._takes_index = len(inspect.signature(self.fn).parameters) >= 3
 
     async def vote(self, turn: dict[str, Any], next_state: dict[str, Any], index: int) -> Vote:

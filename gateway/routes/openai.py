@@ -8,7 +8,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from typing import Any
 
 import aiohttp
@@ -18,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from datapool.db import utcnow
 from datapool.records import TurnRecord
 from gateway.auth import require_api_key
 from gateway.errors import OpenAIError
@@ -170,7 +170,7 @@ async def _proxy(request: Request, endpoint: str, path_session: str | None) -> R
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
         id=uuid.uuid4().hex,
-        created_at=datetime.now(timezone.utc),
+        created_at=utcnow(),
         endpoint=endpoint,
         status="ok",
         model=body["model"],
