@@ -28,6 +28,7 @@ from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.queries import decode_cursor, encode_cursor
+from datapool.vocab import JudgementStatus, TurnKind
 
 MODES = ("online", "offline", "eval")
 CAPTURES = ("white-box", "black-box")
@@ -127,10 +128,10 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
     if f.reward:
         r = effective_reward()
         conds.append({"positive": r > 0, "negative": r < 0,
-                      "tie": and_(r.is_(None), Judgement.status == "tie"),
+                      "tie": and_(r.is_(None), Judgement.status == JudgementStatus.TIE),
                       # side turns are never scored: "unscored" means a main turn still without a reward
-                      "unscored": and_(r.is_(None), Turn.turn_type == "main",
-                                       or_(Judgement.status.is_(None), Judgement.status != "tie"))}[f.reward])
+                      "unscored": and_(r.is_(None), Turn.turn_type == TurnKind.MAIN,
+                                       or_(Judgement.status.is_(None), Judgement.status != JudgementStatus.TIE))}[f.reward])
     if f.label:
         conds.append(labels.matches(f.label, Turn.id, Turn.session_id))
     return conds
@@ -211,12 +212,12 @@ def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
         i["captures"].add(capture)
         if version:
             i["versions"].add(version)
-        if ttype != "main":
+        if ttype != TurnKind.MAIN:
             continue
         i["main"] += 1
         if reward is not None:
             i["positive" if reward > 0 else "negative" if reward < 0 else "neutral"] += 1
-        elif status == "tie":
+        elif status == JudgementStatus.TIE:
             i["tie"] += 1
         else:
             i["unscored"] += 1
@@ -249,7 +250,7 @@ def counts(db: OrmSession, f: Browse) -> dict[str, int]:
         func.count(),
         func.count().filter(bucket.c.reward > 0),
         func.count().filter(bucket.c.reward < 0),
-        func.count().filter(and_(bucket.c.reward.is_(None), bucket.c.status == "tie")),
+        func.count().filter(and_(bucket.c.reward.is_(None), bucket.c.status == JudgementStatus.TIE)),
         func.count().filter(bucket.c.reward == 0),
     ).select_from(bucket)).one()
     total, pos, neg, tie, neutral = (int(x or 0) for x in rows)
@@ -308,7 +309,7 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         select(Turn.id, Turn.session_id, Turn.created_at, Turn.logprobs, Judgement.status, Judgement.reward,
                Judgement.prm_reward, Judgement.teacher_logprobs)
         .join(Judgement, Judgement.turn_id == Turn.id)
-        .where(Turn.turn_type == "main", Judgement.status.in_(("scored", "tie", "unparsable")),
+        .where(Turn.turn_type == TurnKind.MAIN, Judgement.status.in_((JudgementStatus.SCORED, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)),
                ~labels.matches("labeled", Turn.id, Turn.session_id))
         .order_by(Turn.created_at.desc(), Turn.id.desc()).limit(scan)).all()
     ids = [r.id for r in rows]
@@ -321,7 +322,7 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         fb = [v.value for v in votes.get(r.id, []) if v.kind == "feedback" and v.value is not None]
         reasons, score = [], 0.0
         parsed = [v for v in prm if v is not None]
-        if len(set(parsed)) > 1 or r.status == "tie":
+        if len(set(parsed)) > 1 or r.status == JudgementStatus.TIE:
             minority = 1 - max(parsed.count(x) for x in set(parsed)) / len(parsed) if parsed else 0.5
             score += 1 + minority
             reasons.append(f"split votes {'/'.join(f'{v:+d}' for v in sorted(parsed, reverse=True))}")

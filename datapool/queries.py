@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import iso
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn, Vote
-from datapool.vocab import SessionMode, TurnKind
+from datapool.vocab import SessionMode, TurnKind, VersionKind, VersionStatus
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def active_policy_version(db: OrmSession) -> PolicyVersion | None:
     and the trainer all read it here, so they never disagree."""
     return db.scalars(
         select(PolicyVersion)
-        .where(PolicyVersion.status == "active", PolicyVersion.kind != "base")
+        .where(PolicyVersion.status == VersionStatus.ACTIVE, PolicyVersion.kind != VersionKind.BASE)
         .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
         .limit(1)
     ).first()

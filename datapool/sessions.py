@@ -31,6 +31,7 @@ from datapool.db import as_utc, chunked, dialect_insert
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.judgements import end_session, mark_pending
+from datapool.vocab import Endpoint, TurnKind, TurnStatus
 
 Message = dict[str, Any]
 
@@ -121,7 +122,7 @@ def _after_last_assistant(messages: Sequence[Message]) -> int:
 
 
 def _continuations(r: TurnRecord) -> list[str]:
-    if r.status != "ok" or r.turn_type != "main" or r.endpoint != "chat":
+    if r.status != TurnStatus.OK or r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
     return continuation_hashes(r.messages, r.replies)
 
@@ -293,8 +294,8 @@ class _Batch:
             select(Turn.id)
             .where(
                 Turn.session_id == Session.id,
-                Turn.turn_type == "main",
-                Turn.status == "ok",
+                Turn.turn_type == TurnKind.MAIN,
+                Turn.status == TurnStatus.OK,
                 Turn.created_at <= before,
             )
             .order_by(Turn.created_at.desc(), Turn.id.desc())
@@ -316,7 +317,7 @@ class _Batch:
         the batch at once, up to the batch's newest record; a record older than the answer, or a
         session that stored turns were merged into since, is asked about on its own."""
         if self.latest is None:
-            named = [p.record for p in self.prepared if p.record.session_id and p.record.turn_type == "main"]
+            named = [p.record for p in self.prepared if p.record.session_id and p.record.turn_type == TurnKind.MAIN]
             newest = max((r.created_at for r in named), key=self.clock)
             self.latest = self._load_latest({r.session_id for r in named if r.session_id}, newest)
         if session_id in self.latest:
@@ -342,7 +343,7 @@ class _Batch:
             session_id = r.session_id
             self.named_sessions.setdefault(session_id, _session_row(session_id, r, r.session_source or "header"))
             parent, prefix_end = self._find_parent(p.candidates, session_id)
-            if parent is None and r.turn_type == "main":
+            if parent is None and r.turn_type == TurnKind.MAIN:
                 parent = self._latest_main_turn(session_id, r.created_at)
                 prefix_end = _after_last_assistant(r.messages)
         else:
@@ -372,7 +373,7 @@ class _Batch:
         if p.candidates:
             self.by_link.setdefault(p.candidates[0][1], {})[turn.id] = turn
 
-        if parent is not None and r.turn_type == "main" and not parent.has_next_state:
+        if parent is not None and r.turn_type == TurnKind.MAIN and not parent.has_next_state:
             self._give_next_state(parent, r.id, r.messages[prefix_end:])
         if p.continuations:
             self._adopt_orphans(turn, p)
@@ -404,7 +405,7 @@ class _Batch:
         found = [
             t
             for t in self.members.get(session_id, ())
-            if t.turn_type == "main" and t.status == "ok" and t.created_at <= at
+            if t.turn_type == TurnKind.MAIN and t.status == TurnStatus.OK and t.created_at <= at
         ]
         stored = self._latest_stored(session_id, before)
         if stored is not None:
@@ -427,7 +428,7 @@ class _Batch:
             orphan.parent_id = turn.id
             if orphan.stored:
                 self.changed_parent[orphan.id] = orphan
-            if orphan.turn_type == "main" and not turn.has_next_state:
+            if orphan.turn_type == TurnKind.MAIN and not turn.has_next_state:
                 start = len(p.record.messages) + 1  # after this turn's messages and reply
                 self._give_next_state(turn, orphan.id, (orphan.messages or [])[start:])
 

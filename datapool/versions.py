@@ -40,7 +40,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import vllm_admin
-from datapool.db import iso, utcnow
+from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
 from datapool.vocab import PauseMode, PolicyAction, VersionKind, VersionStatus
@@ -99,11 +99,6 @@ def _get(db: OrmSession, name: str) -> PolicyVersion:
     return row
 
 
-def _current(db: OrmSession) -> PolicyVersion | None:
-    """The version the gateway serves."""
-    return active_policy_version(db)
-
-
 def list_versions(engine: Engine) -> list[dict[str, Any]]:
     """Every policy version, oldest first, as :func:`version_dict` dicts."""
     with OrmSession(engine) as db:
@@ -115,7 +110,7 @@ def list_versions(engine: Engine) -> list[dict[str, Any]]:
 def active_version(engine: Engine) -> dict[str, Any] | None:
     """The version the ``policy`` alias serves, or None when it serves the base model."""
     with OrmSession(engine) as db:
-        row = _current(db)
+        row = active_policy_version(db)
         return _dict(db, row) if row else None
 
 
@@ -204,16 +199,6 @@ def register(engine: Engine, *, name: str, kind: str, base_model: str, path: Pat
         raise PublishError(f"could not register {name!r}: {exc.orig}") from exc
 
 
-def recordevent(engine: Engine, action: str, *, version: str | None, actor: str, reason: str | None = None,
-                 metrics: dict[str, Any] | None = None) -> None:
-    """A decision about version *version* (by name; None: about the base) on its own."""
-    with OrmSession(engine) as db, db.begin():
-        vid = (db.scalars(select(PolicyVersion.id).where(PolicyVersion.name == version)).first()
-               if version else None)
-        db.add(PolicyEvent(version_id=vid, action=action, actor=actor, reason=reason,
-                           metrics=dict(metrics or {}), created_at=utcnow()))
-
-
 def add_event_metrics(engine: Engine, name: str, action: str, metrics: dict[str, Any]) -> None:
     """Merge *metrics* into the newest *action* event of version *name* (numbers known only
     after the decision, such as a promotion's learning latency)."""
@@ -259,6 +244,13 @@ def active_row(engine: Engine) -> PolicyVersion | None:
         return row
 
 
+def active_name(engine: Engine) -> str | None:
+    """The name the ``policy`` alias serves (None: the base model)."""
+    with OrmSession(engine) as db:
+        row = active_policy_version(db)
+        return row.name if row else None
+
+
 def active_and_parent(engine: Engine) -> tuple[str, str | None] | None:
     """``(active version, its parent)`` by name (parent None: the base); None when the alias
     serves the base model."""
@@ -293,7 +285,7 @@ def _path_of(engine: Engine) -> Any:
             return None
         with OrmSession(engine) as db:
             row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == label)).first()
-        return row.path if row is not None and row.kind == "full" else None
+        return row.path if row is not None and row.kind == VersionKind.FULL else None
     return path_of
 
 
@@ -356,9 +348,9 @@ def serve(engine: Engine, kind: str, name: str | None, path: str | None, base_mo
 def serve_pool_state(engine: Engine, urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> None:
     """Best effort, after a failed registration: make the servers hold what the pool says is active."""
     with OrmSession(engine) as db:
-        row = _current(db)
+        row = active_policy_version(db)
         kind, name, path, base = (row.kind, row.name, row.path, row.base_model) if row else ("base", None, None, None)
-    if kind == "lora":
+    if kind == VersionKind.LORA:
         kind = "base"  # its adapter is still loaded; only the weights under it may have changed
     try:
         serve(engine, kind, name, path, base, urls, pause_mode=pause_mode, timeout_s=timeout_s)
@@ -382,23 +374,23 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
         if target is not None:
             row = _get(db, target)
             kind, path, base_model = row.kind, row.path, row.base_model
-            if kind in ("lora", "full") and not path:
+            if kind in (VersionKind.LORA, VersionKind.FULL) and not path:
                 raise PublishError(f"version {target!r} has no {'adapter' if kind == 'lora' else 'checkpoint'} path")
         else:
-            current = _current(db)
+            current = active_policy_version(db)
             base_model = current.base_model if current is not None else None
-    if kind == "full":
+    if kind == VersionKind.FULL:
         assert path is not None
         try:
             vllm_admin.check_checkpoint(Path(path))
         except vllm_admin.WeightsError as exc:
             raise PublishError(f"version {target!r}: {exc}") from exc
-    metrics = serve(engine, kind if kind in ("lora", "full") else "base", target, path, base_model, urls,
+    metrics = serve(engine, kind if kind in (VersionKind.LORA, VersionKind.FULL) else VersionKind.BASE, target, path, base_model, urls,
                      pause_mode=pause_mode, timeout_s=timeout_s)
     metrics = {**(event_metrics or {}), **metrics}
     with OrmSession(engine) as db, db.begin():
         _lock(db)
-        if target is None or kind == "base":
+        if target is None or kind == VersionKind.BASE:
             demoted = _demote_active(db, demoted_status)
             event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
             return None, demoted
@@ -428,7 +420,7 @@ def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: 
     if name == BASE:
         return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
     with OrmSession(engine) as db:
-        is_base = _get(db, name).kind == "base"
+        is_base = _get(db, name).kind == VersionKind.BASE
     if is_base:
         return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
     active, demoted = _switch_to(engine, name, vllm_urls, **kw)  # type: ignore[arg-type]
@@ -453,7 +445,7 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
     already serves the base) or the target cannot be served; nothing changes then.
     """
     with OrmSession(engine) as db:
-        current = _current(db)
+        current = active_policy_version(db)
         target: str | None
         if to is None:
             if current is None:
@@ -473,7 +465,7 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
             target = None
         else:
             row = _get(db, to)
-            target = None if row.kind == "base" else row.name
+            target = None if row.kind == VersionKind.BASE else row.name
         if current is not None and target == current.name:
             raise PublishError(f"{target!r} is the active version already")
     active, demoted = _switch_to(engine, target, vllm_urls, demoted_status=VersionStatus.ROLLED_BACK,

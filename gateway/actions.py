@@ -6,12 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse, export, labels, versions, vllm_admin
 from datapool.judgements import mark_pending
-from datapool.queries import active_policy_version
 from datapool.vocab import LabelKind
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
@@ -52,7 +50,7 @@ async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
 async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first."""
     def run() -> dict[str, Any]:
-        previous = active_name(gw.engine)
+        previous = versions.active_name(gw.engine)
         # datapool.versions writes the promote event in the same transaction as the switch
         active = versions.activate(gw.engine, name, vllm_admin.policy_servers(gw.settings), actor=actor,
                                    reason=reason)
@@ -70,13 +68,6 @@ async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None =
         return {"active": active, "rolled_back": list(result.get("rolled_back", []))}
 
     return await _policy_change(run, "rollback_failed")
-
-
-def active_name(engine: Engine) -> str | None:
-    """The name the `policy` alias serves (None: the base model)."""
-    with OrmSession(engine) as db:
-        row = active_policy_version(db)
-        return row.name if row else None
 
 
 def export_response(gw: Gateway, f: browse.Browse, fmt: str) -> StreamingResponse:

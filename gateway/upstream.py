@@ -22,6 +22,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map dow
 from litellm import Router  # noqa: E402
 
 from gateway.errors import OpenAIError  # noqa: E402
+from datapool.vocab import VersionKind
 
 POLICY_ALIAS = "policy"
 VLLM_PREFIX = "hosted_vllm/"
@@ -42,11 +43,11 @@ class Target:
 @dataclass(frozen=True)
 class ActiveVersion:
     name: str  # the version's name: vLLM serves a LoRA version under it
-    kind: str = "lora"  # "full": its weights replaced the base's in place, served under the base's name
+    kind: str = VersionKind.LORA  # "full": its weights replaced the base's in place, served under the base's name
 
     @property
     def full(self) -> bool:
-        return self.kind == "full"
+        return self.kind == VersionKind.FULL
 
 
 def load_model_list(path: Path) -> tuple[list[dict[str, Any]], str | None]:

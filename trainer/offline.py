@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.queries import active_policy_version
 from datapool import leases
+from datapool.vocab import VersionKind
 from trainer.config import RunLimits
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
@@ -60,7 +61,7 @@ def train_offline(
     with OrmSession(engine) as db:  # a new run continues from the version being served
         parent = active_policy_version(db)
         parent_name = parent.name if parent else None
-        parent_adapter = parent.path if parent is not None and parent.kind == "lora" else None
+        parent_adapter = parent.path if parent is not None and parent.kind == VersionKind.LORA else None
         parent_full = parent.path if parent is not None and parent.kind == "full" else None
     if local.lora and parent_adapter and local.init_adapter is None:
         local.init_adapter = Path(parent_adapter)

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.labels import reward_overrides
 from datapool.models import Judgement, Session, Turn
+from datapool.vocab import CaptureKind, TurnKind
 
 
 @dataclass
@@ -70,14 +71,14 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
         Session.id.in_({t.session_id for t in turns.values()})))}
     positions: dict[str, int] = {}
     for sid in sessions:
-        ids = db.scalars(select(Turn.id).where(Turn.session_id == sid, Turn.turn_type == "main")
+        ids = db.scalars(select(Turn.id).where(Turn.session_id == sid, Turn.turn_type == TurnKind.MAIN)
                          .order_by(Turn.created_at, Turn.id)).all()
         positions.update({tid: i for i, tid in enumerate(ids)})
     overrides = reward_overrides(db, list(turn_ids))  # a person's score replaces the judge's
     out = []
     for tid in turn_ids:
         t, j = turns[tid], judgements.get(tid)
-        if t.capture == "white-box" and t.prompt_token_ids and t.token_ids:
+        if t.capture == CaptureKind.WHITE_BOX and t.prompt_token_ids and t.token_ids:
             prompt, response, behaviour = list(t.prompt_token_ids), list(t.token_ids), list(t.logprobs or [])
         else:
             if tokenizer is None:

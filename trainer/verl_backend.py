@@ -56,6 +56,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 from trainer import objectives
 from trainer.config import RunLimits, VerlConfig
 from trainer.samples import Sample
+from datapool.vocab import VersionKind
 
 log = logging.getLogger("nextstate.trainer.verl")
 
@@ -630,7 +631,7 @@ def train_verl(
     with OrmSession(engine) as db:
         parent = active_policy_version(db)
         parent_name = parent.name if parent else None
-        parent_adapter = parent.path if parent is not None and parent.kind == "lora" else None
+        parent_adapter = parent.path if parent is not None and parent.kind == VersionKind.LORA else None
     if verl.lora and parent_adapter:
         verl.overrides = (*verl.overrides, f"actor_rollout_ref.model.lora_adapter_path={parent_adapter}")
     verl.output_dir = output_root

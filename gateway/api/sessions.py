@@ -30,6 +30,14 @@ async def _read(request: Request, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return await in_pool(gateway_of(request).engine, fn, *args, **kwargs)
 
 
+async def _found(request: Request, fn: Any, key: str, what: str) -> Any:
+    """``fn(db, key)`` from the pool; 404 ``{what}_not_found`` when it finds nothing."""
+    found = await _read(request, fn, key)
+    if found is None:
+        raise OpenAIError(404, f"no {what} {key!r}", code=f"{what}_not_found")
+    return found
+
+
 @router.get("/sessions")
 async def list_sessions(
     request: Request,
@@ -55,19 +63,13 @@ async def list_sessions(
 @router.get("/sessions/{session_id}")
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     """One session with its turns in order."""
-    found = await _read(request, queries.get_session, session_id)
-    if found is None:
-        raise OpenAIError(404, f"no session {session_id!r}", code="session_not_found")
-    return found
+    return await _found(request, queries.get_session, session_id, "session")
 
 
 @router.get("/turns/{turn_id}")
 async def get_turn(request: Request, turn_id: str) -> dict[str, Any]:
     """One turn (the gateway returns its id in the X-Turn-Id response header)."""
-    found = await _read(request, queries.get_turn, turn_id)
-    if found is None:
-        raise OpenAIError(404, f"no turn {turn_id!r}", code="turn_not_found")
-    return found
+    return await _found(request, queries.get_turn, turn_id, "turn")
 
 
 async def _session_signal(request: Request, session_id: str, change: Any) -> list[str]:

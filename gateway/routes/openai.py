@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from datapool.db import utcnow
 from datapool.records import TurnRecord
+from datapool.vocab import TurnKind, TurnStatus, values
 from gateway.auth import require_api_key
 from gateway.errors import OpenAIError
 from gateway.protocol import SESSION_ID, ChatCompletionRequest, CompletionRequest, parse_body, read_body
@@ -38,6 +39,7 @@ router = APIRouter()
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 _JSON = {"Content-Type": "application/json"}
+_TURN_KINDS = frozenset(values(TurnKind))
 
 
 def _inline(schema: dict[str, Any]) -> dict[str, Any]:
@@ -154,8 +156,8 @@ def _session(request: Request, path_session: str | None) -> tuple[str | None, st
 
 
 def _turn_type(request: Request) -> str:
-    value = request.headers.get("x-turn-type", "main").strip().lower()
-    if value not in ("main", "side"):
+    value = request.headers.get("x-turn-type", TurnKind.MAIN).strip().lower()
+    if value not in _TURN_KINDS:
         raise OpenAIError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
     return value
 
@@ -172,7 +174,7 @@ async def _proxy(request: Request, endpoint: str, path_session: str | None) -> R
         id=uuid.uuid4().hex,
         created_at=utcnow(),
         endpoint=endpoint,
-        status="ok",
+        status=TurnStatus.OK,
         model=body["model"],
         capture="white-box" if target.white_box else "black-box",
         request=request_record(endpoint, body),
@@ -219,7 +221,7 @@ class _Call:
         r.status = status
         r.error = error
         r.latency_ms = round(elapsed * 1000, 3)
-        if captured and (self.acc.choices or status == "ok"):
+        if captured and (self.acc.choices or status == TurnStatus.OK):
             c = self.acc.result()
             r.response, r.usage = c.response, c.usage
             r.prompt_token_ids, r.token_ids, r.logprobs = c.prompt_token_ids, c.token_ids, c.logprobs
@@ -231,7 +233,7 @@ class _Call:
         detail = err.body()["error"] | {"status": status_code}
         if upstream is not None:
             detail["upstream"] = upstream
-        self._finish(status_code, status="error", error=detail, captured=False)
+        self._finish(status_code, status=TurnStatus.ERROR, error=detail, captured=False)
         return err
 
     def _observe_upstream(self) -> None:

@@ -13,8 +13,9 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, labels, queries, training_view
+from datapool import browse, labels, queries, training_view, versions
 from datapool.models import Turn
+from datapool.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
 from gateway.errors import OpenAIError
@@ -163,7 +164,7 @@ def _conversation(session: dict[str, Any]) -> list[dict[str, Any]]:
     prefix: list[dict[str, Any]] = []
     for t in session["turns"]:
         messages = list((t["request"] or {}).get("messages") or [])
-        if t["turn_type"] != "main":
+        if t["turn_type"] != TurnKind.MAIN:
             blocks.append({"kind": "side", "turn": t, "messages": messages})
             continue
         same = len(messages) >= len(prefix) and all(
@@ -182,7 +183,7 @@ def _conversation(session: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 async def _token_views(gw: Gateway, turns: list[dict[str, Any]]) -> dict[str, list[tokens.Token]]:
-    white = [t for t in turns if t["capture"] == "white-box" and t["token_ids"]]
+    white = [t for t in turns if t["capture"] == CaptureKind.WHITE_BOX and t["token_ids"]]
     base = gw.settings.local_vllm_url
 
     async def one(t: dict[str, Any]) -> tuple[str, list[tokens.Token]]:
@@ -308,7 +309,7 @@ async def promote(request: Request) -> Response:
         raise OpenAIError(400, "name the version to promote", param="name")
     if not confirmed:
         return render(request, "confirm.html", action="promote", name=name,
-                      active=await in_thread(actions.active_name, gateway_of(request).engine))
+                      active=await in_thread(versions.active_name, gateway_of(request).engine))
     try:
         result = await actions.promote(gateway_of(request), name, f"admin:{request.state.admin.name}",
                                        form.get("reason") or None)
@@ -324,7 +325,7 @@ async def rollback(request: Request) -> Response:
     to = form.get("to", "").strip() or None
     if not confirmed:
         return render(request, "confirm.html", action="rollback", name=to,
-                      active=await in_thread(actions.active_name, gateway_of(request).engine))
+                      active=await in_thread(versions.active_name, gateway_of(request).engine))
     try:
         result = await actions.rollback(gateway_of(request), to, f"admin:{request.state.admin.name}",
                                         form.get("reason") or None)
