@@ -14,6 +14,7 @@ from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
+from tests.holds import HeldPool
 from tests.pg import ThrowawayPostgres
 
 
@@ -160,32 +161,39 @@ def test_writer_counts(tmp_path: Path) -> None:
 
 
 async def test_writer_behind_sheds_its_backlog_to_the_spool(pg_url: str, tmp_path: Path) -> None:
-    """A burst far above what the writer stores per cycle: the queue never holds more than
-    max_queue turns for long (the backlog moves to the spool in one append), the spool is
-    replayed a bounded chunk per cycle, and every turn is stored exactly once."""
+    """A burst far above what the writer stores per cycle, while the pool is held: the backlog
+    moves to the spool in one append instead of waiting in memory; traffic that arrives while
+    the writer is stuck is shed the same way once it moves again; the spool is replayed a
+    bounded chunk per cycle, and every turn is stored exactly once."""
     engine = make_engine(pg_url)
     spool = Spool(tmp_path / "spool")
     shed: list[int] = []
     writer = CaptureWriter(engine, spool, batch_size=16, max_queue=100, replay_chunk=64,
                            flush_interval_s=0.005, on_shed=shed.append)
-    writer.start()
     records = [_record(i) for i in range(3000)]
-    for r in records[:2000]:
-        writer.submit(r)  # no await between them: 2,000 queued before the writer wakes
-    await _until(lambda: sum(shed) > 0)
-    assert writer.depth < 100 and spool.records > 1000  # the backlog is on disk, not in memory
-    for i, r in enumerate(records[2000:]):  # more traffic while the spool is being replayed
-        writer.submit(r)
-        if i % 50 == 0:
-            await asyncio.sleep(0.01)
+    held = HeldPool(pg_url)
+    try:
+        writer.start()
+        for r in records[:2000]:
+            writer.submit(r)  # no await between them: 2,000 queued before the writer wakes
+        # the writer takes one batch, sees 1,984 more waiting, spools all 2,000 and starts
+        # replaying them; the replay's first write waits on the held pool, so this state stays
+        await _until(lambda: spool.records == 2000)
+        assert shed == [2000] and writer.depth == 0  # the backlog is on disk, not in memory
+        for r in records[2000:]:  # traffic while the writer waits on the pool
+            writer.submit(r)
+        assert writer.depth == 1000 and spool.records == 2000
+    finally:
+        held.release()
     await _until(lambda: writer.processed == 3000 and not spool.pending, timeout=120)
+    # once the replay's write went through, the next cycle found 1,000 waiting: shed too
+    assert shed == [2000, 1000]
     await writer.stop()
     engine.dispose()
     stored = _stored_ids(pg_url)
     assert len(stored) == len(set(stored)) == 3000
     assert set(stored) == {r.id for r in records}
     assert spool.path is not None and not spool.path.exists()  # drained and removed
-    assert sum(shed) >= 1900
 
 
 async def test_replay_goes_a_chunk_at_a_time_and_resumes_after_an_outage(

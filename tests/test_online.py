@@ -29,6 +29,7 @@ from datapool.db import make_engine
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingLease, TrainingRun, TrainingStep, Turn
 from datapool.settings import Settings
 from tests.conftest import RunningVLLM
+from tests.holds import HeldTrainingStep
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue
@@ -349,19 +350,19 @@ def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
             db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if i % 2 else -1.0, attempts=1))
     args = _trainer_args(pg, model_dir, servers, "--k", "2")
 
-    def mid_step() -> bool:
+    # the trainer is held inside its second step's transaction, so it is killed there, after one
+    # step recorded and with the next batch leased, however busy the machine is
+    with HeldTrainingStep(pg, after=1) as held:
+        proc = _spawn(args, tmp_path, "trainer.log")
+        try:
+            wait_for(held.waiting, timeout=600, interval=0.5)
+        except AssertionError:
+            _stop(proc)
+            pytest.fail("the trainer never got to a second step:\n" + (tmp_path / "trainer.log").read_text()[-4000:])
         with OrmSession(engine) as db:
-            done = db.scalar(select(TrainingStep.id).limit(1))
-            open_lease = db.scalar(select(TrainingLease.turn_id).where(TrainingLease.acked_at.is_(None)).limit(1))
-        return bool(done and open_lease)
-
-    proc = _spawn(args, tmp_path, "trainer.log")
-    try:
-        wait_for(mid_step, timeout=600, interval=0.02)
-    except AssertionError:
-        _stop(proc)
-        pytest.fail("the trainer never got to a second step:\n" + (tmp_path / "trainer.log").read_text()[-4000:])
-    _stop(proc, signal.SIGKILL)
+            assert db.scalar(select(text("count(*)")).select_from(TrainingStep)) == 1
+            assert db.scalar(select(TrainingLease.turn_id).where(TrainingLease.acked_at.is_(None)).limit(1))
+        _stop(proc, signal.SIGKILL)
     proc = _spawn(args, tmp_path, "trainer.log")
 
     def all_acked() -> bool:
