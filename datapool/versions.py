@@ -199,6 +199,15 @@ def register(engine: Engine, *, name: str, kind: str, base_model: str, path: Pat
         raise PublishError(f"could not register {name!r}: {exc.orig}") from exc
 
 
+def record_event(engine: Engine, action: str, *, version: str | None, actor: str, reason: str | None = None,
+                 metrics: dict[str, Any] | None = None) -> None:
+    """A decision about version *version* (by name; None: about the base) in a transaction of its own."""
+    with OrmSession(engine) as db, db.begin():
+        vid = (db.scalars(select(PolicyVersion.id).where(PolicyVersion.name == version)).first()
+               if version else None)
+        event(db, vid, action, actor, reason, dict(metrics or {}))
+
+
 def add_event_metrics(engine: Engine, name: str, action: str, metrics: dict[str, Any]) -> None:
     """Merge *metrics* into the newest *action* event of version *name* (numbers known only
     after the decision, such as a promotion's learning latency)."""
