@@ -147,6 +147,12 @@ class Settings(BaseSettings):
     # model server (vLLM) started by `nextstate up`
     vllm_port: int = Field(default=8401, description="Port of the vLLM server `nextstate up` starts.")
     vllm_served_name: str = Field(default="smollm2", description="Model name vLLM serves the base under.")
+    vllm_max_model_len: int = Field(
+        default=8192, ge=256,
+        description="vLLM --max-model-len of the servers `nextstate up` starts: the most tokens (prompt "
+        "plus reply) one request may hold. SmolLM2 was trained at 8192; a longer request is answered "
+        "400 `context_length_exceeded`.",
+    )
     teacher_vllm_port: int = Field(
         default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
     )
