@@ -124,8 +124,15 @@ class Settings(BaseSettings):
     judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
     judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/scoring/prompts/NAME.md).")
     judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
+    judge_context_tokens: int | None = Field(
+        default=None, ge=256,
+        description="The judge model's context window (prompt plus answer), to which the judge prompt is "
+        "fitted. Default: asked from the model (a hosted_vllm judge's /tokenize reports its max_model_len; "
+        "LiteLLM's model info otherwise; unknown: no shortening).",
+    )
     judge_max_retries: int = Field(
-        default=4, description="Retries of a failing scoring task before it is dead-lettered."
+        default=4, description="Retries of a scoring task failing for a transient reason (connection, 5xx, "
+        "timeout, 429) before it is dead-lettered; other failures are dead-lettered at once."
     )
     judge_retry_backoff_s: float = Field(default=2.0, description="First retry delay; doubles each time.")
     teacher_url: str | None = Field(

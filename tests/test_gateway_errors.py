@@ -137,3 +137,41 @@ def test_api_keys_admin_token_and_no_secrets_stored(vllm_server: RunningVLLM, tm
     stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log")
     assert key.encode() not in stored and admin.encode() not in stored
     assert key not in log and admin not in log
+
+
+def test_context_overflow_is_openai_shaped_stored_and_carries_the_turn_id(
+    vllm_server: RunningVLLM, tmp_path: Path
+) -> None:
+    """A prompt over vLLM's --max-model-len, through the official SDK: OpenAI's error (400,
+    invalid_request_error, context_length_exceeded, param messages), streaming or not; the
+    failed call is an error turn in the pool, named by the reply's X-Turn-Id."""
+    import openai
+
+    long = [{"role": "system", "content": "You are a careful assistant. " * 1800},  # ~10k tokens
+            {"role": "user", "content": "Summarise the rules above."}]
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                        upstream_url=vllm_server.base_url) as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn_ids = []
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model="smollm2", messages=long, max_tokens=8, stream=stream)
+            exc = caught.value
+            assert exc.status_code == 400 and exc.code == "context_length_exceeded", exc.body
+            assert exc.type == "invalid_request_error" and exc.param == "messages"
+            assert "context length" in exc.message
+            turn_ids.append(exc.response.headers["x-turn-id"])
+        # a reply that fits still answers, with its own turn id
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert raw.parse().choices and raw.headers["x-turn-id"] not in turn_ids
+
+        def stored() -> list[dict[str, Any]] | None:
+            rows = [httpx.get(f"{gw.url}/api/turns/{t}", timeout=10) for t in turn_ids]
+            return [r.json() for r in rows] if all(r.status_code == 200 for r in rows) else None
+
+        for turn in wait_for(stored):
+            assert turn["status"] == "error" and turn["response"] is None
+            assert turn["error"]["code"] == "context_length_exceeded" and turn["error"]["status"] == 400
+            assert turn["error"]["upstream"]["error"]["message"]  # vLLM's own body is kept beside it
+            assert turn["request"]["messages"][0]["content"] == long[0]["content"]  # stored as sent
