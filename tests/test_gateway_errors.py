@@ -112,7 +112,8 @@ def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> 
 def test_metrics_exposes_latency_and_capture_gauges(error_gateway: GatewayProcess) -> None:
     text = httpx.get(f"{error_gateway.url}/metrics", timeout=5).text
     for name in ("nextstate_request_seconds_bucket", "nextstate_upstream_seconds_bucket",
-                 "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes"):
+                 "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes",
+                 "nextstate_judgements_dead", "nextstate_judge_retries_total"):
         assert name in text
 
 
