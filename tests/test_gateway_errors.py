@@ -76,14 +76,26 @@ def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: 
     big = ok | {"messages": [{"role": "user", "content": "x" * 5000}]}
     err = _error(httpx.post(url, json=big, timeout=10), 413)
     assert "4096" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "down"}, timeout=10), 502)
-    assert "unreachable" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "slow"}, timeout=10), 504)
-    assert "timed out" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "slow", "stream": True}, timeout=10), 504)
-    # an error vLLM itself raises about the request comes back with vLLM's status and message
-    err = _error(httpx.post(url, json=ok | {"max_tokens": 10**6}, timeout=30), 400)
+    # refused by the gateway itself: no turn recorded, so no X-Turn-Id
+    assert "x-turn-id" not in httpx.post(url, json=ok | {"model": "gpt-17"}, timeout=10).headers
+    turn_ids = []
+    r = httpx.post(url, json=ok | {"model": "down"}, timeout=10)
+    assert "unreachable" in _error(r, 502)["message"]
+    turn_ids.append(r.headers["x-turn-id"])  # a recorded call names its error turn
+    r = httpx.post(url, json=ok | {"model": "slow"}, timeout=10)
+    assert "timed out" in _error(r, 504)["message"]
+    turn_ids.append(r.headers["x-turn-id"])
+    r = httpx.post(url, json=ok | {"model": "slow", "stream": True}, timeout=10)
+    _error(r, 504)
+    turn_ids.append(r.headers["x-turn-id"])
+    # an error vLLM itself raises about the request comes back with vLLM's status and message,
+    # in OpenAI's shape (not vLLM's "BadRequestError" type)
+    r = httpx.post(url, json=ok | {"max_tokens": 10**6}, timeout=30)
+    err = _error(r, 400)
     assert "max_tokens" in err["message"] or "context" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    turn_ids.append(r.headers["x-turn-id"])
+    assert len(set(turn_ids)) == 4
     # the gateway is fine after all that
     assert httpx.post(url, json=ok, timeout=60).status_code == 200
 
@@ -98,6 +110,11 @@ def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: 
     for status, error, response, token_ids, _ in errors:
         assert error is not None and response is None and token_ids is None
     assert [r[0] for r in rows].count("ok") == 1
+    db = sqlite3.connect(error_gateway.data_dir / "pool.db")
+    try:
+        assert {i for (i,) in db.execute("SELECT id FROM turns WHERE status = 'error'")} == set(turn_ids)
+    finally:
+        db.close()
 
 
 def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> None:

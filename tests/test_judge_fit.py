@@ -153,3 +153,19 @@ def test_only_transient_judge_errors_are_left_to_retry(exc: Exception, reason: D
     with pytest.raises(JudgeRefused) as caught:
         _raise_if_final(exc)
     assert caught.value.reason == reason
+
+
+def test_litellm_tokenizer_fits_a_provider_judge_offline() -> None:
+    """A judge LiteLLM knows (no vLLM /tokenize): its tokenizer and token_counter do the counting."""
+    from tests.test_judge_long import agent_system_prompt
+
+    turn = _turn(agent_system_prompt(12_000), [("user", "List my files."), ("assistant", "Which folder?"),
+                                              ("user", "The workspace.")], "AGENTS.md and notes/.")
+    state = {"messages": [{"role": "user", "content": "No, run ls first."}]}
+    judge = LLMJudge("gpt-4o-mini", prompt="prm-v1", context_tokens=2048)
+    prompt, answer, fit = asyncio.run(judge.fitted_prompt(turn, state))
+    assert answer == 512 and fit.prompt_tokens == litellm.token_counter(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": prompt}]) <= 2048 - 512
+    assert fit.omitted > 1000 and sum(int(n) for _, n in MARK.findall(prompt)) == fit.omitted
+    assert "[user] The workspace." in prompt and "[assistant] AGENTS.md and notes/." in prompt
+    assert "[user] No, run ls first." in prompt
