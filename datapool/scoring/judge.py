@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from datapool.scoring.fit import LiteLLMTokenizer, Piece, PromptTooLong, Tokenizer, VLLMTokenizer, fit_context
+from datapool.scoring.fit import (
+    Fitted,
+    LiteLLMTokenizer,
+    Piece,
+    PromptTooLong,
+    Tokenizer,
+    VLLMTokenizer,
+    fit_context,
+)
 from datapool.vocab import DeadReason
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
@@ -284,7 +292,7 @@ class LLMJudge:
     def messages(self, prompt: str) -> list[dict[str, Any]]:
         return [{"role": "user", "content": prompt}]
 
-    async def fitted_prompt(self, turn: dict[str, Any], next_state: dict[str, Any]) -> tuple[str, int, Any]:
+    async def fitted_prompt(self, turn: dict[str, Any], next_state: dict[str, Any]) -> tuple[str, int, Fitted]:
         """(prompt, max_tokens for the answer, the fit) for this turn."""
         window = self.context_tokens or await self.tokenizer.context_window()
         answer = min(self.max_tokens, window // 4) if window else self.max_tokens
