@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Row, bindparam, delete, insert, select, text, update
+from sqlalchemy import Connection, Row, bindparam, delete, insert, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import as_utc, chunked, dialect_insert
@@ -35,50 +35,129 @@ from datapool.vocab import Endpoint, TurnKind, TurnStatus
 
 Message = dict[str, Any]
 
+def _plain(value: Any, *, drop_nulls: bool) -> Any:
+    """A JSON value with integral floats as integers, the way every client round-trips it
+    (JavaScript's JSON.stringify prints 1.0 as 1), and null members dropped if asked."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v, drop_nulls=drop_nulls) for k, v in value.items()
+                if v is not None or not drop_nulls}
+    if isinstance(value, list):
+        return [_plain(v, drop_nulls=drop_nulls) for v in value]
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    return value
 
-def _content_text(content: Any) -> Any:
-    # Clients send the same text as a string or as [{"type": "text", "text": ...}] parts.
+
+def _content(content: Any) -> Any:
+    """Text is the same text whether sent as a string or as ``{"type": "text"}`` parts; other
+    parts (images, audio) count with their null fields dropped."""
     if content is None:
         return ""
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" for p in content
-    ):
-        return "".join(str(p.get("text", "")) for p in content)
-    return content
+    if not isinstance(content, list):
+        return _plain(content, drop_nulls=True)
+    out: list[Any] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text":
+            text = str(part.get("text") or "")
+            if out and isinstance(out[-1], str):
+                out[-1] += text
+            else:
+                out.append(text)
+        else:
+            out.append(_plain(part, drop_nulls=True))
+    if not out:
+        return ""
+    return out[0] if len(out) == 1 and isinstance(out[0], str) else out
+
+
+def _arguments(arguments: Any) -> Any:
+    """Tool-call arguments compared as the JSON they encode, not as the string that encodes it
+    (clients re-serialise them: key order, whitespace, escapes). An empty string means no
+    arguments; what is not JSON is compared as sent."""
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            return _plain(json.loads(arguments), drop_nulls=False)
+        except ValueError:
+            return arguments
+    return _plain(arguments, drop_nulls=False)
+
+
+class CanonicalHistory:
+    """A conversation's messages, fed in order, in the form matching compares, and the running
+    hash of that form.
+
+    Tool-call ids are not compared as strings: clients rewrite them (OpenClaw strips the dashes
+    of ``chatcmpl-tool-…``). The n-th tool call of the conversation is call number n, matched by
+    its position, function name and arguments; a tool message's ``tool_call_id`` is replaced by
+    the number of the call that carried that id. The rules are in docs/sessions.md.
+    """
+
+    __slots__ = ("_hash", "_calls", "_count")
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._calls: dict[str, int] = {}  # tool-call id as this history spells it -> its number
+        self._count = 0
+
+    def copy(self) -> CanonicalHistory:
+        other = CanonicalHistory.__new__(CanonicalHistory)
+        other._hash = self._hash.copy()
+        other._calls = dict(self._calls)
+        other._count = self._count
+        return other
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    def add(self, message: Message) -> dict[str, Any]:
+        """Feed one message; returns its canonical form."""
+        canon = self.canonical(message)
+        self._hash.update(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode())
+        self._hash.update(b"\x1e")
+        return canon
+
+    def canonical(self, message: Message) -> dict[str, Any]:
+        """The parts of a message that identify it; numbers the message's tool calls.
+
+        SDKs echo an assistant reply back with extra null fields (refusal, audio, annotations),
+        content ``None`` beside tool calls, text as a list of parts, a ``name`` added; none of
+        that matters.
+        """
+        out: dict[str, Any] = {"role": message.get("role"), "content": _content(message.get("content"))}
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            canon_calls = []
+            for call in calls:
+                call = call if isinstance(call, dict) else {}
+                fn = call.get("function") if isinstance(call.get("function"), dict) else {}
+                call_id = call.get("id")
+                if isinstance(call_id, str) and call_id:
+                    self._calls[call_id] = self._count  # an id used twice names its latest call
+                self._count += 1
+                canon_calls.append([fn.get("name"), _arguments(fn.get("arguments"))])
+            out["tool_calls"] = canon_calls
+        legacy = message.get("function_call")
+        if isinstance(legacy, dict):
+            out["function_call"] = [legacy.get("name"), _arguments(legacy.get("arguments"))]
+        call_id = message.get("tool_call_id")
+        if isinstance(call_id, str) and call_id:
+            number = self._calls.get(call_id)
+            # an id no earlier call carried stays a string, never equal to a number
+            out["tool_call_id"] = number if number is not None else call_id
+        return out
 
 
 def canonical_message(message: Message) -> dict[str, Any]:
-    """The parts of a message that identify it, in a form every client round-trips.
-
-    SDKs echo an assistant reply back with extra null fields (refusal, audio, annotations),
-    content ``None`` beside tool calls, or text as a list of parts; none of that matters.
-    """
-    out: dict[str, Any] = {"role": message.get("role"), "content": _content_text(message.get("content"))}
-    calls = message.get("tool_calls")
-    if calls:
-        out["tool_calls"] = [
-            [
-                c.get("id"),
-                (c.get("function") or {}).get("name"),
-                (c.get("function") or {}).get("arguments"),
-            ]
-            for c in calls
-        ]
-    for key in ("tool_call_id", "name"):
-        if message.get(key):
-            out[key] = message[key]
-    return out
+    """One message's canonical form, on its own (tool-call ids are numbered from 0)."""
+    return CanonicalHistory().canonical(message)
 
 
-def _feed(h: hashlib._Hash, message: Message) -> None:
-    h.update(json.dumps(canonical_message(message), sort_keys=True, ensure_ascii=False).encode())
-    h.update(b"\x1e")
-
-
-def _hasher(messages: Iterable[Message]) -> hashlib._Hash:
-    h = hashlib.sha256()
+def _hasher(messages: Iterable[Message]) -> CanonicalHistory:
+    h = CanonicalHistory()
     for m in messages:
-        _feed(h, m)
+        h.add(m)
     return h
 
 
@@ -88,12 +167,12 @@ def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     A continuing request's prefix ends with the reply it continues, so only prefixes that end
     at an assistant message can match an earlier turn.
     """
-    h = hashlib.sha256()
+    h = CanonicalHistory()
     out: list[tuple[int, str]] = []
     for i, m in enumerate(messages):
-        _feed(h, m)
+        h.add(m)
         if m.get("role") == "assistant":
-            out.append((i, h.copy().hexdigest()))
+            out.append((i, h.hexdigest()))
     out.reverse()
     return out
 
@@ -104,7 +183,7 @@ def continuation_hashes(messages: Sequence[Message], replies: Sequence[Message])
     out = []
     for reply in replies:
         h = base.copy()
-        _feed(h, reply)
+        h.add(reply)
         out.append(h.hexdigest())
     return out
 
@@ -126,6 +205,52 @@ def _continuations(r: TurnRecord) -> list[str]:
         return []
     return continuation_hashes(r.messages, r.replies)
 
+
+def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
+    """Recompute every stored turn's link hash and continuation hashes with the canonical form
+    of this version, so that requests arriving from now on find the turns stored before the
+    form changed (migration 0005 runs it; so does ``nextstate db rehash``). Links already made
+    stay as they are. Reads the turns in chunks ordered by id; returns (turns read,
+    turns whose hashes changed)."""
+    turns = Turn.__table__
+    continuations = TurnContinuation.__table__
+    columns = (turns.c.id, turns.c.endpoint, turns.c.status, turns.c.turn_type, turns.c.request,
+               turns.c.response, turns.c.link_hash)
+    seen = changed = 0
+    last = ""
+    while True:
+        rows = conn.execute(select(*columns).where(turns.c.id > last).order_by(turns.c.id).limit(chunk)).all()
+        if not rows:
+            return seen, changed
+        last = rows[-1].id
+        seen += len(rows)
+        ids = [row.id for row in rows]
+        stored: dict[str, set[tuple[str, int]]] = {}
+        for c in conn.execute(select(continuations).where(continuations.c.turn_id.in_(ids))):
+            stored.setdefault(c.turn_id, set()).add((c.hash, c.choice_index))
+        links: list[dict[str, Any]] = []
+        redo: list[str] = []  # turns whose continuations changed
+        conts: list[dict[str, Any]] = []
+        for row in rows:
+            r = TurnRecord(id=row.id, created_at=datetime.min, endpoint=row.endpoint, status=row.status,
+                           model="", capture="", request=row.request or {}, turn_type=row.turn_type,
+                           response=row.response)
+            candidates = link_candidates(r.messages)
+            link = candidates[0][1] if candidates else None
+            fresh = {(h, i) for i, h in enumerate(_continuations(r))}
+            if link != row.link_hash:
+                links.append({"b_id": row.id, "b_link": link})
+            if fresh != stored.get(row.id, set()):
+                redo.append(row.id)
+                conts += [{"hash": h, "turn_id": row.id, "choice_index": i} for h, i in fresh]
+            changed += link != row.link_hash or fresh != stored.get(row.id, set())
+        if links:
+            conn.execute(update(turns).where(turns.c.id == bindparam("b_id")).values(link_hash=bindparam("b_link")),
+                         links)
+        if redo:
+            conn.execute(delete(continuations).where(continuations.c.turn_id.in_(redo)))
+            if conts:
+                conn.execute(insert(continuations), conts)
 
 class _Prepared(NamedTuple):
     record: TurnRecord

@@ -135,6 +135,26 @@ def db_current(database_url: str | None) -> None:
     click.echo(current_revision(opt.settings(database_url=database_url).resolved_database_url) or "empty")
 
 
+@db.command("rehash")
+@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+def db_rehash(database_url: str | None) -> None:
+    """Recompute the hashes that stitch sessions (each turn's link hash and continuations) with
+    this version's canonical form of messages (docs/sessions.md).
+
+    `db upgrade` does this once when the form changes (migration 0005); run it by hand only to
+    repair a pool. One transaction; safe to repeat. Links already made stay as they are."""
+    from datapool.db import make_engine
+    from datapool.sessions import rehash
+
+    engine = make_engine(opt.settings(database_url=database_url).resolved_database_url)
+    try:
+        with engine.begin() as conn:
+            seen, changed = rehash(conn)
+    finally:
+        engine.dispose()
+    click.echo(f"{seen} turns read, {changed} rehashed")
+
+
 def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
     """A fresh vLLM has no runtime adapters: load the pool's active version again before the
     gateway's `policy` alias sends traffic to it."""
