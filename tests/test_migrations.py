@@ -27,3 +27,81 @@ def test_migrations_round_trip_and_match_models(database_url: str) -> None:
     engine.dispose()
     command.upgrade(alembic_config(database_url), "head")
     assert current_revision(database_url) == head_revision()
+
+
+# --- 0005: the hashes that stitch sessions, recomputed in the tolerant canonical form ----------------
+
+
+def _old_form(message: dict) -> dict:
+    """The canonical form before 0005 (tool-call ids and argument strings compared as sent)."""
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    out = {"role": message.get("role"), "content": content}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [[c.get("id"), c["function"]["name"], c["function"]["arguments"]]
+                             for c in message["tool_calls"]]
+    for key in ("tool_call_id", "name"):
+        if message.get(key):
+            out[key] = message[key]
+    return out
+
+
+def _old_hash(messages: list) -> str:
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    for m in messages:
+        h.update(json.dumps(_old_form(m), sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\x1e")
+    return h.hexdigest()
+
+
+def test_0005_rehashes_a_pool_written_with_the_old_form(database_url: str) -> None:
+    from click.testing import CliRunner
+    from sqlalchemy import delete, insert, select, update
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.models import Turn, TurnContinuation
+    from datapool.sessions import Stitcher, continuation_hashes, link_candidates
+    from nextstate.cli import main
+    from tests.test_session_matching import _openclaw_tool_loop
+
+    first, rewritten = _openclaw_tool_loop()
+    engine = make_engine(database_url)
+    with OrmSession(engine) as db, db.begin():
+        Stitcher(db).write([first])
+    # what a gateway before 0005 stored: its link hash and continuation in the old form
+    old_continuation = _old_hash([*first.messages, *first.replies])
+    with engine.begin() as conn:
+        conn.execute(update(Turn).where(Turn.id == first.id).values(link_hash=None))
+        conn.execute(delete(TurnContinuation))
+        conn.execute(insert(TurnContinuation), [{"hash": old_continuation, "turn_id": first.id, "choice_index": 0}])
+    assert old_continuation not in [h for _, h in link_candidates(rewritten.messages)]  # the split it caused
+    engine.dispose()
+
+    command.downgrade(alembic_config(database_url), "0004")
+    command.upgrade(alembic_config(database_url), "head")
+
+    engine = make_engine(database_url)
+    with engine.connect() as conn:
+        stored = conn.execute(select(TurnContinuation.hash).where(TurnContinuation.turn_id == first.id)).scalars().all()
+    assert stored == continuation_hashes(first.messages, first.replies)
+    # the tool result, sent with the rewritten id, now continues the turn stored before the upgrade
+    with OrmSession(engine) as db, db.begin():
+        Stitcher(db).write([rewritten])
+    with OrmSession(engine) as db:
+        turns = {t.id: t for t in db.scalars(select(Turn))}
+    assert turns[rewritten.id].session_id == turns[first.id].session_id
+    assert turns[rewritten.id].parent_turn_id == first.id
+    assert turns[first.id].next_state["turn_id"] == rewritten.id
+    assert turns[rewritten.id].link_hash == link_candidates(rewritten.messages)[0][1]
+    engine.dispose()
+
+    # the same by hand: nothing left to change
+    result = CliRunner().invoke(main, ["db", "rehash", "--database-url", database_url])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "2 turns read, 0 rehashed"
