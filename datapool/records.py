@@ -21,7 +21,7 @@ class TurnRecord:
     capture: str
     request: dict[str, Any]
     session_id: str | None = None
-    session_source: str | None = None  # "header" | "path" when session_id is given
+    session_source: str | None = None  # vocab.SessionSource when session_id is given
     task_id: str | None = None
     group_id: str | None = None
     turn_type: str = "main"

@@ -8,10 +8,11 @@ defaults below, which work for the embedded single-machine setup.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -24,6 +25,79 @@ from pydantic_settings import (
 
 def _xdg(var: str, fallback: str) -> Path:
     return Path(os.environ.get(var) or Path.home() / fallback) / "nextstate"
+
+
+class SessionKey(BaseModel):
+    """One place an agent carries its own session id (a rule of ``session_keys``; docs/sessions.md).
+
+    The text of ``source`` is searched with ``pattern``; the key is its first group (the whole
+    match if it has none), or the whole text when there is no pattern. A key that is not a
+    valid session id (1-128 of letters, digits, ``. _ : -``) is ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: Literal["header", "user", "metadata", "system", "first_user"] = Field(
+        description="`header`: the header `name`; `user`: the request's `user` field; `metadata`: "
+        "the key `name` of its `metadata` field; `system`: the first system (or developer) message; "
+        "`first_user`: the first user message.")
+    name: str | None = Field(default=None, description="The header's name, or the metadata key.")
+    pattern: re.Pattern[str] | None = Field(default=None, description="Regular expression searched in the text.")
+
+    @model_validator(mode="after")
+    def _complete(self) -> SessionKey:
+        if self.source in ("header", "metadata") and not self.name:
+            raise ValueError(f"a `{self.source}` session key needs `name`")
+        if self.source in ("system", "first_user") and self.pattern is None:
+            raise ValueError(f"a `{self.source}` session key needs `pattern`")
+        return self
+
+
+class SideTurnRule(BaseModel):
+    """A kind of housekeeping call (compaction, summaries, titles) to store as a side turn: kept,
+    never stitched into its session's chain or trained on. Every condition given must hold
+    (a rule of ``side_turn_rules``; docs/sessions.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="What the rule recognises, for the docs and the logs.")
+    header: str | None = Field(default=None, description="A header the request carries.")
+    header_pattern: re.Pattern[str] | None = Field(default=None, description="Searched in that header's value.")
+    system_pattern: re.Pattern[str] | None = Field(
+        default=None, description="Searched in the first system (or developer) message.")
+    user_pattern: re.Pattern[str] | None = Field(default=None, description="Searched in the first user message.")
+    user_messages: int | None = Field(default=None, ge=0, description="Exactly this many user messages.")
+    tools: bool | None = Field(default=None, description="Whether the request declares tools.")
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> SideTurnRule:
+        if self.header_pattern is not None and self.header is None:
+            raise ValueError(f"side-turn rule {self.name}: `header_pattern` needs `header`")
+        if all(v is None for k, v in self.__dict__.items() if k != "name"):
+            raise ValueError(f"side-turn rule {self.name}: no condition")
+        return self
+
+
+# OpenClaw (npm `openclaw`) writes `Runtime: … | sessionId=S | …` into its system prompt; for
+# `openai-completions` providers it moves that line to the end of the first user message.
+OPENCLAW_SESSION_ID = r"(?m)^Runtime: .*?\bsessionId=([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?=\s|\||$)"
+
+DEFAULT_SESSION_KEYS = (
+    SessionKey(source="system", pattern=OPENCLAW_SESSION_ID),  # type: ignore[arg-type]
+    SessionKey(source="first_user", pattern=OPENCLAW_SESSION_ID),  # type: ignore[arg-type]
+)
+
+DEFAULT_SIDE_TURN_RULES = (
+    # OpenClaw's compaction call: the conversation so far, in one user message, to be summarised
+    SideTurnRule(
+        name="openclaw-compaction",
+        system_pattern=r"\AYou are a context summarization assistant\. Your task is to read a conversation "  # type: ignore[arg-type]
+        r"between a user and an AI assistant",
+        user_pattern=r"\A<conversation>\n",  # type: ignore[arg-type]
+        user_messages=1,
+        tools=False,
+    ),
+)
 
 
 class Settings(BaseSettings):
@@ -74,6 +148,22 @@ class Settings(BaseSettings):
         default=None, description="If set, the admin API requires `Authorization: Bearer <token>`."
     )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body accepted.")
+    session_keys: list[SessionKey] = Field(
+        default_factory=lambda: list(DEFAULT_SESSION_KEYS),
+        description="Where agents that send no X-Session-Id carry their own session id, tried in "
+        "order: objects with `source` (header, user, metadata, system, first_user), `name` (the "
+        "header or metadata key) and `pattern` (a regex; its first group is the key). A JSON list "
+        "in the environment; `[]` turns them off. X-Session-Id and /s/{id}/v1 always win. Default: "
+        "OpenClaw's `sessionId=` line. See docs/sessions.md.",
+    )
+    side_turn_rules: list[SideTurnRule] = Field(
+        default_factory=lambda: list(DEFAULT_SIDE_TURN_RULES),
+        description="Requests to store as side turns (housekeeping: compaction, summaries) when they "
+        "send no X-Turn-Type: objects with a `name` and conditions that must all hold (`header`, "
+        "`header_pattern`, `system_pattern`, `user_pattern`, `user_messages`, `tools`). A JSON list "
+        "in the environment; `[]` turns them off. Default: OpenClaw's compaction call. See "
+        "docs/sessions.md.",
+    )
     upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
     upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
 

@@ -16,6 +16,7 @@ class SessionSource(StrEnum):
     HEADER = "header"
     PATH = "path"
     INFERRED = "inferred"  # from the message prefix
+    KEY = "key"  # found in the request by a configured session key (settings.session_keys)
 
 
 class SessionMode(StrEnum):

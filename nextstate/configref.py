@@ -8,6 +8,7 @@ copy differs from what they generate.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import types
 import typing
@@ -17,6 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -93,6 +95,8 @@ def _type_name(annotation: Any) -> str:
     if origin is typing.Literal:
         return " | ".join(f"`{a}`" for a in args)
     if origin in (list, tuple, set):
+        if args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            return "JSON list of objects"
         return "comma-separated list"
     if isinstance(annotation, type):
         if issubclass(annotation, Enum):
@@ -114,6 +118,8 @@ def _env_value(value: Any) -> str:
         text = str(value)
         return "~" + text[len(home):] if text == home or text.startswith(home + "/") else text
     if isinstance(value, (list, tuple, set)):
+        if any(isinstance(v, BaseModel) for v in value):
+            return json.dumps([v.model_dump(mode="json", exclude_none=True) for v in value], ensure_ascii=False)
         return ",".join(_env_value(v) for v in value)
     return str(value)
 
@@ -145,7 +151,8 @@ def reference_markdown() -> str:
         "one), the environment variable below, the YAML/TOML file named by `NEXTSTATE_CONFIG` (keys are",
         "the field names), and the default, which works on one machine.",
         "",
-        "Lists are comma-separated in the environment (`NEXTSTATE_API_KEYS=key1,key2`). Defaults under",
+        "Lists are comma-separated in the environment (`NEXTSTATE_API_KEYS=key1,key2`), lists of objects",
+        "are JSON (`NEXTSTATE_SESSION_KEYS='[{\"source\": \"header\", \"name\": \"session-id\"}]'`). Defaults under",
         "`~` are relative to the home directory of the user the process runs as (`XDG_DATA_HOME` and",
         "`XDG_CACHE_HOME` move them). For a deployment, `deploy/compose/.env.example` lists the same",
         "variables, plus the ones docker compose itself reads.",

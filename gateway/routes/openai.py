@@ -19,10 +19,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from datapool.db import utcnow
 from datapool.records import TurnRecord
-from datapool.vocab import TurnKind, TurnStatus, values
+from datapool.vocab import TurnStatus
 from gateway.auth import require_api_key
+from gateway.classify import session_of, turn_kind_of
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
-from gateway.protocol import SESSION_ID, ChatCompletionRequest, CompletionRequest, parse_body, read_body
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
 from gateway.recording import (
     Accumulator,
     ClientWants,
@@ -39,7 +40,6 @@ router = APIRouter()
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 _JSON = {"Content-Type": "application/json"}
-_TURN_KINDS = frozenset(values(TurnKind))
 
 
 def _inline(schema: dict[str, Any]) -> dict[str, Any]:
@@ -141,25 +141,12 @@ class ProxyFastPath:
         await response(scope, receive, send)
 
 
-def _session(request: Request, path_session: str | None) -> tuple[str | None, str | None]:
-    if path_session is not None:
-        sid, source = path_session, "path"
-    elif request.headers.get("x-session-id"):
-        sid, source = request.headers["x-session-id"], "header"
-    else:
-        return None, None
-    if not SESSION_ID.match(sid):
-        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
-                          "starting with a letter or digit",
-                          param="session_id")
-    return sid, source
+def _session(request: Request, path_session: str | None, body: dict[str, Any]) -> tuple[str | None, str | None]:
+    return session_of(request.headers, body, path_session, gateway_of(request).settings.session_keys)
 
 
-def _turn_type(request: Request) -> str:
-    value = request.headers.get("x-turn-type", TurnKind.MAIN).strip().lower()
-    if value not in _TURN_KINDS:
-        raise OpenAIError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
-    return value
+def _turn_type(request: Request, body: dict[str, Any]) -> str:
+    return turn_kind_of(request.headers, body, gateway_of(request).settings.side_turn_rules)
 
 
 async def _proxy(request: Request, endpoint: str, path_session: str | None) -> Response:
@@ -167,8 +154,8 @@ async def _proxy(request: Request, endpoint: str, path_session: str | None) -> R
     started = time.perf_counter()
     raw = await read_body(request, gw.settings.max_body_bytes)
     body = parse_body(raw, _SCHEMAS[endpoint])
-    session_id, source = _session(request, path_session)
-    turn_type = _turn_type(request)
+    session_id, source = _session(request, path_session, body)
+    turn_type = _turn_type(request, body)
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
         id=uuid.uuid4().hex,

@@ -1,0 +1,133 @@
+"""Which session a request belongs to and what kind of turn it is, decided from the request alone
+before it is proxied (docs/sessions.md).
+
+A session named by the client (``/s/{id}/v1``, then ``X-Session-Id``) always wins; otherwise the
+configured session keys (``session_keys``) are tried in order, and a request none of them names
+is left to prefix stitching (``datapool.sessions``). A turn's kind comes from ``X-Turn-Type`` if
+the client sent it, else from the first matching side-turn rule (``side_turn_rules``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from datapool.settings import SessionKey, SideTurnRule
+from datapool.vocab import SessionSource, TurnKind, values
+from gateway.errors import OpenAIError
+from gateway.protocol import SESSION_ID
+
+log = logging.getLogger("nextstate.gateway")
+
+_TURN_KINDS = frozenset(values(TurnKind))
+_SYSTEM_ROLES = ("system", "developer")
+
+
+def message_text(message: Any) -> str:
+    """A message's text: its string content, or its text parts joined."""
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _first(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
+    if not isinstance(messages, list):
+        return None
+    return next((m for m in messages if isinstance(m, dict) and m.get("role") in roles), None)
+
+
+def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+    if key.source == "header":
+        return headers.get(key.name or "")
+    if key.source == "user":
+        value = body.get("user")
+    elif key.source == "metadata":
+        metadata = body.get("metadata")
+        value = metadata.get(key.name) if isinstance(metadata, dict) else None
+    else:
+        message = _first(body.get("messages"), _SYSTEM_ROLES if key.source == "system" else ("user",))
+        value = message_text(message) if message is not None else None
+    return value if isinstance(value, str) else None
+
+
+def session_key(keys: Sequence[SessionKey], headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+    """The session id the first configured key finds in the request, if any."""
+    for key in keys:
+        text = _key_text(key, headers, body)
+        if not text:
+            continue
+        if key.pattern is None:
+            found: str | None = text.strip()
+        else:
+            match = key.pattern.search(text)
+            found = (match.group(1) if key.pattern.groups else match.group(0)) if match else None
+        if found and SESSION_ID.match(found):
+            return found
+        if found:
+            log.debug("session key from %s is not a valid session id; ignored", key.source)
+    return None
+
+
+def session_of(headers: Mapping[str, str], body: dict[str, Any], path_session: str | None,
+               keys: Sequence[SessionKey]) -> tuple[str | None, str | None]:
+    """(session id, how it was known) of a request; (None, None) leaves it to prefix stitching.
+    A session id the client named that is not valid is a 400."""
+    if path_session is not None:
+        sid, source = path_session, SessionSource.PATH
+    elif headers.get("x-session-id"):
+        sid, source = headers["x-session-id"], SessionSource.HEADER
+    else:
+        found = session_key(keys, headers, body)
+        return (found, SessionSource.KEY) if found else (None, None)
+    if not SESSION_ID.match(sid):
+        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
+                          "starting with a letter or digit",
+                          param="session_id")
+    return sid, source
+
+
+def _matches(rule: SideTurnRule, headers: Mapping[str, str], body: dict[str, Any]) -> bool:
+    if rule.header is not None:
+        value = headers.get(rule.header)
+        if value is None or (rule.header_pattern is not None and not rule.header_pattern.search(value)):
+            return False
+    if rule.tools is not None and bool(body.get("tools") or body.get("functions")) != rule.tools:
+        return False
+    messages = body.get("messages")
+    messages = messages if isinstance(messages, list) else []
+    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if rule.user_messages is not None and len(users) != rule.user_messages:
+        return False
+    if rule.user_pattern is not None and not (users and rule.user_pattern.search(message_text(users[0]))):
+        return False
+    if rule.system_pattern is not None:
+        system = _first(messages, _SYSTEM_ROLES)
+        if system is None or not rule.system_pattern.search(message_text(system)):
+            return False
+    return True
+
+
+def side_rule(rules: Sequence[SideTurnRule], headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+    """The name of the first side-turn rule the request matches, if any."""
+    return next((rule.name for rule in rules if _matches(rule, headers, body)), None)
+
+
+def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequence[SideTurnRule]) -> str:
+    """``X-Turn-Type`` if sent (a bad value is a 400), else side if a side-turn rule matches."""
+    sent = headers.get("x-turn-type")
+    if sent is not None:
+        value = sent.strip().lower()
+        if value not in _TURN_KINDS:
+            raise OpenAIError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
+        return value
+    rule = side_rule(rules, headers, body)
+    if rule is not None:
+        log.debug("side turn by rule %s", rule)
+        return TurnKind.SIDE
+    return TurnKind.MAIN
