@@ -64,7 +64,11 @@ def load_baseline(rev: str, directory: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("baseline_sessions", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
     return module
 
 
@@ -186,7 +190,7 @@ def stitching(engine: Engine) -> dict[str, Any]:
     sessions get random ids)."""
     with OrmSession(engine) as db:
         turns = db.execute(
-            select(Turn.id, Turn.session_id, Turn.parent_turn_id, Turn.next_state, Turn.link_hash)
+            select(Turn.id, Turn.session_id, Turn.parent_turn_id, Turn.next_state)
             .order_by(Turn.created_at, Turn.id)
         ).all()
         name: dict[str, str] = {}
@@ -196,7 +200,8 @@ def stitching(engine: Engine) -> dict[str, Any]:
                                      Session.ended_at.is_not(None).label("ended"))).all()
         marks = db.execute(select(Judgement.turn_id, Judgement.status)).all()
     return {
-        "turns": {t.id: (name[t.session_id], t.parent_turn_id, t.next_state, t.link_hash) for t in turns},
+        # not the link hashes: their canonical form changed with migration 0005, the decisions did not
+        "turns": {t.id: (name[t.session_id], t.parent_turn_id, t.next_state) for t in turns},
         "sessions": sorted(
             (name.get(s.id, "(empty)"), s.source, s.created_at, s.updated_at, bool(s.ended)) for s in sessions
         ),
