@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, bindparam, delete, insert, select, text, update
+from sqlalchemy import Connection, Row, bindparam, delete, insert, or_, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import as_utc, chunked, dialect_insert
@@ -273,6 +273,10 @@ class _Turn:
     stored: bool  # its row exists, so a change is an UPDATE rather than part of its INSERT
     messages: list[Message] | None = None  # its request's messages, loaded only for orphans
     next_state: dict[str, Any] | None = None  # set by this batch, not yet written
+    # its parent is the turn its whole history continues (its longest candidate matched); a turn
+    # linked to an earlier ancestor because its parent was not written yet is not, and is
+    # re-parented when the parent comes
+    exact: bool = True
 
     @property
     def order(self) -> tuple[datetime, str]:
@@ -369,18 +373,26 @@ class _Batch:
         self.members.setdefault(turn.session_id, []).append(turn)
 
     def _load_orphans(self, hashes: set[str]) -> None:
-        """Stored turns with no parent whose link hash is one of this batch's continuations: the
-        turns a record of this batch may adopt. Turns only ever gain parents, so one query
-        before stitching finds all of them."""
+        """Stored turns whose link hash is one of this batch's continuations and whose parent is
+        not the turn that hash continues (none, or an earlier ancestor because the parent was
+        not written yet): the turns a record of this batch may adopt. One query before
+        stitching finds all of them."""
+        exact = (
+            select(TurnContinuation.turn_id)
+            .where(TurnContinuation.turn_id == Turn.parent_turn_id, TurnContinuation.hash == Turn.link_hash)
+            .correlate(Turn)
+            .exists()
+        )
         for chunk in chunked(hashes):
             rows = self.db.execute(
                 select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
                 .join(Session, Session.id == Turn.session_id)
-                .where(Turn.link_hash.in_(chunk), Turn.parent_turn_id.is_(None))
+                .where(Turn.link_hash.in_(chunk), or_(Turn.parent_turn_id.is_(None), ~exact))
             )
             for row in rows:
                 turn = self._known(row)
                 turn.messages = list((row.request or {}).get("messages") or [])
+                turn.exact = row.parent_turn_id is None
                 self.by_link.setdefault(row.link_hash, {})[turn.id] = turn
                 self.sources[row.session_id] = row.source
 
@@ -468,11 +480,15 @@ class _Batch:
             session_id = r.session_id
             self.named_sessions.setdefault(session_id, _session_row(session_id, r, r.session_source or "header"))
             parent, prefix_end = self._find_parent(p.candidates, session_id)
+            # linked by its whole history, or past a parent that may still come
+            exact = parent is None or prefix_end == p.candidates[0][0] + 1
             if parent is None and r.turn_type == TurnKind.MAIN:
                 parent = self._latest_main_turn(session_id, r.created_at)
                 prefix_end = _after_last_assistant(r.messages)
+                exact = parent is None
         else:
             parent, prefix_end = self._find_parent(p.candidates, None)
+            exact = parent is None or prefix_end == p.candidates[0][0] + 1
             if parent is not None:
                 session_id = parent.session_id
             else:
@@ -490,6 +506,7 @@ class _Batch:
             has_next_state=False,
             stored=False,
             messages=r.messages,
+            exact=exact,
         )
         self._add(turn)
         self.unstored.append((p, turn))
@@ -498,7 +515,9 @@ class _Batch:
         if p.candidates:
             self.by_link.setdefault(p.candidates[0][1], {})[turn.id] = turn
 
-        if parent is not None and r.turn_type == TurnKind.MAIN and not parent.has_next_state:
+        if parent is not None and r.turn_type == TurnKind.MAIN and (
+            not parent.has_next_state or (exact and self._skipped_to(parent))
+        ):
             self._give_next_state(parent, r.id, r.messages[prefix_end:])
         if p.continuations:
             self._adopt_orphans(turn, p)
@@ -538,12 +557,13 @@ class _Batch:
         return max(found, key=lambda t: t.order, default=None)
 
     def _adopt_orphans(self, turn: _Turn, p: _Prepared) -> None:
-        """Link turns written before their parent (this turn) to it."""
+        """Link turns written before their parent (this turn) to it: those with no parent, and
+        those linked to an earlier ancestor while this turn was missing."""
         orphans = {
             o.id: o
             for h in p.continuations
             for o in self.by_link.get(h, {}).values()
-            if o.parent_id is None and o.id != turn.id and o.created_at >= turn.created_at
+            if (o.parent_id is None or not o.exact) and o.id != turn.id and o.created_at >= turn.created_at
         }
         for orphan in sorted(orphans.values(), key=lambda t: t.order):
             if orphan.session_id != turn.session_id:
@@ -551,11 +571,36 @@ class _Batch:
                     continue  # a named session is never merged into another
                 self._merge(orphan.session_id, turn.session_id)
             orphan.parent_id = turn.id
+            orphan.exact = True
             if orphan.stored:
                 self.changed_parent[orphan.id] = orphan
             if orphan.turn_type == TurnKind.MAIN and not turn.has_next_state:
                 start = len(p.record.messages) + 1  # after this turn's messages and reply
                 self._give_next_state(turn, orphan.id, (orphan.messages or [])[start:])
+
+    def _skipped_to(self, parent: _Turn) -> bool:
+        """Whether the parent's next state came from a turn that is not its exact child: one
+        that linked to it past its own missing parent (see _Turn.exact), or has moved under
+        that parent since. A turn continuing the parent exactly then gives the next state."""
+        state = parent.next_state
+        if state is None and parent.stored:
+            state = self.db.scalar(select(Turn.next_state).where(Turn.id == parent.id))
+        child_id = (state or {}).get("turn_id")
+        if not child_id:
+            return False
+        child = self.turns.get(child_id)
+        if child is not None and (not child.stored or child.messages is not None):
+            # stitched by this batch, or loaded with its exactness
+            return child.parent_id != parent.id or not child.exact
+        exact = (
+            select(TurnContinuation.turn_id)
+            .where(TurnContinuation.turn_id == parent.id, TurnContinuation.hash == Turn.link_hash)
+            .correlate(Turn)
+            .exists()
+        )
+        return self.db.scalar(
+            select(Turn.id).where(Turn.id == child_id, or_(Turn.parent_turn_id != parent.id, ~exact))
+        ) is not None
 
     def _give_next_state(self, parent: _Turn, child_id: str, appended: list[Message]) -> None:
         parent.next_state = {"turn_id": child_id, "messages": appended}

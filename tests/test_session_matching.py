@@ -215,29 +215,33 @@ REWRITES_SEEN: dict[str, int] = {}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(r=st.randoms(use_true_random=False), batches=st.integers(1, 3), order=st.sampled_from(["sent", "reversed"]))
+@given(r=st.randoms(use_true_random=False), batches=st.integers(1, 3), order=st.sampled_from(["sent", "reversed", "shuffled"]))
 def test_rewritten_histories_stitch_into_one_session(pool: Engine, r: random.Random, batches: int, order: str) -> None:
     steps = draw_steps(r, system=f"agent run {uuid.uuid4().hex}")
     reqs = requests(r, steps, REWRITES_SEEN)
     records = [_record(q, k) for k, q in enumerate(reqs)]
-    # in any batching, and children before parents (replicas, a replayed spool); for an order
-    # where a grandchild comes before its parent see the xfail below
+    # in any order and batching (replicas, a replayed spool)
     todo = records[::-1] if order == "reversed" else list(records)
+    if order == "shuffled":
+        r.shuffle(todo)
     cuts = sorted(r.sample(range(1, len(todo)), min(batches - 1, len(todo) - 1))) if len(todo) > 1 else []
     _write(pool, *[todo[a:b] for a, b in zip([0, *cuts], [*cuts, len(todo)])])
     _assert_one_session(pool, records)
 
 
-@pytest.mark.xfail(strict=True, reason="a turn written while its parent is missing but an earlier ancestor is "
-                   "stored links to that ancestor (as if its parent went uncaptured) and is not re-parented when "
-                   "the parent arrives")
-def test_grandchild_written_before_its_parent(pool: Engine) -> None:
+@pytest.mark.parametrize("batches", ["one", "each"])
+def test_grandchild_written_before_its_parent(database_url: str, batches: str) -> None:
+    # turn 2 links to turn 0 while turn 1 is missing and takes turn 0's next state; when turn 1
+    # comes it gives turn 0 the next state, and turn 2 moves under it
     r = random.Random(7)
     steps = draw_steps(r, system=f"agent run {uuid.uuid4().hex}", rounds=3)
     records = [_record(q, k) for k, q in enumerate(requests(r, steps))]
-    assert len(records) >= 3
-    _write(pool, [records[0], records[2], records[1], *records[3:]])
-    _assert_one_session(pool, records)
+    assert len(records) >= 4
+    order = [records[0], records[2], records[3], records[1], *records[4:]]
+    engine = make_engine(database_url)
+    _write(engine, *([order] if batches == "one" else [[x] for x in order]))
+    _assert_one_session(engine, records)
+    engine.dispose()
 
 
 def test_every_rewrite_was_exercised() -> None:
