@@ -37,16 +37,17 @@ class SessionKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: Literal["header", "user", "metadata", "system", "first_user"] = Field(
+    source: Literal["header", "user", "metadata", "field", "system", "first_user"] = Field(
         description="`header`: the header `name`; `user`: the request's `user` field; `metadata`: "
-        "the key `name` of its `metadata` field; `system`: the first system (or developer) message; "
-        "`first_user`: the first user message.")
-    name: str | None = Field(default=None, description="The header's name, or the metadata key.")
+        "the key `name` of its `metadata` field; `field`: its top-level field `name` (e.g. "
+        "`prompt_cache_key`); `system`: the first system (or developer) message; `first_user`: the "
+        "first user message.")
+    name: str | None = Field(default=None, description="The header's, metadata key's or field's name.")
     pattern: re.Pattern[str] | None = Field(default=None, description="Regular expression searched in the text.")
 
     @model_validator(mode="after")
     def _complete(self) -> SessionKey:
-        if self.source in ("header", "metadata") and not self.name:
+        if self.source in ("header", "metadata", "field") and not self.name:
             raise ValueError(f"a `{self.source}` session key needs `name`")
         if self.source in ("system", "first_user") and self.pattern is None:
             raise ValueError(f"a `{self.source}` session key needs `pattern`")
@@ -151,8 +152,8 @@ class Settings(BaseSettings):
     session_keys: list[SessionKey] = Field(
         default_factory=lambda: list(DEFAULT_SESSION_KEYS),
         description="Where agents that send no X-Session-Id carry their own session id, tried in "
-        "order: objects with `source` (header, user, metadata, system, first_user), `name` (the "
-        "header or metadata key) and `pattern` (a regex; its first group is the key). A JSON list "
+        "order: objects with `source` (header, user, metadata, field, system, first_user), `name` "
+        "(the header, metadata key or field) and `pattern` (a regex; its first group is the key). A JSON list "
         "in the environment; `[]` turns them off. X-Session-Id and /s/{id}/v1 always win. Default: "
         "OpenClaw's `sessionId=` line. See docs/sessions.md.",
     )

@@ -45,8 +45,8 @@ def _first(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
 def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
     if key.source == "header":
         return headers.get(key.name or "")
-    if key.source == "user":
-        value = body.get("user")
+    if key.source in ("user", "field"):
+        value = body.get("user" if key.source == "user" else key.name or "")
     elif key.source == "metadata":
         metadata = body.get("metadata")
         value = metadata.get(key.name) if isinstance(metadata, dict) else None

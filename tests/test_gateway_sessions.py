@@ -19,6 +19,7 @@ CUSTOM_KEYS = [
     {"source": "header", "name": "session-id"},  # as Codex names its header
     {"source": "metadata", "name": "conversation_id"},
     {"source": "user"},
+    {"source": "field", "name": "prompt_cache_key"},
     {"source": "system", "pattern": r"\[conversation ([\w.-]+)\]"},
 ]
 CUSTOM_RULES = [
@@ -176,7 +177,7 @@ def test_near_misses_of_the_compaction_rule_stay_main(default_gw: GatewayProcess
 # --- configured keys and rules --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("where", ["header", "metadata", "user", "system"])
+@pytest.mark.parametrize("where", ["header", "metadata", "user", "field", "system"])
 def test_each_kind_of_session_key(custom_gw: GatewayProcess, where: str) -> None:
     sid = f"{where}-{_uid()}"
     messages = [{"role": "user", "content": f"hi {_uid()}"}]
@@ -188,6 +189,8 @@ def test_each_kind_of_session_key(custom_gw: GatewayProcess, where: str) -> None
         body["metadata"] = {"conversation_id": sid, "other": "x"}
     elif where == "user":
         body["user"] = sid
+    elif where == "field":
+        body["prompt_cache_key"] = sid
     else:
         messages.insert(0, {"role": "system", "content": [{"type": "text", "text": f"Agent [conversation {sid}]"}]})
     r = _chat(custom_gw, messages, headers=headers, **body)
