@@ -200,7 +200,7 @@ def stitching(engine: Engine) -> dict[str, Any]:
                                      Session.ended_at.is_not(None).label("ended"))).all()
         marks = db.execute(select(Judgement.turn_id, Judgement.status)).all()
     return {
-        # not the link hashes: their canonical form changed with migration 0005, the decisions did not
+        # not the link hashes: their canonical form changed with migration 0007, the decisions did not
         "turns": {t.id: (name[t.session_id], t.parent_turn_id, t.next_state) for t in turns},
         "sessions": sorted(
             (name.get(s.id, "(empty)"), s.source, s.created_at, s.updated_at, bool(s.ended)) for s in sessions

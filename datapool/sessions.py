@@ -209,7 +209,7 @@ def _continuations(r: TurnRecord) -> list[str]:
 def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
     """Recompute every stored turn's link hash and continuation hashes with the canonical form
     of this version, so that requests arriving from now on find the turns stored before the
-    form changed (migration 0005 runs it; so does ``nextstate db rehash``). Links already made
+    form changed (migration 0007 runs it; so does ``nextstate db rehash``). Links already made
     stay as they are. Reads the turns in chunks ordered by id; returns (turns read,
     turns whose hashes changed)."""
     turns = Turn.__table__

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from datapool.db import alembic_config, current_revision, head_revision, make_engine
@@ -29,11 +30,11 @@ def test_migrations_round_trip_and_match_models(database_url: str) -> None:
     assert current_revision(database_url) == head_revision()
 
 
-# --- 0005: the hashes that stitch sessions, recomputed in the tolerant canonical form ----------------
+# --- 0007: the hashes that stitch sessions, recomputed in the tolerant canonical form ----------------
 
 
 def _old_form(message: dict) -> dict:
-    """The canonical form before 0005 (tool-call ids and argument strings compared as sent)."""
+    """The canonical form before 0007 (tool-call ids and argument strings compared as sent)."""
     content = message.get("content")
     if content is None:
         content = ""
@@ -60,7 +61,7 @@ def _old_hash(messages: list) -> str:
     return h.hexdigest()
 
 
-def test_0005_rehashes_a_pool_written_with_the_old_form(database_url: str) -> None:
+def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> None:
     from click.testing import CliRunner
     from sqlalchemy import delete, insert, select, update
     from sqlalchemy.orm import Session as OrmSession
@@ -74,7 +75,7 @@ def test_0005_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     engine = make_engine(database_url)
     with OrmSession(engine) as db, db.begin():
         Stitcher(db).write([first])
-    # what a gateway before 0005 stored: its link hash and continuation in the old form
+    # what a gateway before 0007 stored: its link hash and continuation in the old form
     old_continuation = _old_hash([*first.messages, *first.replies])
     with engine.begin() as conn:
         conn.execute(update(Turn).where(Turn.id == first.id).values(link_hash=None))
@@ -83,8 +84,9 @@ def test_0005_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     assert old_continuation not in [h for _, h in link_candidates(rewritten.messages)]  # the split it caused
     engine.dispose()
 
-    command.downgrade(alembic_config(database_url), "0004")
-    command.upgrade(alembic_config(database_url), "head")
+    cfg = alembic_config(database_url)
+    command.downgrade(cfg, ScriptDirectory.from_config(cfg).get_revision("0007").down_revision)
+    command.upgrade(cfg, "head")
 
     engine = make_engine(database_url)
     with engine.connect() as conn:

@@ -186,7 +186,7 @@ def test_tool_results_are_matched_to_calls_by_position() -> None:
 
 
 def test_text_only_hashes_are_unchanged_by_the_new_form() -> None:
-    # the form before 0005 hashed text messages the same way: pools stitch plain chat across the upgrade
+    # the form before 0007 hashed text messages the same way: pools stitch plain chat across the upgrade
     import hashlib
     import json
 

@@ -141,7 +141,7 @@ def db_rehash(database_url: str | None) -> None:
     """Recompute the hashes that stitch sessions (each turn's link hash and continuations) with
     this version's canonical form of messages (docs/sessions.md).
 
-    `db upgrade` does this once when the form changes (migration 0005); run it by hand only to
+    `db upgrade` does this once when the form changes (migration 0007); run it by hand only to
     repair a pool. One transaction; safe to repeat. Links already made stay as they are."""
     from datapool.db import make_engine
     from datapool.sessions import rehash
