@@ -25,14 +25,18 @@ _SYSTEM_ROLES = ("system", "developer")
 
 
 def message_text(message: Any) -> str:
-    """A message's text: its string content, or its text parts joined."""
+    """A message's text: its string content, or its text parts one per line.
+
+    Parts are joined with newlines so that line-anchored rules see each part's lines: after a
+    compaction OpenClaw sends the summary and its ``Runtime: … sessionId=…`` line as two parts.
+    """
     if not isinstance(message, dict):
         return ""
     content = message.get("content")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        return "\n".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
     return ""
 
 

@@ -375,3 +375,16 @@ def test_pairs_that_differ_never_share_a_continuation(r: random.Random) -> None:
         for index, h in link_candidates(q.messages):
             if index >= d:
                 assert h not in ends, (index, d)
+
+
+def test_a_runtime_line_in_its_own_text_part_is_a_session_key() -> None:
+    """After a compaction OpenClaw sends the summary and its Runtime line as two text parts:
+    the line-anchored key regex must see the second part's line."""
+    from datapool.settings import DEFAULT_SESSION_KEYS
+    from gateway.classify import session_key
+
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "<summary>the user asked for the weather</summary>"},
+        {"type": "text", "text": "Runtime: agent=main | sessionId=oc-7f3a | model=smollm2"},
+    ]}]}
+    assert session_key(DEFAULT_SESSION_KEYS, {}, body) == "oc-7f3a"
