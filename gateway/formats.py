@@ -19,6 +19,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import litellm
@@ -62,6 +63,37 @@ def _clean_message(m: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _SentArguments:
+    """The arguments string of each tool call this process answered on /v1/messages, by id.
+
+    Anthropic clients send a tool call back as a parsed `input` object; LiteLLM writes it out
+    again with ``json.dumps``, which need not be the model's own text (spacing, key order, a
+    bare string where guided decoding made one). Prefix stitching compares the text, so the
+    model's own string is put back where it is known. Bounded; per process (another replica
+    falls back to LiteLLM's rendering).
+    """
+
+    def __init__(self, size: int = 65536):
+        self.size = size
+        self.by_id: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, call_id: str, arguments: str) -> None:
+        self.by_id[call_id] = arguments
+        if len(self.by_id) > self.size:
+            self.by_id.popitem(last=False)
+
+    def restore(self, messages: list[dict[str, Any]]) -> None:
+        for m in messages:
+            for call in m.get("tool_calls") or ():
+                sent = self.by_id.get(call.get("id") or "")
+                fn = call.get("function") or {}
+                if sent is not None and _arguments(sent) == _arguments(fn.get("arguments") or ""):
+                    fn["arguments"] = sent
+
+
+SENT_ARGUMENTS = _SentArguments()
+
+
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as a Chat Completions request (LiteLLM's adapter)."""
     try:
@@ -70,6 +102,8 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise OpenAIError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
     chat = dict(chat)
     chat["messages"] = [_clean_message(dict(m)) for m in chat["messages"]]
+    if SENT_ARGUMENTS.by_id:
+        SENT_ARGUMENTS.restore(chat["messages"])
     return chat
 
 
@@ -454,6 +488,7 @@ class MessagesReply(Reply):
             content.append({"type": "text", "text": "".join(self.text)})
         for idx in sorted(self.calls):
             c = self.calls[idx]
+            SENT_ARGUMENTS.remember(c["id"], c["arguments"])
             content.append({"type": "tool_use", "id": c["id"], "name": c["name"], "input": _arguments(c["arguments"])})
         reason, seq = self._stop_reason()
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
@@ -493,11 +528,25 @@ class MessagesReply(Reply):
         return out
 
     def call_delta(self, idx: int, slot: dict[str, Any], delta: str) -> list[bytes]:
+        # A tool_use `input` is a JSON object. vLLM's guided decoding can produce other JSON
+        # (SmolLM2 writes a bare string at times); the whole reply then says `input: {}`, and the
+        # stream must agree, so arguments are relayed only once they are seen to open an object.
+        state = slot.get("relayed")
+        if state is None:
+            head = slot["arguments"].lstrip()
+            if not head:
+                return []
+            state = slot["relayed"] = head.startswith("{")
+            delta = slot["arguments"] if state else ""
+        if not state or not delta:
+            return []
         return [_event("content_block_delta", {"type": "content_block_delta", "index": self.block,
                                                "delta": {"type": "input_json_delta", "partial_json": delta}})]
 
     def close(self) -> list[bytes]:
         reason, seq = self._stop_reason()
+        for c in self.calls.values():
+            SENT_ARGUMENTS.remember(c["id"], c["arguments"])
         return self._stop_block() + [
             _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq},
                                      "usage": {"output_tokens": self.completion_tokens}}),
