@@ -164,10 +164,8 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
                             int(usage.get("completion_tokens") or 0), int(t.created_at.timestamp()))
 
 
-@router.post("/v1/messages/count_tokens", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CountTokensRequest))
-@router.post("/s/{session_id}/v1/messages/count_tokens", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CountTokensRequest))
+@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+@router.post("/s/{session_id}/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
 async def count_tokens(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
     LiteLLM's estimate for other providers. Nothing is stored."""
@@ -175,6 +173,7 @@ async def count_tokens(request: Request, session_id: str | None = None) -> Respo
 
 
 async def _count_tokens(request: Request) -> Response:
+    await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
     gw = gateway_of(request)
     body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
     chat = messages_to_chat({**body, "max_tokens": 1})
