@@ -371,3 +371,36 @@ def test_upstream_down_is_anthropics_overloaded_error(tmp_path: Any) -> None:
         assert exc.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
         r = httpx.post(f"{gw.url}/v1/responses", json={"model": "smollm2", "input": "hi"})
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+
+
+# --- black-box upstreams ------------------------------------------------------------------------
+
+
+def test_black_box_provider_speaks_both_formats(vllm_server: RunningVLLM, tmp_path: Any) -> None:
+    """An opaque LiteLLM provider (`openai/...`, here vLLM's OpenAI server) behind both new routes:
+    the same replies and events, captured text-only."""
+    import yaml
+
+    models = tmp_path / "models.yaml"
+    models.write_text(yaml.safe_dump({"model_list": [{"model_name": "provider-model", "litellm_params": {
+        "model": "openai/smollm2", "api_base": vllm_server.base_url, "api_key": "sk-unused"}}]}))
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", model_list=models) as gw:
+        prompt = f"Say hello. {run_id()}"
+        c = oai(gw.base_url)
+        raw = c.responses.with_raw_response.create(model="provider-model", input=prompt, max_output_tokens=8,
+                                                   temperature=0)
+        text = raw.parse().output_text
+        streamed = list(c.responses.create(model="provider-model", input=prompt, max_output_tokens=8,
+                                           temperature=0, stream=True))
+        a = claude(gw.url)
+        with a.messages.stream(model="provider-model", max_tokens=8, messages=[{"role": "user", "content": prompt}],
+                               extra_body={"temperature": 0}) as s:
+            m_turn = s.response.headers["x-turn-id"]
+            message = s.get_final_message()
+        stored = turn(gw, raw.headers["x-turn-id"])
+        m_stored = turn(gw, m_turn)
+    assert text and streamed[-1].response.output_text == text
+    assert message.content[0].text == text  # type: ignore[union-attr]
+    for t, fmt in ((stored, "responses"), (m_stored, "messages")):
+        assert t["capture"] == "black-box" and t["wire_format"] == fmt and t["response"]["content"] == text
+        assert t["token_ids"] is None and t["prompt_token_ids"] is None
