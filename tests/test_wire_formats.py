@@ -10,6 +10,7 @@ reference: it has no token ids and its own defaults (docs/wire-formats.md).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -356,7 +357,7 @@ def test_bad_input_answers_in_each_routes_dialect(gateway: GatewayProcess) -> No
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError) as bad:
         a.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "word " * 9000}])
-    assert bad.value.body["error"]["message"].startswith("prompt is too long: ")  # type: ignore[index]
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 8192 maximum", bad.value.body["error"]["message"])  # type: ignore[index]
     # the context-length error on the OpenAI routes carries OpenAI's code
     r = httpx.post(f"{url}/v1/responses", json={"model": "smollm2", "input": "word " * 9000, "max_output_tokens": 4}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
@@ -364,12 +365,22 @@ def test_bad_input_answers_in_each_routes_dialect(gateway: GatewayProcess) -> No
 
 def test_upstream_down_is_anthropics_overloaded_error(tmp_path: Any) -> None:
     dead = f"http://127.0.0.1:{free_port()}/v1"
-    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", upstream_url=dead) as gw:
+    key = f"sk-{run_id()}"
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", upstream_url=dead,
+                        env={"NEXTSTATE_API_KEYS": key}) as gw:
+        hi = [{"role": "user", "content": "hi"}]
+        # Anthropic's SDK sends its key as x-api-key: accepted like a bearer token, refused in its dialect
+        with pytest.raises(anthropic.AuthenticationError) as denied:
+            anthropic.Anthropic(base_url=gw.url, api_key="sk-wrong", max_retries=0).messages.create(
+                model="smollm2", max_tokens=4, messages=hi)  # type: ignore[arg-type]
+        assert denied.value.status_code == 401 and denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
         with pytest.raises(anthropic.APIStatusError) as exc:
-            claude(gw.url).messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0).messages.create(
+                model="smollm2", max_tokens=4, messages=hi)  # type: ignore[arg-type]
         assert exc.value.status_code == 529
         assert exc.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
-        r = httpx.post(f"{gw.url}/v1/responses", json={"model": "smollm2", "input": "hi"})
+        r = httpx.post(f"{gw.url}/v1/responses", json={"model": "smollm2", "input": "hi"},
+                       headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
 
 
