@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import chunked, dialect_insert, utcnow
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
-from datapool.vocab import JudgementStatus, TurnKind, TurnStatus, VoteKind
+from datapool.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
 
 
 def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
@@ -32,11 +32,13 @@ def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     # one multi-row upsert per chunk (the capture writer marks a batch's worth at a time); the
     # ids are distinct, so no row is upserted twice in one statement
     for chunk in chunked(ids):
-        rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "enqueued_at": now, "updated_at": now}
+        rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "retries": 0, "enqueued_at": now,
+                 "updated_at": now}
                 for tid in chunk]
         stmt = dialect_insert(db)(Judgement).values(rows)
         db.execute(stmt.on_conflict_do_update(
-            index_elements=["turn_id"], set_={"status": JudgementStatus.PENDING, "enqueued_at": now, "updated_at": now}))
+            index_elements=["turn_id"], set_={"status": JudgementStatus.PENDING, "dead_reason": None,
+                                              "enqueued_at": now, "updated_at": now}))
     return ids
 
 
@@ -56,16 +58,20 @@ def effective_next_state(db: OrmSession, turn: Turn, session: Session) -> dict[s
     return state if ready else None
 
 
-def mark_dead(engine: Engine, turn_id: str, error: str) -> None:
+def mark_dead(engine: Engine, turn_id: str, error: str, reason: str = DeadReason.ERROR) -> None:
+    """Dead-letter a turn's judgement: *reason* (a vocab.DeadReason) for /metrics and the API,
+    and the error, prefixed with the reason, in last_error."""
     with OrmSession(engine) as db, db.begin():
         db.execute(update(Judgement).where(Judgement.turn_id == turn_id).values(
-            status=JudgementStatus.DEAD, last_error=error[:4000], updated_at=utcnow()))
+            status=JudgementStatus.DEAD, dead_reason=reason, last_error=f"{reason}: {error}"[:4000],
+            updated_at=utcnow()))
 
 
 def record_failure(engine: Engine, turn_id: str, error: str) -> None:
+    """A transient failure that will be retried: counted in retries, kept in last_error."""
     with OrmSession(engine) as db, db.begin():
         db.execute(update(Judgement).where(Judgement.turn_id == turn_id).values(
-            last_error=error[:4000], updated_at=utcnow()))
+            retries=Judgement.retries + 1, last_error=error[:4000], updated_at=utcnow()))
 
 
 def apply_outcome(db: OrmSession, session_id: str, outcome: float, source: str | None) -> list[str]:

@@ -153,6 +153,8 @@ class Judgement(Base):
     judge: Mapped[str | None] = mapped_column(String(256))
     prompt_version: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # transient failures retried
+    dead_reason: Mapped[str | None] = mapped_column(String(32))  # vocab.DeadReason, when status is dead
     last_error: Mapped[str | None] = mapped_column(Text)
     enqueued_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), index=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

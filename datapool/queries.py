@@ -80,6 +80,8 @@ def judgement_view(j: Judgement | None, votes: list[Vote]) -> dict[str, Any]:
         "judge": j.judge,
         "prompt_version": j.prompt_version,
         "attempts": j.attempts,
+        "retries": j.retries,
+        "dead_reason": j.dead_reason,
         "last_error": j.last_error,
         "votes": [vote_view(v) for v in votes],
     }
@@ -197,7 +199,7 @@ def list_judgements(db: OrmSession, *, status: str | None, limit: int) -> list[d
     if status:
         q = q.where(Judgement.status == status)
     return [{"turn_id": j.turn_id, "status": j.status, "reward": j.reward, "attempts": j.attempts,
-             "last_error": j.last_error, "updated_at": iso(j.updated_at)} for j in db.scalars(q)]
+             "retries": j.retries, "dead_reason": j.dead_reason, "last_error": j.last_error, "updated_at": iso(j.updated_at)} for j in db.scalars(q)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -124,8 +124,15 @@ class Settings(BaseSettings):
     judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
     judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/scoring/prompts/NAME.md).")
     judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
+    judge_context_tokens: int | None = Field(
+        default=None, ge=256,
+        description="The judge model's context window (prompt plus answer), to which the judge prompt is "
+        "fitted. Default: asked from the model (a hosted_vllm judge's /tokenize reports its max_model_len; "
+        "LiteLLM's model info otherwise; unknown: no shortening).",
+    )
     judge_max_retries: int = Field(
-        default=4, description="Retries of a failing scoring task before it is dead-lettered."
+        default=4, description="Retries of a scoring task failing for a transient reason (connection, 5xx, "
+        "timeout, 429) before it is dead-lettered; other failures are dead-lettered at once."
     )
     judge_retry_backoff_s: float = Field(default=2.0, description="First retry delay; doubles each time.")
     teacher_url: str | None = Field(
@@ -147,6 +154,12 @@ class Settings(BaseSettings):
     # model server (vLLM) started by `nextstate up`
     vllm_port: int = Field(default=8401, description="Port of the vLLM server `nextstate up` starts.")
     vllm_served_name: str = Field(default="smollm2", description="Model name vLLM serves the base under.")
+    vllm_max_model_len: int = Field(
+        default=8192, ge=256,
+        description="vLLM --max-model-len of the servers `nextstate up` starts: the most tokens (prompt "
+        "plus reply) one request may hold. SmolLM2 was trained at 8192; a longer request is answered "
+        "400 `context_length_exceeded`.",
+    )
     teacher_vllm_port: int = Field(
         default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
     )

@@ -81,7 +81,18 @@ class JudgementStatus(StrEnum):
     TIE = "tie"
     UNPARSABLE = "unparsable"
     SKIPPED = "skipped"  # side or failed turn
-    DEAD = "dead"  # kept failing; see last_error
+    DEAD = "dead"  # kept failing, or failed in a way no retry can mend; see dead_reason, last_error
+
+
+class DeadReason(StrEnum):
+    """Why a judgement went dead. Only RETRIES_EXHAUSTED was retried first; the others cannot
+    succeed on retry and go dead after one attempt."""
+
+    CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"  # the turn cannot fit the judge's context
+    CLIENT_ERROR = "client_error"  # the judge's API refused the request (another 4xx: auth, schema, ...)
+    INVALID_REQUEST = "invalid_request"  # the judge request could not be built (prompt, schema)
+    RETRIES_EXHAUSTED = "retries_exhausted"  # transient failures (connection, 5xx, timeout, 429) kept on
+    ERROR = "error"  # anything else (a bug): not retried
 
 
 class HintSource(StrEnum):

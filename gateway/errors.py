@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,13 +35,15 @@ class OpenAIError(Exception):
         code: str | None = None,
         param: str | None = None,
         type: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
-        self.type = type or _TYPES.get(status, "api_error")
+        self.type = type or _TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "api_error")
+        self.headers = dict(headers or {})  # e.g. X-Turn-Id when the failed call was recorded as a turn
 
     def body(self) -> dict[str, Any]:
         return {
@@ -52,8 +56,42 @@ class OpenAIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request over the model's context
+# How vLLM (and most OpenAI-compatible servers) word it: "This model's maximum context length is
+# 8192 tokens. However, your prompt contains 9000 input tokens ..." / "Input length (9000) exceeds
+# model's maximum context length (8192)."
+_CONTEXT_RE = re.compile(r"maximum context length|context length exceeded|context window|"
+                         r"prompt is too long|too many (?:input )?tokens", re.IGNORECASE)
+
+
+def is_context_overflow(message: str) -> bool:
+    return bool(_CONTEXT_RE.search(message))
+
+
+def from_upstream(status: int, upstream: Any, fallback: str, *, prompt_param: str = "messages",
+                  headers: Mapping[str, str] | None = None) -> OpenAIError:
+    """An upstream's 4xx error in OpenAI's own shape, whatever dialect the upstream spoke.
+
+    vLLM answers ``{"error": {"type": "BadRequestError", "code": 400, ...}}``; OpenAI's SDKs and
+    the agents built on them look for ``invalid_request_error`` and, for a prompt over the
+    context window, ``code: context_length_exceeded`` with ``param: messages`` (what agents
+    compact their history on). The message is kept as the upstream wrote it."""
+    err = upstream.get("error") if isinstance(upstream, dict) else None
+    message = (err.get("message") if isinstance(err, dict) else None) or fallback
+    if not isinstance(message, str):
+        message = str(message)
+    code = err.get("code") if isinstance(err, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    if status == 400 and is_context_overflow(message):
+        return OpenAIError(400, message, code=CONTEXT_LENGTH_EXCEEDED, param=prompt_param, headers=headers)
+    return OpenAIError(status, message, code=code if isinstance(code, str) else None,
+                       param=param if isinstance(param, str) else None, headers=headers)
 
 
 def install(app: FastAPI) -> None:

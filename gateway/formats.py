@@ -29,7 +29,7 @@ from litellm.responses.litellm_completion_transformation.transformation import (
 )
 
 from datapool.vocab import WireFormat
-from gateway.errors import OpenAIError
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError
 
 litellm.suppress_debug_info = True  # its provider lookup prints a banner for a vLLM model name
 
@@ -435,30 +435,20 @@ def context_length(message: str) -> tuple[int | None, int | None] | None:
 
 def anthropic_error(error: OpenAIError) -> tuple[int, dict[str, Any]]:
     """An error as Anthropic's API writes it: ``{"type": "error", "error": {type, message}}``;
-    an upstream that is down or failing is ``529 overloaded_error``, as Anthropic's own is."""
+    an upstream that is down or failing is ``529 overloaded_error``, as Anthropic's own is, and
+    a prompt over the context window reads ``prompt is too long: N tokens > M maximum``."""
     status, kind, message = error.status, None, error.message
-    if error.code == "context_length_exceeded":
+    if error.code == CONTEXT_LENGTH_EXCEEDED:
         kind = "invalid_request_error"
-        if error.param:
-            message = error.param
+        prompt, limit = context_length(message) or (None, None)
+        message = (f"prompt is too long: {prompt} tokens > {limit} maximum" if prompt and limit
+                   else f"prompt is too long: {message}")
     elif status in (502, 503, 504):
         status, kind = 529, "overloaded_error"
     elif status >= 500:
         status, kind = 500, "api_error"
     kind = kind or _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return status, {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def context_error(message: str, fmt: WireFormat) -> OpenAIError | None:
-    """The upstream's context-length 400 in the client's words, or None if it is another error."""
-    found = context_length(message)
-    if found is None:
-        return None
-    prompt, limit = found
-    anthropic = (f"prompt is too long: {prompt} tokens > {limit} maximum" if prompt and limit
-                 else f"prompt is too long: {message}")
-    return OpenAIError(400, message, code="context_length_exceeded",
-                       param=anthropic if fmt == WireFormat.MESSAGES else None)
 
 
 class MessagesReply(Reply):

@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import SQLAlchemyError
@@ -78,18 +78,25 @@ class PoolCollector(Collector):
         self._at = 0.0
         self._judgements: list[tuple[str, int]] = []
         self._votes: list[tuple[str, bool, int]] = []
+        self._dead: list[tuple[str, int]] = []
+        self._retries = 0
 
     def _refresh(self) -> None:
         from datapool.models import Judgement, Vote
+        from datapool.vocab import JudgementStatus
 
         with OrmSession(self.engine) as db:
             self._judgements = [(s, n) for s, n in db.execute(
                 select(Judgement.status, func.count()).group_by(Judgement.status))]
             self._votes = [(k, bool(p), n) for k, p, n in db.execute(
                 select(Vote.kind, Vote.value.is_not(None), func.count()).group_by(Vote.kind, Vote.value.is_not(None)))]
+            self._dead = [(r or "error", n) for r, n in db.execute(
+                select(Judgement.dead_reason, func.count()).where(Judgement.status == JudgementStatus.DEAD)
+                .group_by(Judgement.dead_reason))]
+            self._retries = int(db.scalar(select(func.coalesce(func.sum(Judgement.retries), 0))) or 0)
         self._at = time.monotonic()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         if time.monotonic() - self._at > self.TTL_S:
             try:
                 self._refresh()
@@ -105,3 +112,13 @@ class PoolCollector(Collector):
         for kind, parsed, n in self._votes:
             votes.add_metric([kind, str(parsed).lower()], n)
         yield votes
+        dead = GaugeMetricFamily(
+            "nextstate_judgements_dead", "Dead-lettered judgements by reason: retries_exhausted after transient "
+            "failures; context_window_exceeded, client_error, invalid_request, error at once, never retried.",
+            labels=["reason"])
+        for reason, n in self._dead:
+            dead.add_metric([reason], n)
+        yield dead
+        yield CounterMetricFamily("nextstate_judge_retries", "Scoring tasks retried after a transient judge "
+                                  "failure (connection, timeout, 5xx, 429), over the judgements in the pool.",
+                                  value=self._retries)

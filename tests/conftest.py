@@ -26,10 +26,11 @@ class RunningVLLM:
 
 def _vllm(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, extra_args: tuple[str, ...] = ()
           ) -> Iterator[RunningVLLM]:
-    from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env
+    from nextstate.modelserver import DEFAULT_MAX_MODEL_LEN, VLLMServer, ensure_model, ensure_vllm_env
 
     reuse = os.environ.get(reuse_env)
     if reuse:
+        _check_reused(reuse_env, reuse.rstrip("/"), DEFAULT_MAX_MODEL_LEN)
         yield RunningVLLM(reuse.rstrip("/"), "smollm2")
         return
     cache = Settings().cache_dir
@@ -39,6 +40,22 @@ def _vllm(tmp_path_factory: pytest.TempPathFactory, reuse_env: str, extra_args: 
     with VLLMServer(python, model_dir, served_name="smollm2", port=0, log_path=log,
                     extra_args=extra_args) as server:
         yield RunningVLLM(server.base_url, "smollm2")
+
+
+def _check_reused(env: str, base_url: str, want: int) -> None:
+    """A reused server must serve `smollm2` at the context the suite's long-prompt tests need."""
+    import httpx
+
+    try:
+        models = httpx.get(f"{base_url}/models", timeout=30).json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError) as exc:
+        pytest.fail(f"{env}={base_url}: cannot read its /models: {exc!r}")
+    served = {m.get("id"): m.get("max_model_len") for m in models}
+    if "smollm2" not in served:
+        pytest.fail(f"{env}={base_url} does not serve `smollm2` (it serves {sorted(map(str, served))})")
+    if (served["smollm2"] or 0) < want:
+        pytest.fail(f"{env}={base_url} serves smollm2 at max_model_len {served['smollm2']}; the suite needs "
+                    f">= {want}: restart it with --max-model-len {want} (`nextstate vllm serve` does by default)")
 
 
 @pytest.fixture(scope="session")

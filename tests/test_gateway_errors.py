@@ -76,14 +76,26 @@ def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: 
     big = ok | {"messages": [{"role": "user", "content": "x" * 5000}]}
     err = _error(httpx.post(url, json=big, timeout=10), 413)
     assert "4096" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "down"}, timeout=10), 502)
-    assert "unreachable" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "slow"}, timeout=10), 504)
-    assert "timed out" in err["message"]
-    err = _error(httpx.post(url, json=ok | {"model": "slow", "stream": True}, timeout=10), 504)
-    # an error vLLM itself raises about the request comes back with vLLM's status and message
-    err = _error(httpx.post(url, json=ok | {"max_tokens": 10**6}, timeout=30), 400)
+    # refused by the gateway itself: no turn recorded, so no X-Turn-Id
+    assert "x-turn-id" not in httpx.post(url, json=ok | {"model": "gpt-17"}, timeout=10).headers
+    turn_ids = []
+    r = httpx.post(url, json=ok | {"model": "down"}, timeout=10)
+    assert "unreachable" in _error(r, 502)["message"]
+    turn_ids.append(r.headers["x-turn-id"])  # a recorded call names its error turn
+    r = httpx.post(url, json=ok | {"model": "slow"}, timeout=10)
+    assert "timed out" in _error(r, 504)["message"]
+    turn_ids.append(r.headers["x-turn-id"])
+    r = httpx.post(url, json=ok | {"model": "slow", "stream": True}, timeout=10)
+    _error(r, 504)
+    turn_ids.append(r.headers["x-turn-id"])
+    # an error vLLM itself raises about the request comes back with vLLM's status and message,
+    # in OpenAI's shape (not vLLM's "BadRequestError" type)
+    r = httpx.post(url, json=ok | {"max_tokens": 10**6}, timeout=30)
+    err = _error(r, 400)
     assert "max_tokens" in err["message"] or "context" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    turn_ids.append(r.headers["x-turn-id"])
+    assert len(set(turn_ids)) == 4
     # the gateway is fine after all that
     assert httpx.post(url, json=ok, timeout=60).status_code == 200
 
@@ -98,6 +110,11 @@ def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: 
     for status, error, response, token_ids, _ in errors:
         assert error is not None and response is None and token_ids is None
     assert [r[0] for r in rows].count("ok") == 1
+    db = sqlite3.connect(error_gateway.data_dir / "pool.db")
+    try:
+        assert {i for (i,) in db.execute("SELECT id FROM turns WHERE status = 'error'")} == set(turn_ids)
+    finally:
+        db.close()
 
 
 def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> None:
@@ -112,7 +129,8 @@ def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> 
 def test_metrics_exposes_latency_and_capture_gauges(error_gateway: GatewayProcess) -> None:
     text = httpx.get(f"{error_gateway.url}/metrics", timeout=5).text
     for name in ("nextstate_request_seconds_bucket", "nextstate_upstream_seconds_bucket",
-                 "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes"):
+                 "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes",
+                 "nextstate_judgements_dead", "nextstate_judge_retries_total"):
         assert name in text
 
 
@@ -137,3 +155,41 @@ def test_api_keys_admin_token_and_no_secrets_stored(vllm_server: RunningVLLM, tm
     stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log")
     assert key.encode() not in stored and admin.encode() not in stored
     assert key not in log and admin not in log
+
+
+def test_context_overflow_is_openai_shaped_stored_and_carries_the_turn_id(
+    vllm_server: RunningVLLM, tmp_path: Path
+) -> None:
+    """A prompt over vLLM's --max-model-len, through the official SDK: OpenAI's error (400,
+    invalid_request_error, context_length_exceeded, param messages), streaming or not; the
+    failed call is an error turn in the pool, named by the reply's X-Turn-Id."""
+    import openai
+
+    long = [{"role": "system", "content": "You are a careful assistant. " * 1800},  # ~10k tokens
+            {"role": "user", "content": "Summarise the rules above."}]
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                        upstream_url=vllm_server.base_url) as gw:
+        client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=120)
+        turn_ids = []
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as caught:
+                client.chat.completions.create(model="smollm2", messages=long, max_tokens=8, stream=stream)
+            exc = caught.value
+            assert exc.status_code == 400 and exc.code == "context_length_exceeded", exc.body
+            assert exc.type == "invalid_request_error" and exc.param == "messages"
+            assert "context length" in exc.message
+            turn_ids.append(exc.response.headers["x-turn-id"])
+        # a reply that fits still answers, with its own turn id
+        raw = client.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert raw.parse().choices and raw.headers["x-turn-id"] not in turn_ids
+
+        def stored() -> list[dict[str, Any]] | None:
+            rows = [httpx.get(f"{gw.url}/api/turns/{t}", timeout=10) for t in turn_ids]
+            return [r.json() for r in rows] if all(r.status_code == 200 for r in rows) else None
+
+        for turn in wait_for(stored):
+            assert turn["status"] == "error" and turn["response"] is None
+            assert turn["error"]["code"] == "context_length_exceeded" and turn["error"]["status"] == 400
+            assert turn["error"]["upstream"]["error"]["message"]  # vLLM's own body is kept beside it
+            assert turn["request"]["messages"][0]["content"] == long[0]["content"]  # stored as sent

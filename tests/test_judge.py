@@ -4,6 +4,7 @@ the votes exact; tests/test_judge_llm.py runs the LLM judge."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -143,7 +144,12 @@ def test_failing_judge_is_retried_then_dead_lettered(stack: Stack) -> None:
     t1, _ = stack.exchange("Hi.", "FAIL this one")
     j = stack.judged(t1, "dead", timeout=90)["judgement"]
     assert j["attempts"] == 3  # the first try and judge_max_retries=2 retries
-    assert "judge backend unavailable" in j["last_error"]
+    assert j["retries"] == 2 and j["dead_reason"] == "retries_exhausted"  # a transient failure: retried
+    assert j["last_error"].startswith("retries_exhausted: ") and "judge backend unavailable" in j["last_error"]
+    metrics = wait_for(lambda: 'nextstate_judgements_dead{reason="retries_exhausted"}' in (
+        m := stack.api("GET", "/metrics").text) and m, timeout=30)
+    retried = re.search(r"^nextstate_judge_retries_total (\S+)$", metrics, re.M)
+    assert retried is not None and float(retried.group(1)) >= 2
     assert j["votes"] == []
     dead = stack.api("GET", "/api/judgements", params={"status": "dead"}).json()["data"]
     assert t1 in [d["turn_id"] for d in dead]

@@ -69,7 +69,7 @@ def test_serve_command_and_env() -> None:
         "--served-model-name smollm2",
         "--host 127.0.0.1",
         "--port 1234",
-        "--max-model-len 2048",
+        "--max-model-len 8192",
         "--dtype bfloat16",
         "--gpu-memory-utilization 0.15",
         "--enable-lora",

@@ -14,16 +14,8 @@ from hypothesis import strategies as st
 from openai._models import construct_type
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.errors import OpenAIError
-from gateway.formats import (
-    MessagesReply,
-    ResponsesReply,
-    anthropic_error,
-    context_error,
-    messages_to_chat,
-    responses_to_chat,
-)
-from datapool.vocab import WireFormat
+from gateway.errors import OpenAIError, from_upstream
+from gateway.formats import MessagesReply, ResponsesReply, anthropic_error, messages_to_chat, responses_to_chat
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -189,9 +181,10 @@ def test_errors_in_anthropics_dialect() -> None:
     assert anthropic_error(OpenAIError(404, "no model"))[1]["error"]["type"] == "not_found_error"
     vllm = ("This model's maximum context length is 8192 tokens. However, your request has 9010 input tokens. "
             "Please reduce the length of the input messages.")
-    err = context_error(vllm, WireFormat.MESSAGES)
-    assert err is not None
+    err = from_upstream(400, {"error": {"message": vllm}}, "fallback")  # how the gateway reads vLLM's 400
+    assert err.code == "context_length_exceeded"  # on the OpenAI routes
     assert anthropic_error(err) == (400, {"type": "error", "error": {
         "type": "invalid_request_error", "message": "prompt is too long: 9010 tokens > 8192 maximum"}})
-    assert context_error(vllm, WireFormat.RESPONSES).code == "context_length_exceeded"  # type: ignore[union-attr]
-    assert context_error("temperature must be >= 0", WireFormat.MESSAGES) is None
+    other = from_upstream(400, {"error": {"message": "temperature must be >= 0"}}, "fallback")
+    assert anthropic_error(other) == (400, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "temperature must be >= 0"}})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import pkgutil
 import re
@@ -19,8 +20,34 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from datapool.scoring.fit import (
+    Fitted,
+    LiteLLMTokenizer,
+    Piece,
+    PromptTooLong,
+    Tokenizer,
+    VLLMTokenizer,
+    fit_context,
+)
+from datapool.vocab import DeadReason
+
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
-CONTEXT_MESSAGES = 6  # how much of the conversation before the action the judge sees
+CONTEXT_MESSAGES = 6  # the judge sees the system prompt and at most this many messages before the action
+log = logging.getLogger("nextstate.judge")
+
+
+class JudgeRefused(Exception):
+    """The judge cannot vote on this turn and never will: a retry would fail the same way (the
+    turn does not fit its context window, its API rejected the request with a 4xx other than
+    429, the request could not be built). The judgement goes dead at once with *reason*."""
+
+    def __init__(self, reason: DeadReason, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Celery may pickle it; keep both arguments
+        return (type(self), (self.reason, self.message))
 
 
 @dataclass(frozen=True)
@@ -150,9 +177,23 @@ def _render_message(m: dict[str, Any]) -> str:
     return out
 
 
-def render_prompt(template: str, turn: dict[str, Any], next_state: dict[str, Any]) -> str:
-    messages = (turn.get("request") or {}).get("messages") or []
-    context = "\n".join(_render_message(m) for m in messages[-CONTEXT_MESSAGES:]) or "(none)"
+def context_pieces(turn: dict[str, Any]) -> tuple[list[Piece], list[Piece]]:
+    """The conversation before the action as the judge reads it: the system prompt and the last
+    CONTEXT_MESSAGES messages; and the messages between them, which it does not."""
+    messages = list((turn.get("request") or {}).get("messages") or [])
+    system: list[dict[str, Any]] = []
+    if messages and messages[0].get("role") in ("system", "developer"):
+        system = [messages.pop(0)]
+    shown, dropped = messages[-CONTEXT_MESSAGES:], messages[:-CONTEXT_MESSAGES]
+
+    def piece(m: dict[str, Any], is_system: bool = False) -> Piece:
+        prefix = f"[{m.get('role')}] "
+        return Piece(prefix, _render_message(m)[len(prefix):], is_system)
+
+    return [piece(m, True) for m in system] + [piece(m) for m in shown], [piece(m) for m in dropped]
+
+
+def _fields(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, str]:
     response = turn.get("response") or {}
     action = _render_message({"role": "assistant", "content": response.get("content"),
                               "tool_calls": response.get("tool_calls")})
@@ -164,8 +205,18 @@ def render_prompt(template: str, turn: dict[str, Any], next_state: dict[str, Any
         parts.append("[the session ended here]")
     if next_state.get("outcome") is not None:
         parts.append(f"[episode outcome: {next_state['outcome']}]")
-    return template.format(context=context, action=action, next_state_role=next_state_role(next_state),
-                           next_state="\n".join(parts) or "(nothing)")
+    return {"action": action, "next_state_role": next_state_role(next_state),
+            "next_state": "\n".join(parts) or "(nothing)"}
+
+
+def render_prompt(template: str, turn: dict[str, Any], next_state: dict[str, Any],
+                  context: str | None = None) -> str:
+    """The judge prompt; *context* is the conversation before the action as fitted by
+    :func:`datapool.scoring.fit.fit_context` (default: the whole of what the judge reads)."""
+    if context is None:
+        pieces, _ = context_pieces(turn)
+        context = "\n".join(p.prefix + p.body for p in pieces) or "(none)"
+    return template.format(context=context, **_fields(turn, next_state))
 
 
 class Judge(Protocol):
@@ -180,7 +231,8 @@ class Judge(Protocol):
 class PythonJudge:
     """A function ``(turn, next_state) -> vote`` (or ``(turn, next_state, vote_index)``), named by
     ``module:function``; for verifiable tasks and deterministic tests. It returns a Vote, an int,
-    or a mapping with ``vote``/``rationale``/``hint``; exceptions are judge errors (retried)."""
+    or a mapping with ``vote``/``rationale``/``hint``; exceptions are judge errors (retried),
+    except :class:`JudgeRefused`, which dead-letters the turn at once."""
 
     prompt_version = None
 
@@ -213,10 +265,16 @@ class LLMJudge:
     """Any LiteLLM model; asked for JSON matching VOTE_SCHEMA (vLLM enforces it by guided
     decoding), each vote an independent sample. The default *max_tokens* leaves room for a
     vote that fills the schema's string maxima (900 characters) in one token per character:
-    a vote cut off at max_tokens is unparsable JSON."""
+    a vote cut off at max_tokens is unparsable JSON.
+
+    The prompt is fitted to the judge's context window (*context_tokens*, else asked from the
+    model): see :mod:`datapool.scoring.fit`. At most a quarter of the window is kept for the
+    answer. Failures that a retry cannot mend raise :class:`JudgeRefused`; the rest (connection,
+    timeouts, 5xx, 429) propagate to be retried."""
 
     def __init__(self, model: str, *, prompt: str, api_base: str | None = None,
-                 api_key: str | None = None, temperature: float = 1.0, max_tokens: int = 1024):
+                 api_key: str | None = None, temperature: float = 1.0, max_tokens: int = 1024,
+                 context_tokens: int | None = None, tokenizer: Tokenizer | None = None):
         os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
         self.name = model
         self.prompt_version = prompt
@@ -225,19 +283,78 @@ class LLMJudge:
         self.api_key = api_key
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.context_tokens = context_tokens
+        if tokenizer is None:
+            tokenizer = (VLLMTokenizer(api_base, model.removeprefix("hosted_vllm/"), api_key)
+                         if model.startswith("hosted_vllm/") and api_base else LiteLLMTokenizer(model))
+        self.tokenizer = tokenizer
+
+    def messages(self, prompt: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": prompt}]
+
+    async def fitted_prompt(self, turn: dict[str, Any], next_state: dict[str, Any]) -> tuple[str, int, Fitted]:
+        """(prompt, max_tokens for the answer, the fit) for this turn."""
+        window = self.context_tokens or await self.tokenizer.context_window()
+        answer = min(self.max_tokens, window // 4) if window else self.max_tokens
+        limit = window - answer if window else 10**9
+        pieces, dropped = context_pieces(turn)
+        fields = _fields(turn, next_state)
+
+        def build(context: str) -> list[dict[str, Any]]:
+            return self.messages(self.template.format(context=context, **fields))
+
+        fit = await fit_context(self.tokenizer, pieces, build, limit, dropped=dropped)
+        return build(fit.context)[0]["content"], answer, fit
 
     async def vote(self, turn: dict[str, Any], next_state: dict[str, Any], index: int) -> Vote:
         import litellm
 
-        resp = await litellm.acompletion(
-            model=self.name,
-            messages=[{"role": "user", "content": render_prompt(self.template, turn, next_state)}],
-            api_base=self.api_base,
-            api_key=self.api_key,
-            temperature=self.temperature,
-            max_tokens=self.max_tokens,
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": "vote", "schema": VOTE_SCHEMA, "strict": True}},
-            num_retries=0,
-        )
+        try:
+            prompt, answer, fit = await self.fitted_prompt(turn, next_state)
+        except PromptTooLong as exc:
+            raise JudgeRefused(DeadReason.CONTEXT_WINDOW_EXCEEDED, str(exc)) from exc
+        except (KeyError, IndexError, ValueError) as exc:  # a template that does not format, ...
+            raise JudgeRefused(DeadReason.INVALID_REQUEST, f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            _raise_if_final(exc)
+            raise
+        log.info("turn %s vote %d: judge prompt %d tokens, %d omitted (%d markers)", turn.get("id"), index,
+                 fit.prompt_tokens, fit.omitted, len(fit.markers))
+        try:
+            resp = await litellm.acompletion(
+                model=self.name,
+                messages=self.messages(prompt),
+                api_base=self.api_base,
+                api_key=self.api_key,
+                temperature=self.temperature,
+                max_tokens=answer,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "vote", "schema": VOTE_SCHEMA, "strict": True}},
+                num_retries=0,
+            )
+        except Exception as exc:
+            _raise_if_final(exc)
+            raise
         return parse_vote(resp.choices[0].message.content or "")
+
+
+_CONTEXT_WORDS = re.compile(r"maximum context length|context window|context length|prompt is too long", re.I)
+
+
+def _raise_if_final(exc: Exception) -> None:
+    """Raise JudgeRefused for an error no retry can mend: a context-window overflow, any 4xx
+    other than 408/409/429 (LiteLLM's exceptions and httpx's carry the status). Connection
+    errors, timeouts, 5xx and 429 return, to be retried."""
+    import litellm
+
+    status = getattr(exc, "status_code", None)
+    response = getattr(exc, "response", None)
+    if status is None and response is not None:
+        status = getattr(response, "status_code", None)
+    if isinstance(exc, litellm.ContextWindowExceededError) or (
+            status == 400 and _CONTEXT_WORDS.search(str(exc))):
+        raise JudgeRefused(DeadReason.CONTEXT_WINDOW_EXCEEDED, f"{type(exc).__name__}: {exc}") from exc
+    if isinstance(exc, (litellm.Timeout, litellm.APIConnectionError, litellm.RateLimitError)):
+        return
+    if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429):
+        raise JudgeRefused(DeadReason.CLIENT_ERROR, f"{type(exc).__name__} (HTTP {status}): {exc}") from exc

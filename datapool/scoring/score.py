@@ -23,7 +23,7 @@ from datapool.labels import correction_for
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from datapool.queries import turn_view
-from datapool.scoring.judge import Judge, Vote, choose_hint, tally
+from datapool.scoring.judge import Judge, JudgeRefused, Vote, choose_hint, tally
 from datapool.scoring.teacher import TeacherError, teacher_logprobs, teacher_messages
 from datapool.vocab import CaptureKind, Endpoint, HintSource, JudgementStatus, TurnKind, TurnStatus, VoteKind
 
@@ -46,7 +46,9 @@ def _store_vote(engine: Engine, turn_id: str, judge: Judge, index: int, vote: Vo
 
 
 class JudgeError(Exception):
-    """A judge (or the teacher) could not be asked; the task is retried."""
+    """A judge (or the teacher) could not be asked for a transient reason; the task is retried.
+    A vote that can never succeed raises :class:`~datapool.scoring.judge.JudgeRefused` instead,
+    which is not retried."""
 
 
 async def _collect_votes(engine: Engine, judge: Judge, turn_id: str, view: dict[str, Any],
@@ -57,13 +59,17 @@ async def _collect_votes(engine: Engine, judge: Judge, turn_id: str, view: dict[
 
     results = await asyncio.gather(*(one(i) for i in missing), return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
+    refused = [e for e in errors if isinstance(e, JudgeRefused)]
+    if refused:
+        raise refused[0]
     if errors:
         raise JudgeError(f"{len(errors)} of {len(missing)} votes failed: {errors[0]!r}") from errors[0]
 
 
 def score_turn(engine: Engine, turn_id: str, judge: Judge, m: int,
                teacher: TeacherConfig | None = None) -> str:
-    """Score one turn; returns the judgement's status. Raises JudgeError to be retried."""
+    """Score one turn; returns the judgement's status. Raises JudgeError to be retried,
+    JudgeRefused to be dead-lettered at once."""
     with OrmSession(engine) as db, db.begin():
         turn = db.get(Turn, turn_id)
         if turn is None:

@@ -10,9 +10,10 @@ from celery import Celery, Task
 from datapool.db import make_engine
 from datapool.judgements import mark_dead, record_failure, sweep
 from datapool.queue import SCORE_TASK, SWEEP_TASK, Enqueuer, make_celery
-from datapool.scoring.judge import Judge, LLMJudge, PythonJudge
+from datapool.scoring.judge import Judge, JudgeRefused, LLMJudge, PythonJudge
 from datapool.scoring.score import JudgeError, TeacherConfig, score_turn
 from datapool.settings import Settings
+from datapool.vocab import DeadReason
 
 log = logging.getLogger("nextstate.worker")
 
@@ -34,15 +35,23 @@ def build_worker_app(settings: Settings) -> Celery:
         api_base = settings.judge_api_base or (settings.teacher_url or settings.local_vllm_url
                                                if model.startswith("hosted_vllm/") else None)
         judge = LLMJudge(model, prompt=settings.judge_prompt, api_base=api_base,
-                         api_key=settings.judge_api_key, temperature=settings.judge_temperature)
+                         api_key=settings.judge_api_key, temperature=settings.judge_temperature,
+                         context_tokens=settings.judge_context_tokens)
     teacher = TeacherConfig(settings.teacher_url or settings.local_vllm_url)
     enqueuer = Enqueuer(settings)
 
     class ScoringTask(Task):  # type: ignore[misc]
         def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-            # retries exhausted (or a bug): park it where people and the API can see it
-            mark_dead(engine, args[0], f"{type(exc).__name__}: {exc}")
-            log.error("scoring of turn %s dead-lettered: %s", args[0], exc)
+            # refused (no retry can help), retries exhausted, or a bug: park it where people,
+            # the API and /metrics (nextstate_judgements_dead{reason}) can see it
+            if isinstance(exc, JudgeRefused):
+                reason = exc.reason
+            elif isinstance(exc, JudgeError):
+                reason = DeadReason.RETRIES_EXHAUSTED
+            else:
+                reason = DeadReason.ERROR
+            mark_dead(engine, args[0], f"{type(exc).__name__}: {exc}", reason)
+            log.error("scoring of turn %s dead-lettered (%s): %s", args[0], reason, exc)
 
         def on_retry(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
             record_failure(engine, args[0], f"{type(exc).__name__}: {exc}")

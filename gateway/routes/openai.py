@@ -24,12 +24,11 @@ from datapool.db import utcnow
 from datapool.records import TurnRecord
 from datapool.vocab import Endpoint, TurnKind, TurnStatus, WireFormat, values
 from gateway.auth import require_api_key
-from gateway.errors import OpenAIError
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
 from gateway.formats import (
     MessagesReply,
     Reply,
     ResponsesReply,
-    context_error,
     error_response_body,
     messages_to_chat,
     responses_object,
@@ -202,7 +201,7 @@ def _error_response(exc: OpenAIError, fmt: str) -> Response:
     if fmt != WireFormat.MESSAGES:
         return exc.response()
     status, body = error_response_body(fmt, exc)
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=exc.headers or None)
 
 
 async def _in_dialect(call: Any, fmt: str) -> Response:
@@ -368,12 +367,15 @@ class _Call:
         self.gw.writer.submit(r)
 
     def _fail(self, status_code: int, message: str, *, code: str | None = None,
-              upstream: Any = None) -> OpenAIError:
-        err = OpenAIError(status_code, message, code=code)
-        detail = err.body()["error"] | {"status": status_code}
+              upstream: Any = None, error: OpenAIError | None = None) -> OpenAIError:
+        """Record the call as an error turn; returns the error to answer with, which carries the
+        turn's id (X-Turn-Id) like every reply whose call was recorded."""
+        err = error or OpenAIError(status_code, message, code=code)
+        err.headers.update(self.headers)
+        detail = err.body()["error"] | {"status": err.status}
         if upstream is not None:
             detail["upstream"] = upstream
-        self._finish(status_code, status=TurnStatus.ERROR, error=detail, captured=False)
+        self._finish(err.status, status=TurnStatus.ERROR, error=detail, captured=False)
         return err
 
     def _observe_upstream(self) -> None:
@@ -440,21 +442,19 @@ class _Call:
             upstream = json.loads(raw)
         except ValueError:
             upstream = raw.decode(errors="replace")[:2000]
-        message = (
-            upstream.get("error", {}).get("message") if isinstance(upstream, dict)
-            and isinstance(upstream.get("error"), dict) else None
-        ) or f"upstream {self.target.group} answered HTTP {resp.status}"
-        # a 4xx is about the request and goes back as is; a 5xx is the upstream's failure
-        status = resp.status if resp.status < 500 else 502
-        if self.reply is not None:  # in the client's own dialect, not the upstream's
-            err = (context_error(message, self.label) if status == 400 else None) or OpenAIError(status, message)
-            detail = err.body()["error"] | {"status": status, "upstream": upstream}
-            self._finish(status, status=TurnStatus.ERROR, error=detail, captured=False)
-            return _error_response(err, self.label)
-        err = self._fail(status, message, upstream=upstream)
-        if isinstance(upstream, dict) and isinstance(upstream.get("error"), dict) and status < 500:
-            return JSONResponse(upstream, status_code=status)
-        return err.response()
+        fallback = f"upstream {self.target.group} answered HTTP {resp.status}"
+        # a 4xx is about the request: its status and message go back in OpenAI's shape (a prompt
+        # over the context window as `context_length_exceeded`); a 5xx is the upstream's failure
+        if resp.status < 500:
+            err = from_upstream(resp.status, upstream, fallback,
+                                prompt_param="messages" if self.endpoint == "chat" else "prompt")
+        else:
+            err = from_upstream(502, upstream, fallback)
+            err.code = err.param = None
+        err = self._fail(err.status, err.message, upstream=upstream, error=err)
+        # a Responses or Messages client gets it in its own dialect (the context overflow as
+        # Anthropic words it on /v1/messages)
+        return err.response() if self.reply is None else _error_response(err, self.label)
 
     async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
         status, error = "ok", None
@@ -564,6 +564,10 @@ class _Call:
             raise self._fail(504, f"upstream {self.target.group} timed out: {exc}") from exc
         except litellm.APIConnectionError as exc:
             raise self._fail(502, f"upstream {self.target.group} unreachable: {type(exc).__name__}: {exc}") from exc
+        except litellm.ContextWindowExceededError as exc:
+            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=OpenAIError(
+                400, f"upstream {self.target.group}: {exc}", code=CONTEXT_LENGTH_EXCEEDED,
+                param="messages" if self.endpoint == "chat" else "prompt")) from exc
         except Exception as exc:  # LiteLLM's exceptions carry the provider's status
             status = getattr(exc, "status_code", None) or 502
             raise self._fail(status if status in (400, 404, 422, 429) else 502,

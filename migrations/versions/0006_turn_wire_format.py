@@ -1,18 +1,15 @@
 """turns.wire_format: the API the client spoke (chat, completions, responses, messages)
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 Create Date: 2026-11-27
-
-Written while 0005 (reserved for session stitching) was not yet on main: the lead sets
-down_revision to '0005' when both land.
 """
 
 from alembic import op
 import sqlalchemy as sa
 
 revision = '0006'
-down_revision = '0004'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 

@@ -201,10 +201,12 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     servers = [VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
-                          port=settings.vllm_port, log_path=logs / "vllm.log", dev_mode=settings.vllm_dev_mode)]
+                          port=settings.vllm_port, log_path=logs / "vllm.log", dev_mode=settings.vllm_dev_mode,
+                          max_model_len=settings.vllm_max_model_len)]
     if scoring:
         servers.append(VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
                                   port=settings.teacher_vllm_port, log_path=logs / "vllm-teacher.log",
+                                  max_model_len=settings.vllm_max_model_len,
                                   extra_args=TEACHER_ARGS, dev_mode=settings.vllm_dev_mode))
     if settings.vllm_dev_mode:
         click.echo("vLLM dev mode: /pause, /resume, /collective_rpc are open on 127.0.0.1 (full-weight publishing)")
