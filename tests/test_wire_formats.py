@@ -33,10 +33,21 @@ WEATHER_ANTHROPIC = {"name": "get_weather", "description": "Current weather in a
                      "input_schema": WEATHER["parameters"]}
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def pool_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'pool.db'}"
+        return
+    from tests.pg import fresh_database
+
+    url, drop = fresh_database(request.getfixturevalue("pg_admin_dsn"))
+    yield url
+    drop()
+
+
 @pytest.fixture(scope="module")
-def gateway(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    d = tmp_path_factory.mktemp("gw")
-    with GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", upstream_url=vllm_server.base_url) as gw:
+def gateway(pool_url: str, vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    with GatewayProcess(tmp_path_factory.mktemp("gw"), database_url=pool_url, upstream_url=vllm_server.base_url) as gw:
         yield gw
 
 
