@@ -314,6 +314,7 @@ class ResponsesReply(Reply):
             "tool_choice": req.get("tool_choice", "auto"), "tools": req.get("tools") or [],
             "text": req.get("text") or {"format": {"type": "text"}},
             "truncation": "disabled", "metadata": req.get("metadata") or {},
+            "store": req.get("store", True),
         }
         for key in _RESPONSES_ECHO:
             if key not in obj or key in req:
