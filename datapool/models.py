@@ -10,7 +10,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from datapool.db import UTCDateTime, utcnow
-from datapool.vocab import SessionMode, TurnKind
+from datapool.vocab import SessionMode, TurnKind, WireFormat
 
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere; Python None is SQL NULL.
 Json = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
@@ -57,6 +57,8 @@ class Turn(Base):
     parent_turn_id: Mapped[str | None] = mapped_column(String(36), index=True)
     turn_type: Mapped[str] = mapped_column(String(8), default=TurnKind.MAIN)  # vocab.TurnKind
     endpoint: Mapped[str] = mapped_column(String(16))  # vocab.Endpoint
+    # vocab.WireFormat: the API the client spoke (responses and messages are stored as chat)
+    wire_format: Mapped[str] = mapped_column(String(16), default=WireFormat.CHAT, server_default="chat")
     status: Mapped[str] = mapped_column(String(16))  # vocab.TurnStatus
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     model: Mapped[str] = mapped_column(String(256))  # as the client asked

@@ -98,6 +98,7 @@ def turn_view(t: Turn) -> dict[str, Any]:
         "parent_turn_id": t.parent_turn_id,
         "turn_type": t.turn_type,
         "endpoint": t.endpoint,
+        "wire_format": t.wire_format,
         "status": t.status,
         "created_at": iso(t.created_at),
         "model": t.model,
@@ -269,3 +270,19 @@ def live_rewards(db: OrmSession, version: str, limit: int) -> list[float]:
         .where(Turn.policy_version == version, Judgement.reward.is_not(None),
                ~select(Session.id).where(Session.id == Turn.session_id, Session.mode == SessionMode.EVAL).exists())
         .order_by(Turn.created_at.desc()).limit(limit))]
+
+
+def turn_by_response_id(db: OrmSession, response_id: str) -> Turn | None:
+    """The turn whose reply went out under *response_id* (a Responses `resp_...` id, say)."""
+    return db.scalars(select(Turn).where(Turn.response_id == response_id).limit(1)).first()
+
+
+def conversation_through(db: OrmSession, response_id: str) -> list[dict[str, Any]] | None:
+    """The messages of the turn that answered *response_id*, followed by its reply: what a
+    Responses client's `previous_response_id` continues. None if no such turn (yet)."""
+    t = turn_by_response_id(db, response_id)
+    if t is None or not t.response or not t.response.get("choices"):
+        return None
+    reply = dict(t.response["choices"][0].get("message") or {})
+    reply = {k: v for k, v in reply.items() if v is not None or k == "content"}
+    return list(t.request.get("messages") or []) + [reply]

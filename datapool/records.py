@@ -35,6 +35,7 @@ class TurnRecord:
     usage: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
     session_done: bool = False  # the client said this is the session's last turn
+    wire_format: str | None = None  # vocab.WireFormat the client spoke; None: the endpoint's own
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()

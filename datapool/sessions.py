@@ -687,6 +687,7 @@ def _turn_row(p: _Prepared, turn: _Turn) -> dict[str, Any]:
         "parent_turn_id": turn.parent_id,
         "turn_type": r.turn_type,
         "endpoint": r.endpoint,
+        "wire_format": r.wire_format or r.endpoint,
         "status": r.status,
         "created_at": r.created_at,
         "model": r.model,

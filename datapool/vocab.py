@@ -53,6 +53,16 @@ class Endpoint(StrEnum):
     COMPLETIONS = "completions"
 
 
+class WireFormat(StrEnum):
+    """The API the client spoke (``turns.wire_format``). Responses and Messages calls are
+    translated to Chat Completions on their way upstream and stored as chat turns."""
+
+    CHAT = "chat"  # POST /v1/chat/completions
+    COMPLETIONS = "completions"  # POST /v1/completions
+    RESPONSES = "responses"  # OpenAI Responses API, POST /v1/responses
+    MESSAGES = "messages"  # Anthropic Messages API, POST /v1/messages
+
+
 class CaptureKind(StrEnum):
     """White-box: exact token ids and logprobs from vLLM; black-box: text only."""
 

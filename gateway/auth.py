@@ -120,15 +120,20 @@ def _bearer(request: Request) -> str | None:
     return auth[7:] if auth[:7].lower() == "bearer " else None
 
 
+def _client_key(request: Request) -> str | None:
+    """The client's key: a bearer token, or Anthropic's ``x-api-key`` header (its SDKs send that)."""
+    return _bearer(request) or request.headers.get("x-api-key")
+
+
 async def require_api_key(request: Request) -> None:
     """Dependency of the client routes: one of ``api_keys`` as the bearer token, when any is set."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
     keys = gateway_of(request).settings.api_keys
     if not keys:
         return
-    token = _bearer(request) or ""
+    token = _client_key(request) or ""
     if not any(hmac.compare_digest(token, k) for k in keys):
-        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")
 
 

@@ -73,6 +73,56 @@ class CompletionRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
 
 
+class ResponsesRequest(BaseModel):
+    """`POST /v1/responses` (OpenAI Responses API)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | list[dict[str, Any]] | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    metadata: dict[str, str] | None = None
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(BaseModel):
+    """`POST /v1/messages` (Anthropic Messages API): `max_tokens` is required, as there."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
 def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400) -> dict[str, Any]:
     """Decode and check a request body; returns the JSON object as the client sent it.
     Malformed JSON is a 400; a body that breaks the schema gets ``invalid_status``."""

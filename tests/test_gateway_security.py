@@ -47,6 +47,17 @@ def openai_error(resp: httpx.Response | Any, status: int | None = None) -> dict[
     return err
 
 
+def anthropic_error(resp: httpx.Response | Any, status: int | None = None) -> dict[str, Any]:
+    """The Anthropic error body (`/v1/messages`), checked for shape (and status, if given)."""
+    if status is not None:
+        assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    err = body["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    return err
+
+
 class Gateway(GatewayProcess):
     """A gateway process given time to start: on two cores shared with other suites and vLLM,
     importing LiteLLM and migrating the pool has taken over 90 s."""
@@ -79,7 +90,8 @@ def open_gateway(fast_upstream: UpstreamProcess, tmp_path_factory: pytest.TempPa
 
 def test_fuzzed_requests_never_5xx_and_errors_speak_openai(open_gateway: GatewayProcess) -> None:
     """schemathesis generates requests for every operation of the gateway's own OpenAPI schema,
-    valid and not; none may get a 5xx, and every 4xx must be an OpenAI-shaped error."""
+    valid and not; none may get a 5xx, and every 4xx must be an error in the route's dialect
+    (Anthropic's on /v1/messages, OpenAI's everywhere else)."""
     schema = schemathesis.openapi.from_url(f"{open_gateway.url}/openapi.json")
     failures: list[str] = []
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -96,10 +108,11 @@ def test_fuzzed_requests_never_5xx_and_errors_speak_openai(open_gateway: Gateway
             if resp.status_code >= 500:
                 failures.append(where)
             elif resp.status_code >= 400:
+                anthropic = "/v1/messages" in case.formatted_path
                 try:
-                    openai_error(resp)
+                    (anthropic_error if anthropic else openai_error)(resp)
                 except (AssertionError, ValueError, KeyError, TypeError):
-                    failures.append("not OpenAI-shaped: " + where)
+                    failures.append(f"not {'Anthropic' if anthropic else 'OpenAI'}-shaped: " + where)
 
         check()
     assert not failures, failures[:10]
@@ -275,7 +288,7 @@ def test_every_route_needs_its_credentials(tmp_path: Path) -> None:
                     r = client.request(method, path, headers=headers, json={})
                     assert _refused(r), (method, full, headers, r.status_code, r.text[:200])
                     if r.status_code == 401 and not full.startswith("/admin"):  # the UI answers in HTML
-                        openai_error(r)
+                        (anthropic_error if "/v1/messages" in full else openai_error)(r)
                 is_admin = full.startswith(ADMIN_PREFIXES)
                 r = client.request(method, path, headers={"Authorization": f"Bearer {key}"}, json={})
                 if is_admin:
@@ -287,7 +300,8 @@ def test_every_route_needs_its_credentials(tmp_path: Path) -> None:
     # the enumeration really covered the proxy, feedback and admin routes
     paths = {p for _, p in probed}
     assert {"/v1/chat/completions", "/s/{session_id}/v1/completions", "/v1/models", "/v1/feedback",
-            "/api/sessions", "/api/turns/{turn_id}"} <= paths
+            "/api/sessions", "/api/turns/{turn_id}", "/v1/responses", "/v1/responses/{response_id}",
+            "/s/{session_id}/v1/messages", "/v1/messages/count_tokens"} <= paths
 
 
 # --- no secret reaches the pool or the logs ------------------------------------------------------

@@ -186,8 +186,9 @@ def litellm_proxy(exe: Path, upstream: str, work: Path, cpu: int | None,
 
 def load(url: str, *, stream: bool, model: str = "fixed", rate: float | None = None, duration: float = 0,
          concurrency: int = 64, requests: int = 0, latencies: bool = True, api_key: str | None = CLIENT_KEY,
-         extra: dict[str, Any] | None = None, cpu: int | None = None, warmup: int = 20) -> dict[str, Any]:
-    args = [sys.executable, "-m", "benchmarks.gateway.load", "--url", url, "--model", model,
+         extra: dict[str, Any] | None = None, cpu: int | None = None, warmup: int = 20,
+         fmt: str = "chat") -> dict[str, Any]:
+    args = [sys.executable, "-m", "benchmarks.gateway.load", "--url", url, "--model", model, "--format", fmt,
             "--duration", str(duration), "--concurrency", str(concurrency), "--requests", str(requests),
             "--warmup", str(warmup)]
     if stream:
@@ -290,6 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(gw.stop)
         rows: dict[str, tuple[str, int]] = {"direct": (upstream_url, upstream.pid),
                                             "nextstate": (gw.base_url, gw.proc.pid)}  # type: ignore[union-attr]
+        # the same gateway spoken to in the other wire formats (translated to chat upstream)
+        fmt_of: dict[str, str] = {}
+        for fmt in filter(None, args.formats.split(",")):
+            rows[f"nextstate {fmt}"] = (gw.base_url, gw.proc.pid)  # type: ignore[union-attr]
+            fmt_of[f"nextstate {fmt}"] = fmt
         if args.floor:
             port = free_port()
             floor = Proc(_pinned(proxy_cpu, [sys.executable, "-m", "benchmarks.gateway.floor", "--upstream",
@@ -316,34 +322,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mode = "stream" if stream else "whole"
             for name, (url, pid) in rows.items():
                 c0 = cpu_seconds(pid)
-                r = load(url, stream=stream, rate=args.rate, duration=args.duration)
+                r = load(url, stream=stream, rate=args.rate, duration=args.duration, fmt=fmt_of.get(name, "chat"))
                 cpu = cpu_seconds(pid) - c0
                 entry = results["rows"].setdefault(name, {}).setdefault(mode, {})
                 entry["fixed_rate"] = _summary(r) | {"cpu_s_per_1k": cpu / max(r["ok"], 1) * 1000,
                                                     "loadgen_cpu_s_per_1k": r["cpu_s"] / max(r["ok"], 1) * 1000}
-                if name == "nextstate":
+                if name.startswith("nextstate"):
                     sent_to_gateway += r["sent"]
                 print(f"  {mode:<6} {name:<14} {args.rate:.0f} RPS: ok {r['ok']} errors {r['errors']} "
                       f"total p50 {entry['fixed_rate']['total_p50']:.2f} ms", file=sys.stderr, flush=True)
             for name, (url, pid) in rows.items():
                 r = load(url, stream=stream, concurrency=args.concurrency, duration=args.sat_duration,
-                         latencies=False)
+                         latencies=False, fmt=fmt_of.get(name, "chat"))
                 results["rows"][name][mode]["saturation_rps"] = r["ok"] / r["elapsed_s"]
                 results["rows"][name][mode]["saturation_errors"] = r["errors"]
-                if name == "nextstate":
+                if name.startswith("nextstate"):
                     sent_to_gateway += r["sent"]
                 print(f"  {mode:<6} {name:<14} saturation: {r['ok'] / r['elapsed_s']:.0f} RPS, errors "
                       f"{r['errors']}", file=sys.stderr, flush=True)
 
         # memory after many requests (half whole, half streamed), for each proxy
         for name, (url, pid) in rows.items():
-            if name in ("direct", "asgi-floor"):
+            if name in ("direct", "asgi-floor") or name in fmt_of:
                 continue
             mem = [rss_mib(pid)]
             half = args.leak_requests // 2
             for stream in (False, True):
                 r = load(url, stream=stream, concurrency=args.concurrency, requests=half, latencies=False)
-                if name == "nextstate":
+                if name.startswith("nextstate"):
                     sent_to_gateway += r["sent"]
                 mem.append(rss_mib(pid))
             results["rows"][name]["memory_mib"] = mem
@@ -414,7 +420,7 @@ def _summary(r: dict[str, Any]) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     rows = results["rows"]
     out = []
-    hdr = (f"{'row':<16}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
+    hdr = (f"{'row':<20}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
            f"{'added total p50/p95/p99':>26}{'added TTFT p50/p99':>20}{'sat RPS':>9}{'CPU s/1k':>9}")
     out.append(hdr)
     out.append("-" * len(hdr))
@@ -429,7 +435,7 @@ def table(results: dict[str, Any]) -> str:
             ref = vbase if name.startswith("vllm") else base
             errs = sum(f["errors"].values())
             okerr = f"{f['ok']}/{errs}"
-            line = (f"{name:<16}{mode:<7}{okerr:>10}"
+            line = (f"{name:<20}{mode:<7}{okerr:>10}"
                     f"{f['ttft_p50']:>10.2f}/{f['ttft_p95']:>6.2f}/{f['ttft_p99']:>6.2f}"
                     f"{f['total_p50']:>10.2f}/{f['total_p95']:>6.2f}/{f['total_p99']:>6.2f}")
             if ref is not None and name not in ("direct", "vllm direct", "vllm direct+ids"):
@@ -480,6 +486,9 @@ def main() -> None:
     ap.add_argument("--leak-requests", type=int, default=20000, help="requests for the memory check, per proxy")
     ap.add_argument("--proxy-cpu", type=int, default=1, help="CPU the gateway and LiteLLM proxy are pinned to")
     ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--formats", default="responses,messages",
+                    help="other wire formats to measure through the gateway beside Chat Completions "
+                         "('' for none); rows `nextstate responses`, `nextstate messages`")
     ap.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure benchmarks/gateway/floor.py, a bare forwarder on the same stack")
     ap.add_argument("--litellm-db", action=argparse.BooleanOptionalAction, default=True,

@@ -3,6 +3,7 @@
     python -m benchmarks.gateway.load --url http://127.0.0.1:8400/v1 --rate 200 --duration 10 [--stream]
     python -m benchmarks.gateway.load --url ... --concurrency 64 --duration 10      # saturation
     python -m benchmarks.gateway.load --url ... --concurrency 64 --requests 20000   # fixed count
+    python -m benchmarks.gateway.load --url ... --rate 200 --format messages        # another wire format
 
 Open loop (``--rate``): requests start on a fixed schedule whatever the server does, and each
 latency is measured from its scheduled start, so a server that falls behind shows it (no
@@ -24,9 +25,18 @@ from typing import Any
 import aiohttp
 
 
-def _body(model: str, stream: bool, extra: dict[str, Any]) -> bytes:
-    body = {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
-            "stream": stream} | extra
+# the same request in each wire format the gateway speaks: its path and body
+FORMATS = {
+    "chat": ("/chat/completions", lambda model: {
+        "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}),
+    "responses": ("/responses", lambda model: {"model": model, "input": "Say hello.", "max_output_tokens": 8}),
+    "messages": ("/messages", lambda model: {
+        "model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}),
+}
+
+
+def _body(model: str, stream: bool, extra: dict[str, Any], fmt: str = "chat") -> bytes:
+    body = FORMATS[fmt][1](model) | {"stream": stream} | extra
     return json.dumps(body).encode()
 
 
@@ -61,7 +71,7 @@ class Run:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     extra = json.loads(args.extra) if args.extra else {}
-    run = Run(args.url.rstrip("/") + "/chat/completions", _body(args.model, args.stream, extra),
+    run = Run(args.url.rstrip("/") + FORMATS[args.format][0], _body(args.model, args.stream, extra, args.format),
               {"authorization": f"Bearer {args.api_key}"} if args.api_key else {})
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
@@ -107,6 +117,8 @@ def main() -> None:
     ap.add_argument("--url", required=True, help="base URL (…/v1)")
     ap.add_argument("--model", default="fixed")
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--format", choices=sorted(FORMATS), default="chat",
+                    help="wire format: Chat Completions, OpenAI Responses or Anthropic Messages")
     ap.add_argument("--rate", type=float, help="open loop: requests per second")
     ap.add_argument("--concurrency", type=int, default=64, help="closed loop: clients")
     ap.add_argument("--duration", type=float, default=0, help="seconds")

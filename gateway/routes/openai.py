@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes, also mounted under ``/s/{session_id}`` so a base_url can carry the session."""
+"""The proxy routes: Chat Completions and Completions, OpenAI's Responses API and Anthropic's
+Messages API (the last two translated to Chat Completions upstream, gateway.formats), each also
+mounted under ``/s/{session_id}`` so a base_url can carry the session."""
 
 from __future__ import annotations
 
@@ -17,13 +19,32 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
-from datapool.vocab import TurnStatus
+from datapool.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
 from gateway.classify import session_of, turn_kind_of
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body, read_body
+from gateway.formats import (
+    MessagesReply,
+    Reply,
+    ResponsesReply,
+    error_response_body,
+    messages_to_chat,
+    responses_object,
+    responses_to_chat,
+)
+from gateway.pool import in_pool
+from gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    CountTokensRequest,
+    MessagesRequest,
+    ResponsesRequest,
+    parse_body,
+    read_body,
+)
 from gateway.recording import (
     Accumulator,
     ClientWants,
@@ -39,6 +60,9 @@ router = APIRouter()
 
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
 _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+# the client's path -> the wire format it speaks; Responses and Messages go upstream as chat
+_FORMATS = {"/chat/completions": WireFormat.CHAT, "/completions": WireFormat.COMPLETIONS,
+            "/responses": WireFormat.RESPONSES, "/messages": WireFormat.MESSAGES}
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -94,7 +118,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)],
              openapi_extra=body_schema(ChatCompletionRequest))
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
-    return await _proxy(request, "chat", session_id)
+    return await _proxy(request, WireFormat.CHAT, session_id)
 
 
 @router.post("/v1/completions", dependencies=[Depends(require_api_key)],
@@ -102,11 +126,91 @@ async def chat_completions(request: Request, session_id: str | None = None) -> R
 @router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)],
              openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request, session_id: str | None = None) -> Response:
-    return await _proxy(request, "completions", session_id)
+    return await _proxy(request, WireFormat.COMPLETIONS, session_id)
 
 
-_ENDPOINTS = {path: endpoint for endpoint, path in _PATHS.items()}  # "/chat/completions" -> "chat"
-_PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _ENDPOINTS)) + ")$")
+@router.post("/v1/responses", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(ResponsesRequest))
+@router.post("/s/{session_id}/v1/responses", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(ResponsesRequest))
+async def responses(request: Request, session_id: str | None = None) -> Response:
+    """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
+    return await _in_dialect(_proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
+
+
+@router.post("/v1/messages", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(MessagesRequest))
+@router.post("/s/{session_id}/v1/messages", dependencies=[Depends(require_api_key)],
+             openapi_extra=body_schema(MessagesRequest))
+async def messages(request: Request, session_id: str | None = None) -> Response:
+    """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
+    return await _in_dialect(_proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
+
+
+@router.get("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+@router.get("/s/{session_id}/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+async def get_response(request: Request, response_id: str, session_id: str | None = None) -> dict[str, Any]:
+    """A stored Response, read back from the pool (any replica answers it)."""
+    gw = gateway_of(request)
+    t = await in_pool(gw.engine, queries.turn_by_response_id, response_id)
+    if t is None or t.response is None:
+        raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    usage = t.usage or {}
+    request_echo = {k: v for k, v in (t.request.get("params") or {}).items()
+                    if k in ("previous_response_id", "metadata", "temperature", "top_p", "user")}
+    return responses_object(t.response, request_echo, t.model, int(usage.get("prompt_tokens") or 0),
+                            int(usage.get("completion_tokens") or 0), int(t.created_at.timestamp()))
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+@router.post("/s/{session_id}/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+async def count_tokens(request: Request, session_id: str | None = None) -> Response:
+    """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
+    LiteLLM's estimate for other providers. Nothing is stored."""
+    return await _in_dialect(_count_tokens(request), WireFormat.MESSAGES)
+
+
+async def _count_tokens(request: Request) -> Response:
+    await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
+    gw = gateway_of(request)
+    body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
+    chat = messages_to_chat({**body, "max_tokens": 1})
+    target = await gw.upstreams.resolve(body["model"])
+    if not target.white_box:
+        return JSONResponse({"input_tokens": litellm.token_counter(model=target.served_name,
+                                                                   messages=chat["messages"])})
+    payload = {"model": target.served_name, "messages": chat["messages"], "add_generation_prompt": True}
+    if chat.get("tools"):
+        payload["tools"] = chat["tools"]
+    root = (target.api_base or "").removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    try:
+        async with gw.http.post(f"{root}/tokenize", json=payload, headers=auth) as resp:
+            found = await resp.json(content_type=None)
+            if resp.status >= 400:
+                raise OpenAIError(resp.status if resp.status < 500 else 502,
+                                  str((found.get("error") or {}).get("message") or found)[:2000])
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc).__name__}") from exc
+    return JSONResponse({"input_tokens": int(found["count"])})
+
+
+def _error_response(exc: OpenAIError, fmt: str) -> Response:
+    """*exc* in the client's dialect: Anthropic's error body on /v1/messages, OpenAI's elsewhere."""
+    if fmt != WireFormat.MESSAGES:
+        return exc.response()
+    status, body = error_response_body(fmt, exc)
+    return JSONResponse(body, status_code=status, headers=exc.headers or None)
+
+
+async def _in_dialect(call: Any, fmt: str) -> Response:
+    try:
+        return await call
+    except OpenAIError as exc:
+        return _error_response(exc, fmt)
+
+
+_PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _FORMATS)) + ")$")
 
 
 class ProxyFastPath:
@@ -133,11 +237,12 @@ class ProxyFastPath:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive)
+        fmt = _FORMATS[match[2]]
         try:
             await require_api_key(request)
-            response = await _proxy(request, _ENDPOINTS[match[2]], match[1])
+            response = await _proxy(request, fmt, match[1])
         except OpenAIError as exc:
-            response = exc.response()
+            response = _error_response(exc, fmt)
         await response(scope, receive, send)
 
 
@@ -149,11 +254,36 @@ def _turn_type(request: Request, body: dict[str, Any]) -> str:
     return turn_kind_of(request.headers, body, gateway_of(request).settings.side_turn_rules)
 
 
-async def _proxy(request: Request, endpoint: str, path_session: str | None) -> Response:
+async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]:
+    """The conversation a Responses `previous_response_id` continues, from the pool."""
+    if not response_id:
+        return []
+    found = await in_pool(gw.engine, queries.conversation_through, response_id)
+    if found is None:
+        await gw.writer.flushed()  # this replica may have answered it a moment ago
+        found = await in_pool(gw.engine, queries.conversation_through, response_id)
+    if found is None:
+        raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
+                          code="previous_response_not_found", param="previous_response_id")
+    return found
+
+
+async def _proxy(request: Request, fmt: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
     raw = await read_body(request, gw.settings.max_body_bytes)
-    body = parse_body(raw, _SCHEMAS[endpoint])
+    reply: Reply | None = None
+    if fmt == WireFormat.RESPONSES:
+        asked = parse_body(raw, ResponsesRequest)
+        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id")))
+        reply = ResponsesReply(asked["model"], asked)
+    elif fmt == WireFormat.MESSAGES:
+        asked = parse_body(raw, MessagesRequest)
+        body = messages_to_chat(asked)
+        reply = MessagesReply(asked["model"], asked)
+    else:
+        body = parse_body(raw, _SCHEMAS[fmt])
+    endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
     session_id, source = _session(request, path_session, body)
     turn_type = _turn_type(request, body)
     target = await gw.upstreams.resolve(body["model"])
@@ -173,11 +303,14 @@ async def _proxy(request: Request, endpoint: str, path_session: str | None) -> R
         session_done=request.headers.get("x-session-done", "").strip().lower() in ("1", "true", "yes"),
         upstream_model=target.served_name,
         policy_version=target.policy_version,
+        wire_format=fmt,
     )
+    if reply is not None and asked.get("previous_response_id"):
+        record.request["params"]["previous_response_id"] = asked["previous_response_id"]
     headers = {"X-Turn-Id": record.id}
     if session_id:
         headers["X-Session-Id"] = session_id
-    call = _Call(gw, endpoint, body, target, record, started, headers)
+    call = _Call(gw, endpoint, body, target, record, started, headers, reply)
     if target.white_box:
         return await call.vllm()
     return await call.litellm()
@@ -187,7 +320,7 @@ class _Call:
     """One proxied call: sends it upstream, relays the reply, hands the record to capture."""
 
     def __init__(self, gw: Gateway, endpoint: str, body: dict[str, Any], target: Target,
-                 record: TurnRecord, started: float, headers: dict[str, str]):
+                 record: TurnRecord, started: float, headers: dict[str, str], reply: Reply | None = None):
         self.gw = gw
         self.endpoint = endpoint
         self.body = body
@@ -197,13 +330,18 @@ class _Call:
         self.headers = headers
         self.stream = bool(body.get("stream"))
         self.acc = Accumulator(endpoint, target.white_box)
+        # a Responses or Messages reply: translated back from chat, stored under the client's id
+        self.reply = reply
+        self.label = record.wire_format or endpoint
+        if reply is not None:
+            self.acc.id = reply.id
 
     # -- finishing --------------------------------------------------------------------------
 
     def _finish(self, status_code: int, *, status: str = "ok", error: dict[str, Any] | None = None,
                 captured: bool = True) -> None:
         elapsed = time.perf_counter() - self.started
-        self.gw.metrics.request_seconds.labels(self.endpoint, str(status_code)).observe(elapsed)
+        self.gw.metrics.request_seconds.labels(self.label, str(status_code)).observe(elapsed)
         r = self.record
         r.status = status
         r.error = error
@@ -251,7 +389,7 @@ class _Call:
         wants = ClientWants.of(self.endpoint, self.body)
         if self.stream:
             return StreamingResponse(
-                self._relay(resp, wants),
+                self._relay(resp, wants) if self.reply is None else self._relay_translated(resp),
                 status_code=resp.status,
                 media_type="text/event-stream",
                 headers={**self.headers, "Cache-Control": "no-cache"},
@@ -270,6 +408,9 @@ class _Call:
             raise self._fail(502, f"upstream {t.group} sent invalid JSON") from exc
         self.acc.feed(obj)
         self._finish(resp.status)
+        if self.reply is not None:
+            return Response(_dumps(self.reply.whole(obj)), status_code=resp.status,
+                            media_type="application/json", headers=self.headers)
         if not wants.everything:
             strip_for_client(obj, wants)
             raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
@@ -296,7 +437,10 @@ class _Call:
         else:
             err = from_upstream(502, upstream, fallback)
             err.code = err.param = None
-        return self._fail(err.status, err.message, upstream=upstream, error=err).response()
+        err = self._fail(err.status, err.message, upstream=upstream, error=err)
+        # a Responses or Messages client gets it in its own dialect (the context overflow as
+        # Anthropic words it on /v1/messages)
+        return err.response() if self.reply is None else _error_response(err, self.label)
 
     async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
         status, error = "ok", None
@@ -341,6 +485,58 @@ class _Call:
                 resp.close()  # closing the connection is what cancels the request upstream
             self._finish(200, status=status, error=error)
 
+    async def _relay_translated(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        """vLLM's chat stream, translated event by event into the client's wire format."""
+        reply = self.reply
+        assert reply is not None
+        status, error = "ok", None
+        done = False  # the closing events were sent: the reply is complete
+        ended = False
+        try:
+            async for events in sse_events(resp.content.iter_any()):
+                out: list[bytes] = []
+                for _, data in events:
+                    if data is None:
+                        continue
+                    if data == b"[DONE]":
+                        out += reply.end()
+                        done = True
+                        continue
+                    try:
+                        obj = json.loads(data)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict):
+                        if isinstance(obj.get("error"), dict) and not obj.get("choices"):
+                            err = OpenAIError(502, str(obj["error"].get("message") or "upstream error"))
+                            status, error = "error", err.body()["error"]
+                            out.append(reply.error_event(err))
+                            continue
+                        self.acc.feed(obj)
+                        out += reply.chunk(obj)
+                if out:
+                    yield b"".join(out)
+            ended = True
+            if not done and status == "ok":
+                done = True
+                yield b"".join(reply.end())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            status = "error"
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
+            error = err.body()["error"]
+            yield reply.error_event(err)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not done:
+                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
+            raise
+        finally:
+            if ended:
+                resp.release()
+            else:
+                resp.close()
+            self._finish(200, status=status, error=error)
+
     # -- other providers: through the LiteLLM Router ---------------------------------------------
 
     async def litellm(self) -> Response:
@@ -367,27 +563,36 @@ class _Call:
             obj = result.model_dump(mode="json", exclude_none=True)
             self.acc.feed(obj)
             self._finish(200)
-            return JSONResponse(obj, headers=self.headers)
+            return JSONResponse(obj if self.reply is None else self.reply.whole(obj), headers=self.headers)
         return StreamingResponse(self._relay_litellm(result), media_type="text/event-stream",
                                  headers={**self.headers, "Cache-Control": "no-cache"})
 
     async def _relay_litellm(self, chunks: Any) -> AsyncIterator[bytes]:
         status, error = "ok", None
         done = False
+        reply = self.reply
         try:
             async for chunk in chunks:
                 obj = chunk.model_dump(mode="json", exclude_none=True)
                 self.acc.feed(obj)
-                yield b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+                if reply is None:
+                    yield b"data: " + _dumps(obj) + b"\n\n"
+                else:
+                    yield b"".join(reply.chunk(obj))
             done = True
-            yield b"data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n" if reply is None else b"".join(reply.end())
         except (asyncio.CancelledError, GeneratorExit):
             if not done:
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         except Exception as exc:
             status = "error"
-            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}").body()["error"]
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
+            error = err.body()["error"]
+            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n" if reply is None else reply.error_event(err)
         finally:
             self._finish(200, status=status, error=error)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

@@ -6,14 +6,14 @@ form; recomputed here so that requests continuing turns stored before the upgrad
 them. No schema change.
 
 Revision ID: 0007
-Revises: 0005 (set down_revision to '0006' when the wire-format migration lands)
+Revises: 0006
 Create Date: 2026-11-27
 """
 
 from alembic import op
 
 revision = '0007'
-down_revision = '0005'
+down_revision = '0006'
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,190 @@
+"""The reply translators (gateway/formats.py) on varied replies, without a server: a streamed
+reply, however vLLM chunks it, must build in each official SDK the same object as the whole
+reply; and requests round-trip through LiteLLM's adapters into the chat view the pool keeps."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+from anthropic.lib.streaming._messages import accumulate_event
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai._models import construct_type
+from openai.types.responses import Response, ResponseStreamEvent
+
+from gateway.errors import OpenAIError, from_upstream
+from gateway.formats import MessagesReply, ResponsesReply, anthropic_error, messages_to_chat, responses_to_chat
+
+PROMPT = [1, 2, 3, 4, 5]
+
+text_pieces = st.lists(st.text(min_size=1, max_size=6), max_size=6)
+arguments = st.dictionaries(st.sampled_from(["city", "unit", "days"]),
+                            st.one_of(st.integers(-5, 50), st.text(max_size=8)), max_size=3)
+calls = st.lists(st.tuples(st.sampled_from(["get_weather", "add", "search"]), arguments,
+                           st.integers(1, 4)), max_size=2)
+
+
+def _split(s: str, parts: int) -> list[str]:
+    size = max(1, -(-len(s) // parts))
+    return [s[i:i + size] for i in range(0, len(s), size)] or [""]
+
+
+def chat_reply(texts: list[str], tool_calls: list[tuple[str, dict[str, Any], int]], finish: str,
+               stop: str | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The same vLLM reply streamed (chunks) and whole."""
+    chunks: list[dict[str, Any]] = [{"id": "c", "prompt_token_ids": PROMPT,
+                                     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+    n = 0
+    for piece in texts:
+        chunks.append({"id": "c", "choices": [{"index": 0, "delta": {"content": piece}, "token_ids": [n]}]})
+        n += 1
+    whole_calls = []
+    for i, (name, args, parts) in enumerate(tool_calls):
+        raw = json.dumps(args)
+        call_id = f"chatcmpl-tool-{i}"
+        whole_calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": raw}})
+        chunks.append({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": i, "id": call_id, "type": "function", "function": {"name": name}}]}, "token_ids": [n]}]})
+        n += 1
+        for piece in _split(raw, parts):
+            chunks.append({"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": i, "function": {"arguments": piece}}]}, "token_ids": [n]}]})
+            n += 1
+    chunks.append({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": finish, "stop_reason": stop}]})
+    whole = {"id": "c", "prompt_token_ids": PROMPT, "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": n},
+             "choices": [{"index": 0, "finish_reason": finish, "stop_reason": stop,
+                          "message": {"role": "assistant", "content": "".join(texts) or None,
+                                      "tool_calls": whole_calls}}]}
+    return chunks, whole
+
+
+def _events(reply: Any, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: list[bytes] = []
+    for c in chunks:
+        out += reply.chunk(c)
+    out += reply.end()
+    parsed = []
+    for e in out:
+        head, data = e.split(b"\ndata: ", 1)
+        event = json.loads(data)
+        assert head == b"event: " + event["type"].encode() and e.endswith(b"\n\n")
+        parsed.append(event)
+    return parsed
+
+
+def _ids_out(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _ids_out(v) for k, v in node.items() if k not in ("id", "item_id", "created_at", "sequence_number")}
+    if isinstance(node, list):
+        return [_ids_out(v) for v in node]
+    return node
+
+
+replies = st.tuples(text_pieces, calls, st.sampled_from(["stop", "length", "tool_calls"]),
+                    st.sampled_from([None, "END"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(reply=replies)
+def test_messages_stream_builds_the_whole_message(reply: tuple[Any, ...]) -> None:
+    chunks, whole = chat_reply(*reply)
+    request = {"model": "m", "max_tokens": 9, "messages": [], "stop_sequences": ["END"]}
+    events = _events(MessagesReply("m", request, "msg_1"), chunks)
+    snapshot = None
+    bufs: dict[int, bytes] = {}
+    for e in events:
+        snapshot = accumulate_event(event=e, current_snapshot=snapshot, json_bufs=bufs)  # type: ignore[arg-type]
+    expected = MessagesReply("m", request, "msg_1").whole(whole)
+    assert snapshot is not None
+    got = snapshot.model_dump(mode="json", exclude_none=True)
+    want = anthropic._models.construct_type(type_=anthropic.types.Message, value=expected).model_dump(  # type: ignore[attr-defined]
+        mode="json", exclude_none=True)
+    assert got == want
+    assert [e["type"] for e in events][-2:] == ["message_delta", "message_stop"]
+    texts, tool_calls, finish, stop = reply
+    assert expected["stop_reason"] == ("tool_use" if tool_calls else "max_tokens" if finish == "length"
+                                       else "stop_sequence" if stop == "END" else "end_turn")
+    assert [b["input"] for b in expected["content"] if b["type"] == "tool_use"] == [a for _, a, _ in tool_calls]
+
+
+@settings(max_examples=150, deadline=None)
+@given(reply=replies)
+def test_responses_stream_ends_with_the_whole_response(reply: tuple[Any, ...]) -> None:
+    chunks, whole = chat_reply(*reply)
+    request = {"model": "m", "input": "hi"}
+    events = _events(ResponsesReply("m", request, "resp_1"), chunks)
+    parsed = [construct_type(type_=ResponseStreamEvent, value=e) for e in events]  # type: ignore[arg-type]
+    assert [type(p).__name__ for p in parsed] and all(p.type == e["type"] for p, e in zip(parsed, events))  # type: ignore[union-attr]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    expected = ResponsesReply("m", request, "resp_1").whole(whole)
+    final = events[-1]
+    assert final["type"] == ("response.incomplete" if reply[2] == "length" else "response.completed")
+    want = construct_type(type_=Response, value=expected).model_dump(mode="json")  # type: ignore[arg-type]
+    got = construct_type(type_=Response, value=final["response"]).model_dump(mode="json")  # type: ignore[arg-type]
+    assert _ids_out(got) == _ids_out(want)
+    # text deltas add up to the text, argument deltas to the arguments
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "".join(reply[0])
+    args = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [json.loads(a) for a in args] == [a for _, a, _ in reply[1]]
+
+
+def test_non_object_arguments_are_an_empty_input_in_both() -> None:
+    """vLLM's guided decoding can write a bare JSON string as a tool's arguments."""
+    chunks, whole = chat_reply([], [("get_weather", {}, 1)], "tool_calls", None)
+    for c in chunks:
+        for choice in c["choices"]:
+            for call in choice["delta"].get("tool_calls") or ():
+                if "arguments" in call.get("function", {}):
+                    call["function"]["arguments"] = '"Paris"'
+    whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = '"Paris"'
+    events = _events(MessagesReply("m", {}, "msg_1"), chunks)
+    assert not [e for e in events if e.get("delta", {}).get("type") == "input_json_delta"]
+    assert MessagesReply("m", {}, "msg_1").whole(whole)["content"][0]["input"] == {}
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def test_messages_request_becomes_the_chat_the_pool_keeps() -> None:
+    chat = messages_to_chat({
+        "model": "m", "max_tokens": 5, "system": "Be brief.", "stop_sequences": ["X"], "top_k": 3,
+        "metadata": {"user_id": "u1"},
+        "messages": [{"role": "user", "content": "hi"},
+                     {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "2"}]}],
+        "tools": [{"name": "add", "input_schema": {"type": "object"}}]})
+    assert chat["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert chat["messages"][2]["tool_calls"][0]["id"] == "t1" and "thinking_blocks" not in chat["messages"][2]
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "2"}
+    assert chat["stop"] == ["X"] and chat["max_tokens"] == 5 and chat["top_k"] == 3 and chat["user"] == "u1"
+
+
+def test_responses_request_continues_the_stored_history() -> None:
+    history = [{"role": "system", "content": "old"}, {"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]}]
+    chat = responses_to_chat({"model": "m", "input": [{"type": "function_call_output", "call_id": "c1", "output": "2"}],
+                              "seed": 7, "store": False, "previous_response_id": "resp_x"}, history)
+    assert chat["messages"] == history + [{"role": "tool", "tool_call_id": "c1", "content": "2"}]
+    assert chat["seed"] == 7 and "store" not in chat and "previous_response_id" not in chat
+    with_instructions = responses_to_chat({"model": "m", "input": "more", "instructions": "new"}, history)
+    assert with_instructions["messages"][0] == {"role": "system", "content": "new"}
+    assert with_instructions["messages"][1:] == history[1:] + [{"role": "user", "content": "more"}]
+
+
+def test_errors_in_anthropics_dialect() -> None:
+    assert anthropic_error(OpenAIError(502, "down")) == (529, {"type": "error", "error": {
+        "type": "overloaded_error", "message": "down"}})
+    assert anthropic_error(OpenAIError(404, "no model"))[1]["error"]["type"] == "not_found_error"
+    vllm = ("This model's maximum context length is 8192 tokens. However, your request has 9010 input tokens. "
+            "Please reduce the length of the input messages.")
+    err = from_upstream(400, {"error": {"message": vllm}}, "fallback")  # how the gateway reads vLLM's 400
+    assert err.code == "context_length_exceeded"  # on the OpenAI routes
+    assert anthropic_error(err) == (400, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "prompt is too long: 9010 tokens > 8192 maximum"}})
+    other = from_upstream(400, {"error": {"message": "temperature must be >= 0"}}, "fallback")
+    assert anthropic_error(other) == (400, {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "temperature must be >= 0"}})
