@@ -100,7 +100,7 @@ def test_session_ids_are_deterministic_and_valid() -> None:
     assert ro.session_id("run1", "add-1", 3, attempt=2) == "run1:add-1:3:2"
     odd = ro.session_id("run1", "what is 2+2? / ünïcode", 1)
     assert odd == ro.session_id("run1", "what is 2+2? / ünïcode", 1) != ro.session_id("run1", "other", 1)
-    from gateway.routes.openai import SESSION_ID
+    from gateway.protocol import SESSION_ID
 
     assert SESSION_ID.match(odd) and SESSION_ID.match(ro.session_id("r" * 40, "t" * 48, 10**6, 49))
 

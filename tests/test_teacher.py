@@ -401,6 +401,6 @@ async def test_too_long_raises_with_server_message(vllm_server: Any) -> None:
     async with httpx.AsyncClient(timeout=TIMEOUT) as http:
         with pytest.raises(TeacherError, match="maximum context length") as info:
             await teacher_logprobs(
-                http, vllm_server.base_url, vllm_server.model, [{"role": "user", "content": "hi"}], [30] * 2100
+                http, vllm_server.base_url, vllm_server.model, [{"role": "user", "content": "hi"}], [30] * 8300
             )
     assert info.value.status_code == 400
