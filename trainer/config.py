@@ -103,6 +103,15 @@ class LocalConfig:
     bf16: bool | None = None  # default: on CUDA with bf16 support; fp32 on the CPU
     seed: int = 0
     init_adapter: Path | None = None  # continue training this adapter (the active version)
+    #: the speed options (issue #20); ``legacy`` turns them all off: main's code path before them
+    #: (full-vocabulary log_softmax, padded micro-batches, fp32 LoRA adapters on a bf16 base,
+    #: the no-grad pass always), kept for benchmarks and equivalence tests
+    legacy: bool = False
+    #: pack each micro-batch into one row with position ids instead of padding: "auto" packs
+    #: when padding would be at least a quarter of the micro-batch's tokens, "on" always, "off" never
+    packing: str = "auto"
+    logprob_chunk: int = 1024  # tokens per chunk of the LM head in the chunked log-prob path
+    compile: bool = False  # torch.compile each decoder layer
 
 
 @dataclass
