@@ -112,6 +112,8 @@ class LocalConfig:
     packing: str = "auto"
     logprob_chunk: int = 1024  # tokens per chunk of the LM head in the chunked log-prob path
     compile: bool = False  # torch.compile each decoder layer
+    #: torch.compile mode when ``compile``: None (default fusion) or "reduce-overhead" (CUDA graphs)
+    compile_mode: str | None = None
 
 
 @dataclass

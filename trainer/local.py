@@ -64,7 +64,7 @@ class LocalTrainer:
         self.model.train()
         if cfg.compile and not cfg.legacy:
             for layer in self._causal_lm().model.layers:
-                layer.compile()
+                layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
         # fine-tuning keeps main's bf16 weights and AdamW states (a 1.7 B model's fp32 masters
@@ -278,8 +278,7 @@ class LocalTrainer:
         self.optimizer.step()
         if self._master:
             with torch.no_grad():
-                for p, master in self._master:
-                    p.copy_(master)
+                torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])
         self.step_count += 1
         elapsed = time.perf_counter() - started
         tokens = float(mask.sum())

@@ -255,7 +255,8 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     cfg = LocalConfig(model_dir=Path(args.model_dir), lora=(mode == "lora"), lora_rank=args.lora_rank,
                       micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed,
-                      legacy=args.path == "main", compile=args.path == "compile")
+                      legacy=args.path == "main", compile=args.path.startswith("compile"),
+                      compile_mode="reduce-overhead" if args.path == "compile-cg" else None)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     t0 = time.perf_counter()
     trainer = LocalTrainer(cfg, objectives.ObjectiveConfig(objective="rl"))
@@ -363,10 +364,10 @@ def table(results: list[dict], model_label: str) -> str:
         head += ["GPU busy", "matmul share of GPU time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        mode = r["mode"] + {"main": " (main)", "compile": " +compile"}.get(r.get("path", ""), "") + (
+        mode = r["mode"] + {"main": " (main)", "compile": " +compile", "compile-cg": " +compile+CUDA graphs"}.get(r.get("path", ""), "") + (
             f" (round {r['round']})" if "round" in r else "")
         row = [model_label, mode, f"{_params(r['n_params'])} ({_params(r['n_trainable'])})", r["dtype"],
-               f"{r['batch']} × ({r['prompt_len']}+{r['response_len']})",
+               f"{r['batch']} × ({r['prompt_len']}+{r['response_len']}), mb {r['micro_batch']}",
                f"{r['step_s']:.3f} ({r['step_s_min']:.3f}–{r['step_s_max']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['response_tokens_per_s']:,.0f}",
                _gib(r["mem_base"]), _gib(r["mem_peak"]), _gib(r["mem_peak"] - r["mem_base"])]
         if gpu:
@@ -411,7 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated code paths, each mode run once per path: new (the trainer's "
                         "default), main (LocalConfig.legacy: main's path before issue #20 — full-vocabulary "
                         "log_softmax, padding, fp32 adapters, the no-grad pass), compile (new + torch.compile "
-                        "of each decoder layer) (default: %(default)s)")
+                        "of each decoder layer), compile-cg (the same with CUDA graphs: mode "
+                        "reduce-overhead) (default: %(default)s)")
     p.add_argument("--path", default="new", help=argparse.SUPPRESS)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--device", default=None, help="LocalConfig.device (default: cuda if available, else cpu)")
@@ -462,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in ("lora", "full") for m in modes):
         raise SystemExit(f"--modes takes lora and/or full, got {args.modes!r}")
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if any(x not in ("new", "main", "compile") for x in paths):
-        raise SystemExit(f"--paths takes new, main and/or compile, got {args.paths!r}")
+    if any(x not in ("new", "main", "compile", "compile-cg") for x in paths):
+        raise SystemExit(f"--paths takes new, main, compile and/or compile-cg, got {args.paths!r}")
     with tempfile.TemporaryDirectory(prefix="nextstate-bench-") as tmp:
         if args.random_config:
             model_dir = Path(args.keep_dir) if args.keep_dir else Path(tmp) / "model"
