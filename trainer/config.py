@@ -140,6 +140,10 @@ class VerlConfig:
     # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
     # to each other)
     attn_implementation: str | None = None
+    #: veRL's fused log-prob kernels (``model.use_fused_kernels``, torch backend): the log-probs of
+    #: the sampled tokens from the hidden states and the LM head in chunks, as the local backend's
+    #: ``trainer.logprobs`` does (issue #20); off until measured on the GPU
+    fused_kernels: bool = False
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0
