@@ -103,6 +103,17 @@ class LocalConfig:
     bf16: bool | None = None  # default: on CUDA with bf16 support; fp32 on the CPU
     seed: int = 0
     init_adapter: Path | None = None  # continue training this adapter (the active version)
+    #: the speed options (issue #20); ``legacy`` turns them all off: main's code path before them
+    #: (full-vocabulary log_softmax, padded micro-batches, fp32 LoRA adapters on a bf16 base,
+    #: the no-grad pass always), kept for benchmarks and equivalence tests
+    legacy: bool = False
+    #: pack each micro-batch into one row with position ids instead of padding: "auto" packs
+    #: when padding would be at least a quarter of the micro-batch's tokens, "on" always, "off" never
+    packing: str = "auto"
+    logprob_chunk: int = 1024  # tokens per chunk of the LM head in the chunked log-prob path
+    compile: bool = False  # torch.compile each decoder layer
+    #: torch.compile mode when ``compile``: None (default fusion) or "reduce-overhead" (CUDA graphs)
+    compile_mode: str | None = None
 
 
 @dataclass
@@ -129,6 +140,10 @@ class VerlConfig:
     # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
     # to each other)
     attn_implementation: str | None = None
+    #: veRL's fused log-prob kernels (``model.use_fused_kernels``, torch backend): the log-probs of
+    #: the sampled tokens from the hidden states and the LM head in chunks, as the local backend's
+    #: ``trainer.logprobs`` does (issue #20); off until measured on the GPU
+    fused_kernels: bool = False
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0

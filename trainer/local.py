@@ -4,6 +4,16 @@ LoRA by default (full fine-tuning by flag), bf16 where the device supports it, g
 accumulation over micro-batches. Each step: the current policy's logprobs of the samples'
 response tokens, advantages and the clipped PPO loss from ``trainer.objectives`` (veRL's
 core_algos), one optimizer step.
+
+Speed (issue #20; ``LocalConfig.legacy`` turns it all off): the log-probs of the response
+tokens come from the decoder's last hidden states at the response positions and the LM head in
+chunks (``trainer.logprobs``), never the full-vocabulary logits; micro-batches with much
+padding are packed into one row with position ids (transformers' padding-free masks);
+LoRA adapters compute in the base model's dtype (bf16 on a GPU) while the optimizer keeps fp32
+master copies of them; AdamW is fused on CUDA; and the no-grad pass over the batch runs only
+when the objective needs the current policy's log-probs before the step (OPD, stale-sample
+correction) — otherwise samples without captured log-probs take the same values from the
+step's own forward (detached), where the no-grad pass would have produced them.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from trainer import logprobs as chunked
 from trainer import objectives
 from trainer.config import LocalConfig
 from trainer.samples import Sample
@@ -35,20 +46,38 @@ class LocalTrainer:
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=self.dtype)
+        # peft's default upcasts adapters to fp32 on a bf16 base (fp32 GEMMs without tensor
+        # cores on every adapted projection); the fast path keeps them in the base dtype and
+        # gives the optimizer fp32 master copies instead (below)
+        autocast = cfg.legacy
         if cfg.lora:
             from peft import LoraConfig, PeftModel, get_peft_model
 
             if cfg.init_adapter is not None:
-                model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True)
+                model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True,
+                                                  autocast_adapter_dtype=autocast)
             else:
                 model = get_peft_model(model, LoraConfig(
                     r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_targets),
-                    lora_dropout=0.0, task_type="CAUSAL_LM"))
+                    lora_dropout=0.0, task_type="CAUSAL_LM"), autocast_adapter_dtype=autocast)
         self.model = model.to(self.device)
         self.model.train()
+        if cfg.compile and not cfg.legacy:
+            for layer in self._causal_lm().model.layers:
+                layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr)
+        # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
+        # fine-tuning keeps main's bf16 weights and AdamW states (a 1.7 B model's fp32 masters
+        # and states would add 20 GB)
+        self._master: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if cfg.lora and not cfg.legacy and any(p.dtype != torch.float32 for p in params):
+            self._master = [(p, p.detach().float().clone().requires_grad_(True)) for p in params]
+            params = [m for _, m in self._master]
+        fused = self.device.type == "cuda" and not cfg.legacy
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if fused else {}))
         self.step_count = 0
+        #: whether the last step ran the no-grad pass (for benchmarks' FLOP counts)
+        self.last_step_no_grad_pass = True
 
     # -- logprobs -------------------------------------------------------------------------------
 
@@ -72,6 +101,65 @@ class LocalTrainer:
     def response_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(a_t | prefix) for each response token, response mask), both (batch, resp_len).
         ``adapter=False`` gives the base policy's (for the KL term), without gradients."""
+        if self.cfg.legacy or not self._chunked_ok():
+            return self._full_logprobs(samples, adapter=adapter)
+        if adapter:
+            return self._chunked_logprobs(samples)
+        with torch.no_grad(), self.model.disable_adapter():
+            return self._chunked_logprobs(samples)
+
+    def _causal_lm(self) -> torch.nn.Module:
+        """The transformers causal LM (under peft's wrapper for LoRA; its layers carry the adapters)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def _chunked_ok(self) -> bool:
+        """The chunked path needs a plain linear LM head over the decoder's last hidden state
+        (no adapter on the head, no logit soft-capping or scaling)."""
+        lm = self._causal_lm()
+        head = lm.get_output_embeddings()
+        config = lm.config
+        return (type(head) is torch.nn.Linear and hasattr(lm, "model")
+                and not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", None) is None)
+
+    def _pack(self, samples: Sequence[Sample]) -> bool:
+        mode = self.cfg.packing
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"packing must be auto, on or off, got {mode!r}")
+        if mode != "auto" or len(samples) < 2:
+            return mode == "on"
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        return sum(lengths) <= 0.75 * len(lengths) * max(lengths)
+
+    def _chunked_logprobs(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+        lm = self._causal_lm()
+        starts = [len(s.prompt_ids) for s in samples]
+        lengths = [len(s.response_ids) for s in samples]
+        if self._pack(samples):
+            # one row, position ids restarting at 0 per sequence and no attention mask:
+            # transformers builds the block-diagonal causal mask (varlen with FlashAttention)
+            seqs = [s.prompt_ids + s.response_ids for s in samples]
+            ids = torch.tensor([[t for seq in seqs for t in seq]], device=self.device)
+            pos = torch.cat([torch.arange(len(seq)) for seq in seqs])[None].to(self.device)
+            offsets = [sum(len(x) for x in seqs[:i]) for i in range(len(seqs))]
+            hidden = lm.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+            h, valid = chunked.select_response_hidden(hidden, [o + st for o, st in zip(offsets, starts, strict=True)],
+                                                      lengths, rows=[0] * len(seqs))
+        else:
+            ids, attn, _, _ = self._batch(samples)
+            hidden = lm.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+            h, valid = chunked.select_response_hidden(hidden, starts, lengths)
+        width = valid.shape[1]
+        targets = torch.zeros((len(samples), width), dtype=torch.long)
+        for i, s in enumerate(samples):
+            targets[i, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
+        head = lm.get_output_embeddings()
+        logp = chunked.token_logprobs(h, head.weight, targets.to(self.device), head.bias,
+                                      chunk_size=self.cfg.logprob_chunk)
+        mask = valid.to(torch.float32)
+        return logp * mask, mask
+
+    def _full_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The full-vocabulary path (main's before issue #20): all logits, fp32 log_softmax."""
         ids, attn, mask, resp_len = self._batch(samples)
         if adapter:
             logits = self.model(input_ids=ids, attention_mask=attn).logits
@@ -114,7 +202,8 @@ class LocalTrainer:
         """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
 
         Advantages are computed over the whole batch first (GRPO groups and per-step
-        standardization span micro-batches), from a no-grad pass of the current policy.
+        standardization span micro-batches), from a no-grad pass of the current policy where
+        they need its log-probs (OPD, ``correct``).
 
         ``correct`` marks stale samples (produced by a policy several versions back): their PPO
         ratio is taken against the current policy instead, and the loss of each token is
@@ -124,15 +213,29 @@ class LocalTrainer:
         started = time.perf_counter()
         samples = list(samples)
         cfg = self.objective
-        student, mask = self._no_grad_logprobs(samples)
-        student, mask = student.to(self.device), mask.to(self.device)
+        stale = correct is not None and any(correct)
+        # the current policy's log-probs before the step are needed for OPD advantages and the
+        # stale-sample correction; otherwise (and always on the legacy path, as before) the
+        # no-grad pass is skipped and samples without captured log-probs take the step's own
+        # (detached) forward values, the same policy's
+        self.last_step_no_grad_pass = self.cfg.legacy or cfg.objective != "rl" or stale
+        if self.last_step_no_grad_pass:
+            student, mask = self._no_grad_logprobs(samples)
+            student, mask = student.to(self.device), mask.to(self.device)
+        else:
+            width = max(len(s.response_ids) for s in samples)
+            mask = torch.zeros((len(samples), width), device=self.device)
+            for i, s in enumerate(samples):
+                mask[i, : len(s.response_ids)] = 1
+            student = torch.zeros_like(mask)
+        on_policy = [s.behaviour_logprobs is None for s in samples]
         # π_behaviour: vLLM's captured logprobs (exact importance ratio); black-box: on-policy
         old = self._padded([s.behaviour_logprobs for s in samples], student)
         is_weights = None
-        if correct is not None and any(correct):
+        if stale:
             is_weights = torch.ones_like(student)
-            for i, stale in enumerate(correct):
-                if stale and samples[i].behaviour_logprobs is not None:
+            for i, is_stale in enumerate(correct):
+                if is_stale and samples[i].behaviour_logprobs is not None:
                     is_weights[i] = torch.exp(student[i] - old[i]).clamp(max=ratio_cap)
                     old[i] = student[i]
         teacher = teacher_mask = None
@@ -148,12 +251,18 @@ class LocalTrainer:
             teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
 
         self.optimizer.zero_grad(set_to_none=True)
+        for p, _ in self._master:
+            p.grad = None
         totals: dict[str, float] = {}
         n, mb = len(samples), self.cfg.micro_batch_size
         for lo in range(0, n, mb):
             part = samples[lo: lo + mb]
             log_prob, part_mask = self.response_logprobs(part)
             w = part_mask.shape[1]
+            if not self.last_step_no_grad_pass and any(on_policy[lo: lo + mb]):
+                for j in range(len(part)):
+                    if on_policy[lo + j]:
+                        old[lo + j, :w] = log_prob[j].detach()
             ref = (self.response_logprobs(part, adapter=False)[0]
                    if cfg.kl_coef > 0 and self.cfg.lora else None)
             loss, metrics = objectives.compute_loss(
@@ -162,7 +271,14 @@ class LocalTrainer:
             (loss * len(part) / n).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * len(part) / n
+        if self._master:
+            for p, master in self._master:
+                master.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
         self.optimizer.step()
+        if self._master:
+            with torch.no_grad():
+                torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])
         self.step_count += 1
         elapsed = time.perf_counter() - started
         tokens = float(mask.sum())

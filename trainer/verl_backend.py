@@ -190,6 +190,8 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
         "actor_rollout_ref.model.enable_gradient_checkpointing": cfg.gradient_checkpointing,
         "actor_rollout_ref.model.use_remove_padding": attn.startswith("flash_attention"),
         "actor_rollout_ref.model.override_config.attn_implementation": attn,
+        "actor_rollout_ref.model.use_fused_kernels": cfg.fused_kernels,
+        "actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch",
         **lora,
         "actor_rollout_ref.actor.strategy": cfg.strategy,
         "actor_rollout_ref.actor.optim.lr": cfg.lr,

@@ -206,6 +206,15 @@ def synthetic_samples(n: int, prompt_len: int, response_len: int, vocab: int, se
     return out
 
 
+MATMUL_KERNEL_MARKS = ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "cublas", "sm90_", "sm80_", "ampere_")
+
+
+def is_matmul_kernel(name: str) -> bool:
+    """GEMM kernels by name (cuBLAS/cuBLASLt nvjet, CUTLASS, xmma); attention and the rest not."""
+    low = name.lower()
+    return any(mark in low for mark in MATMUL_KERNEL_MARKS) and "flash" not in low and "fmha" not in low
+
+
 def profile_step(trainer, samples, cuda: bool, sync) -> tuple[str, float, float]:
     """One ``trainer.step`` under torch.profiler: (op table, seconds of GPU kernels, wall seconds)."""
     import torch
@@ -219,12 +228,16 @@ def profile_step(trainer, samples, cuda: bool, sync) -> tuple[str, float, float]
         sync()
         wall = time.perf_counter() - t
     averages = prof.key_averages()
-    kernel_us = 0.0
+    kernel_us = matmul_us = 0.0
     if cuda:
         for e in averages:
             # kernels only: user annotations such as "Optimizer.step#AdamW.step" also show as CUDA ranges
             if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
-                kernel_us += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+                us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+                kernel_us += us
+                if is_matmul_kernel(e.key):
+                    matmul_us += us
+    profile_step.matmul_s = matmul_us / 1e6
     sort = "self_cpu_time_total"
     if cuda:
         sort = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
@@ -241,7 +254,9 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         torch.set_num_threads(args.threads)
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     cfg = LocalConfig(model_dir=Path(args.model_dir), lora=(mode == "lora"), lora_rank=args.lora_rank,
-                      micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed)
+                      micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed,
+                      legacy=args.path == "main", compile=args.path.startswith("compile"),
+                      compile_mode="reduce-overhead" if args.path == "compile-cg" else None)
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     t0 = time.perf_counter()
     trainer = LocalTrainer(cfg, objectives.ObjectiveConfig(objective="rl"))
@@ -306,17 +321,22 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         "peak_source": "max_memory_allocated" if cuda else ("VmHWM after clear_refs" if reset_ok else "ru_maxrss"),
         "last_loss": metrics.get("loss"), "torch": torch.__version__,
     }
+    result["path"] = args.path
+    result["no_grad_pass"] = trainer.last_step_no_grad_pass
     if profile_text is not None:
         result["profile"] = profile_text
         result["profiled_step_s"] = prof_wall
         if cuda:  # GPU kernel time of one step (from the profiled step)
             result["gpu_kernel_s"] = kernel_s
+            result["gpu_matmul_s"] = profile_step.matmul_s
     if cuda:
         peak = args.peak_tflops or peak_tflops(device_name)
         result["peak_tflops"] = peak
         if peak:
             result["mfu_6n"] = 6 * n_matmul * result["tokens_per_s"] / (peak * 1e12)
-            result["hfu_8n"] = 8 * n_matmul * result["tokens_per_s"] / (peak * 1e12)
+            # with the step's no-grad forward (2N more per token) where it ran
+            extra = 2 if trainer.last_step_no_grad_pass else 0
+            result["hfu_8n"] = (6 + extra) * n_matmul * result["tokens_per_s"] / (peak * 1e12)
     return result
 
 
@@ -336,26 +356,30 @@ def table(results: list[dict], model_label: str) -> str:
     head = ["model", "mode", "params (trainable)", "dtype", "batch × (P+R)", "s/step (min–max)", "tok/s (all)",
             "resp tok/s", "mem base GiB", "mem peak GiB", "Δ GiB"]
     if gpu:
-        head += ["MFU (6N)", "HFU (8N)"]
+        head += ["MFU (6N)", "MFU + no-grad fwd"]
     else:
         head += ["CPU s/step"]
     busy = any("gpu_kernel_s" in r for r in results)
     if busy:
-        head += ["GPU busy"]
+        head += ["GPU busy", "matmul share of GPU time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        mode = r["mode"] + (f" (round {r['round']})" if "round" in r else "")
+        mode = r["mode"] + {"main": " (main)", "compile": " +compile", "compile-cg": " +compile+CUDA graphs"}.get(r.get("path", ""), "") + (
+            f" (round {r['round']})" if "round" in r else "")
         row = [model_label, mode, f"{_params(r['n_params'])} ({_params(r['n_trainable'])})", r["dtype"],
-               f"{r['batch']} × ({r['prompt_len']}+{r['response_len']})",
+               f"{r['batch']} × ({r['prompt_len']}+{r['response_len']}), mb {r['micro_batch']}",
                f"{r['step_s']:.3f} ({r['step_s_min']:.3f}–{r['step_s_max']:.3f})", f"{r['tokens_per_s']:,.0f}", f"{r['response_tokens_per_s']:,.0f}",
                _gib(r["mem_base"]), _gib(r["mem_peak"]), _gib(r["mem_peak"] - r["mem_base"])]
         if gpu:
             row += [f"{100 * r['mfu_6n']:.1f} %" if "mfu_6n" in r else "n/a",
-                    f"{100 * r['hfu_8n']:.1f} %" if "hfu_8n" in r else "n/a"]
+                    (f"{100 * r['hfu_8n']:.1f} %" + (" (8N)" if r.get("no_grad_pass", True) else " (no pass)"))
+                    if "hfu_8n" in r else "n/a"]
         if not gpu:
             row += [f"{r['cpu_s']:.2f}" if "cpu_s" in r else "n/a"]
         if busy:
-            row += [f"{100 * r['gpu_kernel_s'] / r['step_s']:.0f} %" if "gpu_kernel_s" in r else "n/a"]
+            row += [f"{100 * r['gpu_kernel_s'] / r['step_s']:.0f} %" if "gpu_kernel_s" in r else "n/a",
+                    f"{100 * r['gpu_matmul_s'] / r['gpu_kernel_s']:.0f} %" if r.get("gpu_matmul_s") is not None
+                    else "n/a"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -384,6 +408,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="LocalConfig.micro_batch_size (default: %(default)s)")
+    p.add_argument("--paths", default="new",
+                   help="comma-separated code paths, each mode run once per path: new (the trainer's "
+                        "default), main (LocalConfig.legacy: main's path before issue #20 — full-vocabulary "
+                        "log_softmax, padding, fp32 adapters, the no-grad pass), compile (new + torch.compile "
+                        "of each decoder layer), compile-cg (the same with CUDA graphs: mode "
+                        "reduce-overhead) (default: %(default)s)")
+    p.add_argument("--path", default="new", help=argparse.SUPPRESS)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--device", default=None, help="LocalConfig.device (default: cuda if available, else cpu)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
@@ -411,7 +442,7 @@ def worker_argv(args: argparse.Namespace, model_dir: str, mode: str, result: str
             "--result", result, "--batch-size", str(args.batch_size), "--prompt-len", str(args.prompt_len),
             "--response-len", str(args.response_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--micro-batch-size", str(args.micro_batch_size), "--lora-rank", str(args.lora_rank),
-            "--bf16", args.bf16, "--threads", str(args.threads), "--seed", str(args.seed)]
+            "--bf16", args.bf16, "--threads", str(args.threads), "--seed", str(args.seed), "--path", args.path]
     if args.device:
         argv += ["--device", args.device]
     if args.peak_tflops:
@@ -432,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if any(m not in ("lora", "full") for m in modes):
         raise SystemExit(f"--modes takes lora and/or full, got {args.modes!r}")
+    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if any(x not in ("new", "main", "compile", "compile-cg") for x in paths):
+        raise SystemExit(f"--paths takes new, main, compile and/or compile-cg, got {args.paths!r}")
     with tempfile.TemporaryDirectory(prefix="nextstate-bench-") as tmp:
         if args.random_config:
             model_dir = Path(args.keep_dir) if args.keep_dir else Path(tmp) / "model"
@@ -443,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = Path(args.model_dir).expanduser()
             label = model_dir.name
         results = []
-        runs = [(i, m) for i in range(args.rounds) for m in (modes if i % 2 == 0 else modes[::-1])]
-        for round_index, mode in runs:
+        combos = [(m, x) for m in modes for x in paths]
+        runs = [(i, m, x) for i in range(args.rounds) for m, x in (combos if i % 2 == 0 else combos[::-1])]
+        for round_index, mode, path in runs:
+            args.path = path
             if args.in_process:
                 args.model_dir = str(model_dir)
                 r = run_worker(args, mode)
@@ -455,10 +491,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.rounds > 1:
                 r["round"] = round_index + 1
             if args.profile and r.get("profile"):
-                Path(f"{args.profile}-{mode}" + (f"-{round_index + 1}" if args.rounds > 1 else "") + ".txt"
+                Path(f"{args.profile}-{mode}-{path}" + (f"-{round_index + 1}" if args.rounds > 1 else "") + ".txt"
                      ).write_text(r.pop("profile"))
             results.append(r)
-            print(f"# {mode}: {r['step_s']:.3f} s/step (min {r['step_s_min']:.3f}, max {r['step_s_max']:.3f}), "
+            print(f"# {mode} ({path}): {r['step_s']:.3f} s/step (min {r['step_s_min']:.3f}, max {r['step_s_max']:.3f}), "
                   f"load {r['load_s']:.1f} s, last loss {r['last_loss']:.4f}, peak from {r['peak_source']}",
                   flush=True)
     import torch

@@ -1,0 +1,143 @@
+"""The chunked log-prob path (``trainer.logprobs``, LocalTrainer's default) equals the full
+log_softmax path it replaces (``LocalConfig.legacy``), logprobs and gradients, on the real
+SmolLM2 weights, with padding (sequences of different lengths) and with packing."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datapool.settings import Settings
+from trainer import logprobs as chunked
+from trainer.local import LocalConfig, LocalTrainer
+from trainer.objectives import ObjectiveConfig
+from trainer.samples import Sample
+
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from nextstate.modelserver import ensure_model, ensure_vllm_env
+
+    cache = Settings().cache_dir
+    return ensure_model(cache, ensure_vllm_env(cache))
+
+
+def _samples(seed: int, shapes: list[tuple[int, int]]) -> list[Sample]:
+    rng = random.Random(seed)
+    return [Sample(turn_id=f"t{i}", session_id=f"s{i}", group_id=None, step_index=0,
+                   prompt_ids=[rng.randint(3, 49151) for _ in range(p)],
+                   response_ids=[rng.randint(3, 49151) for _ in range(r)],
+                   behaviour_logprobs=None, teacher_logprobs=None, reward=1.0, integrated_reward=None,
+                   capture="white-box") for i, (p, r) in enumerate(shapes)]
+
+
+def _grads(trainer: LocalTrainer, samples: list[Sample], weights: torch.Tensor, path: str, packing: str = "off"
+           ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.cfg.packing = packing
+    if path == "full":
+        lp, mask = trainer._full_logprobs(samples)
+    else:
+        lp, mask = trainer._chunked_logprobs(samples)
+    (lp * weights[:, : lp.shape[1]] * mask).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+             if p.requires_grad and p.grad is not None}
+    return lp.detach(), mask, grads
+
+
+def _assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= TOL, f"largest gradient difference {worst:.2e}"
+    assert any(float(g.abs().max()) > 10 * TOL for g in a.values()), "gradients too small to compare"
+
+
+# one long, a short prompt, a one-token response, a long response: padding on both axes
+SHAPES = [(23, 9), (5, 14), (31, 1), (12, 20)]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_chunked_equals_full_logsoftmax_on_smollm2(model_dir: Path, lora: bool) -> None:
+    torch.manual_seed(0)
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir, lora=lora, device="cpu", logprob_chunk=7),
+                           ObjectiveConfig())
+    if lora:  # lora_B starts at 0, which would leave lora_A's gradient 0 on both paths
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.02)
+    samples = _samples(1, SHAPES)
+    weights = torch.randn(len(samples), max(r for _, r in SHAPES))
+    ref_lp, ref_mask, ref_g = _grads(trainer, samples, weights, "full")
+    for packing in ("off", "on"):
+        lp, mask, g = _grads(trainer, samples, weights, "chunked", packing)
+        assert torch.equal(mask, ref_mask)
+        assert torch.allclose(lp, ref_lp, atol=TOL, rtol=0), f"packing {packing}: {(lp - ref_lp).abs().max():.2e}"
+        assert float((ref_lp * ref_mask).sum()) < -10  # real log-probs, not zeros
+        _assert_grads_close(g, ref_g)
+    if not lora:  # the tied LM head / embedding gets gradient through the chunked head too
+        emb = next(k for k in ref_g if "embed_tokens" in k)
+        assert float(ref_g[emb].abs().max()) > 10 * TOL
+
+
+def test_step_equals_legacy_step(model_dir: Path) -> None:
+    """One optimizer step (rl objective, GRPO groups, samples with and without captured
+    log-probs) gives the same loss and the same updated weights on the fast and legacy paths."""
+    samples = _samples(2, [(10, 6), (14, 3), (7, 8), (9, 5)])
+    rng = random.Random(3)
+    for i, s in enumerate(samples):
+        s.group_id = f"g{i // 2}"
+        s.reward = 1.0 if i % 2 == 0 else -1.0
+        if i % 2:  # one of each pair black-box (no captured log-probs: on-policy)
+            s.behaviour_logprobs = [-2.0 * rng.random() for _ in s.response_ids]
+    out = {}
+    for legacy in (True, False):
+        trainer = LocalTrainer(LocalConfig(model_dir=model_dir, lora=False, device="cpu", lr=1e-4,
+                                           micro_batch_size=2, legacy=legacy), ObjectiveConfig())
+        metrics = trainer.step(samples)
+        assert trainer.last_step_no_grad_pass == legacy
+        w = trainer.model.model.layers[3].self_attn.q_proj.weight.detach().clone()
+        out[legacy] = metrics, w
+    (m_old, w_old), (m_new, w_new) = out[True], out[False]
+    assert abs(m_old["loss"] - m_new["loss"]) < TOL and m_old["loss"] != 0
+    # AdamW's first update is ≈ lr · sign(grad), so entries whose gradient is ~0 may flip on
+    # rounding-level differences: nearly all entries agree, none by more than a fraction of lr
+    diff = (w_old - w_new).abs()
+    assert float(diff.max()) < 0.5 * 1e-4 and float((diff > 1e-7).float().mean()) < 1e-3
+    base = LocalTrainer(LocalConfig(model_dir=model_dir, lora=False, device="cpu"), ObjectiveConfig())
+    assert float((base.model.model.layers[3].self_attn.q_proj.weight - w_new).abs().max()) > 1e-6  # it moved
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), vocab=st.integers(2, 300), chunk=st.integers(1, 50), bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_token_logprobs_matches_log_softmax(n: int, vocab: int, chunk: int, bias: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    ref = torch.log_softmax((h @ w.t() + (b if b is not None else 0)).float(), -1).gather(-1, t[:, None]).squeeze(-1)
+    ref_grads = torch.autograd.grad((ref * up).sum(), [x for x in (h, w, b) if x is not None])
+    out = chunked.token_logprobs(h, w, t, b, chunk_size=chunk)
+    grads = torch.autograd.grad((out * up).sum(), [x for x in (h, w, b) if x is not None])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+def test_select_response_hidden_positions() -> None:
+    hidden = torch.arange(2 * 6, dtype=torch.float32).reshape(2, 6, 1)
+    h, valid = chunked.select_response_hidden(hidden, starts=[2, 4], lengths=[3, 1])
+    # sequence 0: positions 1, 2, 3 predict its 3 response tokens; sequence 1: position 3
+    assert h[..., 0].tolist() == [[1.0, 2.0, 3.0], [9.0, 9.0, 9.0]]
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
