@@ -76,6 +76,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body accepted.")
     upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
     upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
+    policy_fallback_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often a gateway re-reads the `policy` alias from the pool in case it missed "
+        "a pushed switch (PostgreSQL LISTEN/NOTIFY; SQLite: in-process, or the file's data_version).",
+    )
 
     # capture
     capture_batch_size: int = Field(default=256, description="Most turns written in one transaction.")
