@@ -128,6 +128,12 @@ class Settings(BaseSettings):
         default=None, description="`module:function` (turn, next_state) -> vote(s), for the python judge."
     )
     judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
+    hint_gate: bool = Field(
+        default=True,
+        description="Use a judge's hint for OPD only when it is grounded in the next state (shares its "
+        "content words) or agreed by the votes; otherwise the turn gets no OPD sample. Off: every "
+        "majority hint is used. People's hints (labels, feedback) are never gated.",
+    )
     judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/scoring/prompts/NAME.md).")
     judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
     judge_max_retries: int = Field(

@@ -145,7 +145,7 @@ class Bench:
 
         wait_for(has_next_state, timeout=60)
         score_turn(self.engine, turn_id, self.judge, self.votes,
-                   TeacherConfig(self.args.teacher) if teacher else None)
+                   TeacherConfig(self.args.teacher) if teacher else None, hint_gate=self.args.hint_gate)
 
     def heldout(self, client: OpenAI, seed: int) -> dict[str, float]:
         """The held-out prompts answered through `policy`, --samples-per-prompt times each
@@ -305,6 +305,8 @@ def main() -> None:
     p.add_argument("--arms", default="none,rl,opd,combined")
     p.add_argument("--judge", choices=["python", "llm"], default="python")
     p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
+    p.add_argument("--no-hint-gate", dest="hint_gate", action="store_false",
+                   help="use every majority hint for OPD (default: the hint-quality gate, docs/worker.md)")
     for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int)
     p.add_argument("--lr", type=float)
