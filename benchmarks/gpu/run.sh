@@ -44,6 +44,6 @@ if [ "$what" = learn ] || [ "$what" = all ]; then
   log "learning benchmark $*"
   # one vLLM is policy and teacher: the GPU build serves prompt_logprobs beside live chats
   python3 benchmarks/learning/bench.py --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
-    2>&1 | tee "$out/learn.log" | grep -v " INFO \|^INFO" | tail -60
+    2>&1 | tee "$out/learn.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -321,7 +321,8 @@ def main() -> None:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # force: an import (vLLM, LiteLLM) may have configured the root logger already
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
