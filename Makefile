@@ -27,8 +27,8 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install '$(TORCH)' 2>&1 | grep -v "^WARNING: Location" || true
-	$(PIP) install -e '.[test,train,rollout]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl"
+	$(PIP) install -e '.[test,train,rollout,bench]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl, matplotlib"
 	touch $(VENV)/.installed $@
 
 # The admin UI's browser tests drive Debian's chromium through Playwright (executable_path;

@@ -167,6 +167,12 @@ class Settings(BaseSettings):
     )
     upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
     upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
+    policy_fallback_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often a gateway re-reads the `policy` alias from the pool in case it missed "
+        "a pushed switch (PostgreSQL LISTEN/NOTIFY; SQLite: in-process, or the file's data_version).",
+    )
 
     # capture
     capture_batch_size: int = Field(default=256, description="Most turns written in one transaction.")
@@ -213,6 +219,12 @@ class Settings(BaseSettings):
         default=None, description="`module:function` (turn, next_state) -> vote(s), for the python judge."
     )
     judge_votes: int = Field(default=3, ge=1, le=32, description="m: independent votes per turn.")
+    hint_gate: bool = Field(
+        default=True,
+        description="Use a judge's hint for OPD only when it is grounded in the next state (shares its "
+        "content words) or agreed by the votes; otherwise the turn gets no OPD sample. Off: every "
+        "majority hint is used. People's hints (labels, feedback) are never gated.",
+    )
     judge_prompt: str = Field(default="prm-v1", description="Prompt file (datapool/scoring/prompts/NAME.md).")
     judge_temperature: float = Field(default=1.0, description="Sampling temperature of judge votes.")
     judge_context_tokens: int | None = Field(

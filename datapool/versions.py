@@ -1,9 +1,10 @@
 """The policy-version registry: which versions exist, which one the ``policy`` alias serves, and
 every decision about them (``policy_events``).
 
-The ``policy_versions`` table is the single source of truth the gateways follow (re-read every
-2 s): the ``policy`` alias serves the newest ``active`` non-base row, or the base model when there
-is none. The invariant kept here: **a row is only ever made ``active`` after every vLLM in
+The ``policy_versions`` table is the single source of truth the gateways follow (told of every
+switch at commit by ``datapool.policy_signal``, and re-read on a slow fallback poll): the
+``policy`` alias serves the newest ``active`` non-base row, or the base model when there is none.
+The invariant kept here: **a row is only ever made ``active`` after every vLLM in
 ``vllm_urls`` serves it** — a LoRA adapter listed in ``/v1/models`` under the version's name, or
 a full version's weights reloaded in place (``datapool.vllm_admin``). So no gateway ever points
 the alias at a model the server does not have; a request resolved just before a switch finishes
@@ -39,7 +40,7 @@ from sqlalchemy import Engine, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import vllm_admin
+from datapool import policy_signal, vllm_admin
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
@@ -194,6 +195,8 @@ def register(engine: Engine, *, name: str, kind: str, base_model: str, path: Pat
             db.flush()
             event(db, row.id, PolicyAction.PUBLISH, actor, reason,
                    {"status": row.status, "retired": retired, **metrics})
+            if activate:
+                policy_signal.announce(db, name)
             return _dict(db, row), retired
     except IntegrityError as exc:
         raise PublishError(f"could not register {name!r}: {exc.orig}") from exc
@@ -402,12 +405,14 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
         if target is None or kind == VersionKind.BASE:
             demoted = _demote_active(db, demoted_status)
             event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
+            policy_signal.announce(db, None)
             return None, demoted
         row = _get(db, target)
         demoted = _demote_active(db, demoted_status, keep_id=row.id)
         row.status = VersionStatus.ACTIVE
         db.flush()
         event(db, row.id, action, actor, reason, {"to": row.name, "from": demoted, **metrics})
+        policy_signal.announce(db, row.name)
         return _dict(db, row), demoted
 
 

@@ -18,6 +18,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.capture import CaptureWriter, Spool
+from datapool.policy_signal import PolicyWatch
 from datapool.db import make_engine
 from datapool.queries import active_policy_version
 from datapool.queue import Enqueuer
@@ -27,7 +28,6 @@ from gateway.upstream import ActiveVersion, Upstreams
 
 log = logging.getLogger("nextstate.gateway")
 
-POLICY_REFRESH_S = 2.0
 
 
 @dataclass
@@ -41,6 +41,9 @@ class Gateway:
     writer: CaptureWriter
     metrics: Metrics
     enqueuer: Enqueuer
+    #: bumped after every read of the alias from the pool (tests wait on it; no timing)
+    policy_reads: int = 0
+    policy_read: asyncio.Condition | None = None
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -54,15 +57,23 @@ def _active_version(engine: Engine) -> ActiveVersion | None:
         return ActiveVersion(name=row.name, kind=row.kind) if row else None
 
 
-async def _follow_policy(gw: Gateway) -> None:
-    # The alias is read from the pool so every replica agrees; a stale value for a couple of
-    # seconds is fine because a version is published only after vLLM loaded it.
+async def _follow_policy(gw: Gateway, wake: asyncio.Event) -> None:
+    """Keep ``gw.upstreams.active_version`` equal to the pool's: re-read when *wake* is set (a
+    pushed switch, ``datapool.policy_signal``) or every ``policy_fallback_s`` (a missed one)."""
+    # A version is made active only after every vLLM loaded it, so reading it late is safe; the
+    # push only makes the switch prompt.
+    assert gw.policy_read is not None
     while True:
+        wake.clear()
         try:
             gw.upstreams.active_version = await asyncio.to_thread(_active_version, gw.engine)
         except SQLAlchemyError:
             pass  # the pool is down: keep serving the last known version
-        await asyncio.sleep(POLICY_REFRESH_S)
+        async with gw.policy_read:
+            gw.policy_reads += 1
+            gw.policy_read.notify_all()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), gw.settings.policy_fallback_s)
 
 
 @contextlib.asynccontextmanager
@@ -104,13 +115,17 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
     )
     metrics.watch_pool(engine)
     metrics.watch_spool_error(lambda: spool.error)
-    gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer)
+    gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, policy_read=asyncio.Condition())
     writer.start()
-    follower = asyncio.create_task(_follow_policy(gw), name="policy-alias")
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    watch = PolicyWatch(engine, lambda: loop.call_soon_threadsafe(wake.set)).start()
+    follower = asyncio.create_task(_follow_policy(gw, wake), name="policy-alias")
     try:
         yield gw
     finally:
         follower.cancel()
+        await asyncio.to_thread(watch.stop)
         await writer.stop()
         await http.close()
         engine.dispose()

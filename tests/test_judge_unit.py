@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from datapool.scoring.judge import Vote, choose_hint, coerce_vote, next_state_role, parse_vote, render_prompt, tally
 
@@ -61,3 +63,57 @@ def test_prompt_shows_action_and_next_state_with_its_role() -> None:
     assert next_state_role({"messages": [{"role": "user", "content": "thanks"}]}) == "the user's reply"
     assert next_state_role({"end": True}) == "the session ended"
     assert next_state_role({"feedback": [{"value": -1}]}) == "the user's feedback"
+
+
+# -- the hint-quality gate (datapool.scoring.judge.hint_is_valid) -----------------------------
+
+TOO_LONG = {"messages": [{"role": "user", "content": "Too long. Please keep your answers short, under 25 words."}]}
+
+
+def test_a_hint_restating_the_next_state_is_grounded() -> None:
+    from datapool.scoring.judge import hint_is_valid
+
+    assert hint_is_valid("Keep answers short, under 25 words.", TOO_LONG, ["Keep answers short, under 25 words."])
+    tool = {"messages": [{"role": "tool", "content": "Error: config.yaml: no such file"}]}
+    assert hint_is_valid("Check that config.yaml exists first.", tool, [])
+    assert hint_is_valid("The file!", {"feedback": "you forgot the file"}, [])  # one content word: all of it
+    assert not hint_is_valid("Mention the file.", {"feedback": "you forgot the file"}, [])  # 1 of 2
+
+
+def test_an_ungrounded_lone_hint_is_dropped() -> None:
+    """What SmolLM2 judging itself wrote under `make up`'s default: nothing in it is in the next
+    state, and no other vote agrees."""
+    from datapool.scoring.judge import hint_is_valid
+
+    assert not hint_is_valid("need to shine carpet", TOO_LONG, ["need to shine carpet"])
+    assert not hint_is_valid("bon Ton lud", TOO_LONG, ["bon Ton lud", "The answer was wrong about Paris."])
+    assert not hint_is_valid("need to shine carpet", None, [])  # no next state, no votes
+    assert not hint_is_valid("the and of", TOO_LONG, ["the and of", "the and of"])  # no content words
+
+
+def test_an_ungrounded_hint_the_votes_agree_on_is_kept() -> None:
+    from datapool.scoring.judge import hint_is_valid
+
+    hints = ["Answer with the capital city name only.", "Answer with only the capital city name.", "Say Paris."]
+    assert hint_is_valid(hints[0], {"messages": [{"role": "user", "content": "No."}]}, hints)
+    # the same text given by one vote only is not agreement
+    assert not hint_is_valid(hints[0], {"messages": [{"role": "user", "content": "No."}]}, hints[:1])
+
+
+@given(st.lists(st.text(alphabet="abcdefghij klmnop", min_size=1, max_size=40), min_size=1, max_size=5),
+       st.text(alphabet="abcdefghij klmnop.,", max_size=120))
+def test_gate_rules_hold_for_any_hints(hints: list[str], state_text: str) -> None:
+    from datapool.scoring.judge import _content_words, hint_is_valid
+
+    state = {"messages": [{"role": "user", "content": state_text}]}
+    hint = choose_hint(hints)
+    if hint is None:
+        return
+    # a hint copied into the next state is always grounded (if it has content words at all)
+    assert hint_is_valid(hint, {"messages": [{"role": "user", "content": state_text + " " + hint}]}, hints) \
+        == bool(_content_words(hint))
+    # a hint sharing no content word with the next state is valid only by agreement
+    if not (_content_words(hint) & _content_words(state_text)):
+        assert hint_is_valid(hint, state, hints) == hint_is_valid(hint, None, hints)
+    # a single vote never agrees with itself
+    assert hint_is_valid(hint, None, [hint]) is False

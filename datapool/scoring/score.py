@@ -23,7 +23,7 @@ from datapool.labels import correction_for
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from datapool.queries import turn_view
-from datapool.scoring.judge import Judge, JudgeRefused, Vote, choose_hint, tally
+from datapool.scoring.judge import Judge, JudgeRefused, Vote, choose_hint, hint_is_valid, tally
 from datapool.scoring.teacher import TeacherError, teacher_logprobs, teacher_messages
 from datapool.vocab import CaptureKind, Endpoint, HintSource, JudgementStatus, TurnKind, TurnStatus, VoteKind
 
@@ -67,9 +67,9 @@ async def _collect_votes(engine: Engine, judge: Judge, turn_id: str, view: dict[
 
 
 def score_turn(engine: Engine, turn_id: str, judge: Judge, m: int,
-               teacher: TeacherConfig | None = None) -> str:
+               teacher: TeacherConfig | None = None, *, hint_gate: bool = True) -> str:
     """Score one turn; returns the judgement's status. Raises JudgeError to be retried,
-    JudgeRefused to be dead-lettered at once."""
+    JudgeRefused to be dead-lettered at once. *hint_gate*: see :func:`aggregate`."""
     with OrmSession(engine) as db, db.begin():
         turn = db.get(Turn, turn_id)
         if turn is None:
@@ -96,12 +96,15 @@ def score_turn(engine: Engine, turn_id: str, judge: Judge, m: int,
 
     if missing:
         asyncio.run(_collect_votes(engine, judge, turn_id, view, state, missing))
-    return aggregate(engine, turn_id, judge, teacher)
+    return aggregate(engine, turn_id, judge, teacher, hint_gate=hint_gate)
 
 
-def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig | None) -> str:
+def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig | None, *,
+              hint_gate: bool = True) -> str:
     """Fold a turn's stored votes into its judgement (reward, hint); fetch teacher logprobs for
-    a hinted white-box chat turn. Returns the judgement's status."""
+    a hinted white-box chat turn. Returns the judgement's status. *hint_gate*: a judge's hint is
+    kept only when :func:`datapool.scoring.judge.hint_is_valid` (grounded in the next state or
+    agreed by the votes); people's hints are always kept."""
     with OrmSession(engine) as db, db.begin():
         turn = db.get(Turn, turn_id)
         session = db.get(Session, turn.session_id) if turn else None
@@ -128,6 +131,10 @@ def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig
         else:
             agreeing = [v.hint for v in prm if v.hint and (t.majority is None or v.value == t.majority)]
             hint, source = choose_hint(agreeing), HintSource.PRM
+            if hint is not None and hint_gate and not hint_is_valid(
+                    hint, effective_next_state(db, turn, session), agreeing):
+                log.info("turn %s: judge hint dropped by the hint-quality gate: %.80r", turn_id, hint)
+                hint = None
         if hint != judgement.hint:
             judgement.teacher_logprobs = judgement.teacher_prompt_ids = None
         judgement.hint, judgement.hint_source = hint, (source if hint else None)

@@ -60,7 +60,8 @@ def build_worker_app(settings: Settings) -> Celery:
               max_retries=settings.judge_max_retries, retry_backoff=settings.judge_retry_backoff_s,
               retry_backoff_max=600, retry_jitter=False)
     def score(self: Task, turn_id: str) -> str:
-        status = score_turn(engine, turn_id, judge, settings.judge_votes, teacher)
+        status = score_turn(engine, turn_id, judge, settings.judge_votes, teacher,
+                            hint_gate=settings.hint_gate)
         log.info("turn %s: %s", turn_id, status)
         return status
 

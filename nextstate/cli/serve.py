@@ -200,7 +200,9 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
     converts the model once; both are cached in the cache dir. Processes:
       vLLM (policy, LoRA hot-loading)    127.0.0.1:8401
       vLLM (teacher replica, scoring)    127.0.0.1:8402   one request at a time
-      worker (Celery, SQLite broker)     scores turns with the LLM judge
+      worker (Celery, SQLite broker)     scores turns with the LLM judge: by default SmolLM2
+                                         judging itself; NEXTSTATE_JUDGE_MODEL=<any LiteLLM
+                                         model> (its key in the environment) for a stronger one
       gateway                            127.0.0.1:8400   prints `base_url: ...` when ready
     Ctrl-C stops everything.
     """
@@ -253,7 +255,16 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
                                       env=env, stdout=worker_log, stderr=subprocess.STDOUT)
             stack.callback(worker.wait, 30)
             stack.callback(worker.terminate)
-            click.echo(f"worker: LLM judge on {settings.vllm_served_name} (log: {logs / 'worker.log'})")
+            if settings.judge_backend == "python":
+                click.echo(f"worker: python judge {settings.judge_python} (log: {logs / 'worker.log'})")
+            elif settings.judge_model:
+                click.echo(f"worker: LLM judge {settings.judge_model} (log: {logs / 'worker.log'})")
+            else:
+                click.echo(f"worker: LLM judge on {settings.vllm_served_name}, the policy judging itself: weak "
+                           f"votes, noisy hints (log: {logs / 'worker.log'})\n"
+                           "  a stronger judge, any LiteLLM provider: NEXTSTATE_JUDGE_MODEL=openai/gpt-4.1-mini "
+                           "(OPENAI_API_KEY), anthropic/claude-sonnet-4-5 (ANTHROPIC_API_KEY), or "
+                           "hosted_vllm/NAME with NEXTSTATE_JUDGE_API_BASE=http://HOST:PORT/v1 (docs/worker.md)")
         if train_objective:
             env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
                    "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,

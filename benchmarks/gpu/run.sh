@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The whole loop on one GPU: vLLM (GPU build, policy with LoRA; also the teacher), gateways on
+# a SQLite pool, scoring (python judge, teacher logprobs) and the online trainer (LocalTrainer on
+# cuda), then the publish-under-load check and/or the learning benchmark.
+#
+#   benchmarks/gpu/run.sh publish|learn|all [bench.py args...]
+#
+# Runs on the GPU machine after the staged vLLM is unpacked (benchmarks/gpu/README.md: the
+# `gpu-stage` chunks with the project's runtime wheels as an EXTRA dir, then
+# `source STAGE/cN/assemble.sh`), from the project root. Results go to $OUT (the device tool's
+# folder that comes back), else benchmarks/gpu/results. vLLM is started once per machine and
+# left running (`/tmp/gpuloop-vllm.pid`), so later calls on the same warm machine reuse it.
+set -uo pipefail
+what=${1:-all}; shift || true
+out=${OUT:-benchmarks/gpu/results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True
+export NEXTSTATE_CACHE_DIR=/tmp/ns-cache NEXTSTATE_DATA_DIR=/tmp/ns-data
+port=8501; url=http://127.0.0.1:$port/v1; model=/tmp/smollm2
+log() { echo "[gpu $(date -u +%H:%M:%S)] $*"; }
+
+up() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url/models" >/dev/null 2>&1; }
+if ! up; then
+  log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log /tmp/vllm.log)"
+  t0=$(date +%s)
+  setsid nohup python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
+    --enable-lora --max-lora-rank 16 --max-loras 8 --max-model-len 4096 --gpu-memory-utilization 0.35 \
+    --enforce-eager --port $port >/tmp/vllm.log 2>&1 &
+  echo $! >/tmp/gpuloop-vllm.pid
+  for _ in $(seq 600); do up && break; kill -0 "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null || break; sleep 0.5; done
+  up || { log "vLLM did not come up"; tail -40 /tmp/vllm.log; cp /tmp/vllm.log "$out/vllm.log"; exit 3; }
+  log "vLLM up in $(( $(date +%s) - t0 )) s"
+else
+  log "vLLM already up on $url"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+if [ "$what" = publish ] || [ "$what" = all ]; then
+  log "publish under load"
+  python3 benchmarks/gpu/publish_load.py --upstream $url --model-dir $model --out "$out" \
+    ${PUBLISH_ARGS:-} 2>&1 | tee "$out/publish_load.log" | grep -v "^INFO" | tail -40
+fi
+if [ "$what" = learn ] || [ "$what" = all ]; then
+  log "learning benchmark $*"
+  # one vLLM is policy and teacher: the GPU build serves prompt_logprobs beside live chats
+  python3 benchmarks/learning/bench.py --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
+    2>&1 | tee "$out/learn.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
+fi
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
