@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Mapping
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
@@ -22,6 +24,20 @@ _TYPES = {
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+
+log = logging.getLogger("nextstate.gateway")
+
+# path prefix -> renderer of errors as pages of their own (the admin UI registers one):
+# page(request, status, message, request_id); request_id only for an unexpected error
+ErrorPage = Callable[[Request, int, str, "str | None"], Response]
+
+
+def _page_for(request: Request) -> ErrorPage | None:
+    for prefix, page in getattr(request.app.state, "error_pages", {}).items():
+        if request.url.path.startswith(prefix):
+            return page
+    return None
 
 
 class OpenAIError(Exception):
@@ -95,17 +111,42 @@ def from_upstream(status: int, upstream: Any, fallback: str, *, prompt_param: st
 
 
 def install(app: FastAPI) -> None:
+    def respond(request: Request, exc: OpenAIError) -> Response:
+        page = _page_for(request)
+        return page(request, exc.status, exc.message, None) if page else exc.response()
+
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return OpenAIError(400, _describe(exc.errors()), code="invalid_request").response()
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return respond(request, OpenAIError(400, _describe(exc.errors()), code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return respond(request, OpenAIError(exc.status_code, str(exc.detail)))
+
+    app.state.error_pages = {}
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        """A bug: logged with a request id that the answer repeats (never the traceback), as a
+        page where one is registered for the path (``error_page``), else OpenAI-shaped JSON."""
+        request_id = uuid.uuid4().hex[:16]
+        log.error("unexpected error, request id %s: %s %s", request_id, request.method, request.url.path,
+                  exc_info=exc)
+        page = _page_for(request)
+        message = f"internal error (request id {request_id})"
+        response = (page(request, 500, message, request_id) if page
+                    else OpenAIError(500, message, code="internal_error").response())
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+
+def error_page(app: FastAPI, prefix: str, page: ErrorPage) -> None:
+    """Render errors under *prefix* with *page* rather than as JSON."""
+    app.state.error_pages[prefix] = page
 
 
 def _describe(errors: Any) -> str:

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
+from gateway import errors
 from gateway.auth import CsrfFailed, LoginRequired
 from gateway.ui import pages
 
@@ -30,6 +31,7 @@ def mount(app: FastAPI) -> None:
         return HTMLResponse("<p>Refused: this form is stale or did not come from this site (CSRF check). "
                             "Reload the page and try again.</p>", status_code=403)
 
+    errors.error_page(app, "/admin", pages.error_page)
     app.include_router(pages.public)
     app.include_router(pages.router)
     app.mount("/admin/static", StaticFiles(directory=STATIC), name="admin-static")

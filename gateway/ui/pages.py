@@ -26,7 +26,17 @@ from gateway.ui import plots, tokens
 HERE = Path(__file__).parent
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
                   trim_blocks=True, lstrip_blocks=True)
-env.filters["reward"] = lambda v: "–" if v is None else f"{v:+.2f}"
+
+
+def _reward(value: Any) -> str:
+    """A reward as the UI prints it: ``+1.00``; "–" for anything that is not a number (None, a
+    missing key of a turn without a judgement: jinja's ``Undefined``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "–"
+    return f"{value:+.2f}"
+
+
+env.filters["reward"] = _reward
 env.filters["when"] = lambda v: "" if v is None else (v.strftime("%Y-%m-%d %H:%M:%S") if hasattr(v, "strftime")
                                                          else str(v)[:19].replace("T", " "))
 env.globals["content_text"] = browse.content_text
@@ -50,6 +60,21 @@ def render(request: Request, template: str, status: int = 200, **ctx: Any) -> HT
     if cookie:
         auth.set_cookie(response, request, cookie)
     return response
+
+
+def error_page(request: Request, status: int, message: str, request_id: str | None) -> Response:
+    """The UI's page for an error: a refused request's message; for an unexpected error, the
+    request id the log has. An htmx request gets the bare paragraph to show in place."""
+    if request_id is not None:
+        message = "Something went wrong on the server while building this page."
+    titles = {400: "Bad request", 401: "Log in first", 403: "Refused", 404: "Not found", 405: "Not allowed"}
+    try:
+        return render(request, "error.html", status=status, request_id=request_id, message=message,
+                      title="Server error" if request_id else titles.get(status, "Error"))
+    except Exception:  # the page itself could not be built: the same words, without the layout
+        return HTMLResponse(f"<!doctype html><title>Error · nextstate admin</title><h1>Server error</h1>"
+                            f"<p>Something went wrong on the server. Request id <code>{request_id}</code> "
+                            f"(the gateway's log has the details).</p>", status_code=500)
 
 
 def _is_htmx(request: Request) -> bool:
@@ -208,7 +233,7 @@ async def session_page(request: Request, session_id: str) -> HTMLResponse:
 
     data = await in_pool(gw.engine, run)
     if data is None:
-        return render(request, "error.html", status=404, message=f"No session {session_id!r}.")
+        return render(request, "error.html", status=404, message=f"No session {session_id!r}.", title="Not found")
     data["blocks"] = _conversation(data["session"])
     data["token_views"] = await _token_views(gw, data["session"]["turns"])
     return render(request, "session.html", **data)
