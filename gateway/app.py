@@ -34,6 +34,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="nextstate gateway",
         summary="OpenAI-compatible proxy that captures every call into the datapool.",
         lifespan=lifespan,
+        # served by gateway.api.docs behind the admin check instead of FastAPI's open defaults
+        docs_url=None, redoc_url=None, openapi_url=None,
     )
     errors.install(app)
     app.include_router(openai.router)

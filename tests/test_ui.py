@@ -333,3 +333,30 @@ def test_train_labels_option() -> None:
     assert res.exit_code == 2 and "unknown labels filter 'bogus'" in res.output
     res = CliRunner().invoke(main, ["train", "--help"])
     assert "--labels LABEL" in res.output and "tag:NAME" in res.output
+
+
+DOC_ROUTES = ("/openapi.json", "/docs", "/redoc")
+
+
+def test_api_docs_need_the_admin_token_when_one_is_set(app_and_ids: Any) -> None:
+    client, _, _ = app_and_ids
+    client.cookies.clear()
+    for path in DOC_ROUTES:
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
+        r = client.get(path, headers={"Authorization": "Bearer tok-123"})
+        assert r.status_code == 200, path
+    spec = client.get("/openapi.json", headers={"Authorization": "Bearer tok-123"}).json()
+    assert "/v1/chat/completions" in spec["paths"] and "/api/sessions" in spec["paths"]
+    assert "/openapi.json" not in spec["paths"]  # the docs routes do not document themselves
+    login(client)  # a UI login reaches them too: a browser opening /docs after logging in
+    assert client.get("/docs").status_code == 200 and client.get("/openapi.json").status_code == 200
+
+
+def test_api_docs_are_open_without_admin_auth(sqlite_url: str, tmp_path: Path) -> None:
+    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=sqlite_url, data_dir=tmp_path / "d")
+    with TestClient(create_app(settings)) as client:
+        for path in DOC_ROUTES:
+            assert client.get(path).status_code == 200, path
+        assert "openapi.json" in client.get("/docs").text
+        assert client.get("/openapi.json").json()["info"]["title"] == "nextstate gateway"

@@ -1,11 +1,11 @@
 """The JSON admin API under ``/api``: sessions and judgements, labels, the queue and export,
-policy versions. Every route takes the admin token or an admin UI login (``gateway.auth``)."""
+policy versions, and the API's docs (/docs, /redoc, /openapi.json). Every route takes the admin token or an admin UI login (``gateway.auth``)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from gateway.api import labels, policy, sessions
+from gateway.api import docs, labels, policy, sessions
 
 
 def include(app: FastAPI) -> None:
@@ -13,3 +13,4 @@ def include(app: FastAPI) -> None:
     app.include_router(sessions.router)
     app.include_router(policy.router)
     app.include_router(labels.router)
+    app.include_router(docs.router)
