@@ -12,13 +12,13 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, and_, exists, select, update
+from sqlalchemy import Engine, and_, exists, func, select, update
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import chunked, dialect_insert, utcnow
+from datapool.db import as_utc, chunked, dialect_insert, utcnow
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from datapool.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
@@ -148,3 +148,70 @@ def record_feedback(db: OrmSession, *, turn_id: str | None, response_id: str | N
     db.flush()
     mark_pending(db, [turn.id])
     return row.id, turn.id
+
+
+# --------------------------------------------------------------------------------------------
+# the admin's view of scoring: what is waiting, what failed, and re-queueing it
+
+SHOWN = (JudgementStatus.PENDING, JudgementStatus.DEAD, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)
+RETRYABLE = (JudgementStatus.DEAD, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    return as_utc(value) if value is not None else None
+
+
+def status_counts(db: OrmSession) -> dict[str, int]:
+    """How many judgements are in each of the states the judgements page shows."""
+    rows = db.execute(select(Judgement.status, func.count()).where(Judgement.status.in_(SHOWN))
+                      .group_by(Judgement.status)).all()
+    found = {str(s): int(n) for s, n in rows}
+    return {str(s): found.get(str(s), 0) for s in SHOWN}
+
+
+def dead_count(db: OrmSession) -> int:
+    return int(db.scalar(select(func.count()).select_from(Judgement)
+                         .where(Judgement.status == JudgementStatus.DEAD)) or 0)
+
+
+def dead_reasons(db: OrmSession) -> list[str]:
+    return sorted(str(r) for r in db.scalars(select(Judgement.dead_reason).distinct()
+                                             .where(Judgement.dead_reason.is_not(None))))
+
+
+def browse_judgements(db: OrmSession, *, status: str, dead_reason: str | None = None, limit: int = 100,
+                      offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """Judgements in *status* (and with *dead_reason*), least recently changed first (the oldest
+    problem on top), with their turn's session; and how many match in all."""
+    where = [Judgement.status == status]
+    if dead_reason:
+        where.append(Judgement.dead_reason == dead_reason)
+    total = int(db.scalar(select(func.count()).select_from(Judgement).where(*where)) or 0)
+    q = (select(Judgement, Turn.session_id, Turn.created_at, Turn.model)
+         .join(Turn, Turn.id == Judgement.turn_id).where(*where)
+         .order_by(Judgement.updated_at, Judgement.turn_id).limit(limit).offset(offset))
+    now = utcnow()
+    out = []
+    for j, session_id, turn_at, model in db.execute(q).all():
+        changed = _utc(j.updated_at)
+        out.append({"turn_id": j.turn_id, "session_id": session_id, "model": model, "status": j.status,
+                    "dead_reason": j.dead_reason, "last_error": j.last_error, "retries": j.retries or 0,
+                    "attempts": j.attempts or 0, "turn_at": _utc(turn_at), "updated_at": changed,
+                    "enqueued_at": _utc(j.enqueued_at),
+                    "age_s": (now - changed).total_seconds() if changed is not None else None})
+    return out, total
+
+
+def retry(db: OrmSession, *, turn_ids: Iterable[str] | None = None, status: str = JudgementStatus.DEAD,
+          dead_reason: str | None = None) -> list[str]:
+    """Re-queue judgements that ended without a reward, as the sweep does (:func:`mark_pending`):
+    the given turns (if in a retryable state), or every one in *status* (and *dead_reason*).
+    Returns the turn ids to send with the Enqueuer after the transaction commits."""
+    where = [Judgement.status.in_(RETRYABLE)]
+    if turn_ids is not None:
+        where.append(Judgement.turn_id.in_(list(turn_ids)))
+    else:
+        where.append(Judgement.status == status)
+        if dead_reason:
+            where.append(Judgement.dead_reason == dead_reason)
+    return mark_pending(db, db.scalars(select(Judgement.turn_id).where(*where).order_by(Judgement.updated_at)))

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, export, labels, versions, vllm_admin
+from datapool import browse, export, judgements, labels, versions, vllm_admin
 from datapool.judgements import mark_pending
 from datapool.vocab import LabelKind
 from gateway.errors import OpenAIError
@@ -80,3 +80,12 @@ def export_response(gw: Gateway, f: browse.Browse, fmt: str) -> StreamingRespons
         raise OpenAIError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
     return StreamingResponse(body, media_type=media,
                              headers={"Content-Disposition": f'attachment; filename="nextstate-turns.{fmt}"'})
+
+
+async def retry_judgements(gw: Gateway, **which: Any) -> list[str]:
+    """Re-queue judgements (``datapool.judgements.retry``: the turns given, or all in a state) the
+    way the sweep does: pending in the pool first, then the tasks sent. Returns the turn ids."""
+    queued = await in_pool(gw.engine, lambda db: judgements.retry(db, **which), write=True)
+    if queued:
+        await in_thread(gw.enqueuer.send, queued)
+    return queued

@@ -360,3 +360,76 @@ def test_api_docs_are_open_without_admin_auth(sqlite_url: str, tmp_path: Path) -
             assert client.get(path).status_code == 200, path
         assert "openapi.json" in client.get("/docs").text
         assert client.get("/openapi.json").json()["info"]["title"] == "nextstate gateway"
+
+
+def _queued_turns(data_dir: Path) -> list[str]:
+    """The turn ids of the scoring tasks in the embedded broker (kombu's SQLAlchemy transport)."""
+    import sqlalchemy as sa
+    engine = sa.create_engine(f"sqlite:///{data_dir / 'broker.sqlite'}")
+    try:
+        with engine.connect() as c:
+            if not sa.inspect(c).has_table("kombu_message"):
+                return []  # nothing sent yet
+            bodies = [r[0] for r in c.execute(sa.text("select payload from kombu_message"))]
+    finally:
+        engine.dispose()
+    out = []
+    for raw in bodies:
+        msg = json.loads(raw)
+        body = json.loads(__import__("base64").b64decode(msg["body"])) if msg.get("properties", {}).get(
+            "body_encoding") == "base64" else msg["body"]
+        out.append(body[0][0])
+    return out
+
+
+def test_judgements_page_retry_one_and_all_dead(app_and_ids: Any, tmp_path: Path) -> None:
+    from datapool.judgements import mark_dead, record_failure
+    client, ids, url = app_and_ids
+    engine = make_engine(url)
+    record_failure(engine, ids["offline_1"], "judge timed out")
+    mark_dead(engine, ids["offline_1"], "HTTP 400 from judge: context too long <b>x</b>", "context_window_exceeded")
+    mark_dead(engine, ids["offline_3"], "judge answered 500 three times", "retries_exhausted")
+    mark_dead(engine, ids["offline_0"], "judge answered 500 three times", "retries_exhausted")
+    csrf = login(client)
+    nav = client.get("/admin/judgements/dead-count")
+    assert nav.status_code == 200 and ">3<" in nav.text
+    assert 'hx-get="/admin/judgements/dead-count"' in client.get("/admin/sessions").text  # in every page's nav
+    page = client.get("/admin/judgements?status=dead")
+    assert page.status_code == 200
+    assert "context_window_exceeded" in page.text and "retries_exhausted" in page.text
+    assert "HTTP 400 from judge: context too long &lt;b&gt;x&lt;/b&gt;" in page.text  # last_error, escaped
+    assert ids["offline_1"] in page.text and ids["weather_call"] not in page.text
+    row = re.search(rf'<tr id="judgement-{ids["offline_1"]}">.*?</tr>', page.text, re.S).group(0)
+    assert "<td>1</td>" in row  # its retry count
+    # the filter lives in the URL
+    one_reason = client.get("/admin/judgements?status=dead&reason=context_window_exceeded").text
+    assert ids["offline_1"] in one_reason and ids["offline_3"] not in one_reason
+    assert ids["eval_turn"] in client.get("/admin/judgements?status=tie").text
+    assert client.get("/admin/judgements?status=bogus").status_code == 400
+
+    # retry needs the CSRF token
+    retry_url = f"/admin/judgements/{ids['offline_1']}/retry"
+    assert client.post(retry_url, data={}).status_code == 403
+    assert client.post("/admin/judgements/retry", data={"csrf_token": "x" + csrf}).status_code == 403
+    with OrmSession(engine) as db:
+        assert db.get(Judgement, ids["offline_1"]).status == "dead"
+    before = _queued_turns(tmp_path / "data")
+    r = client.post(retry_url, data={"csrf_token": csrf, "status": "dead"}, follow_redirects=False)
+    assert r.status_code == 303 and "retried=1" in r.headers["location"]
+    with OrmSession(engine) as db:
+        j = db.get(Judgement, ids["offline_1"])
+        assert (j.status, j.dead_reason) == ("pending", None) and j.enqueued_at is not None
+    assert _queued_turns(tmp_path / "data")[len(before):] == [ids["offline_1"]]  # the task was sent
+    assert ">2<" in client.get("/admin/judgements/dead-count").text
+    assert client.post(retry_url, data={"csrf_token": csrf}).status_code == 404  # pending now: nothing to retry
+    assert ids["offline_1"] in client.get("/admin/judgements?status=pending").text
+
+    # bulk: every dead one matching the filter, and only those
+    r = client.post("/admin/judgements/retry", data={"csrf_token": csrf, "reason": "retries_exhausted"})
+    assert r.status_code == 200 and "2 judgements re-queued" in r.text
+    with OrmSession(engine) as db:
+        assert {db.get(Judgement, ids[k]).status for k in ("offline_0", "offline_3")} == {"pending"}
+        assert db.get(Judgement, ids["eval_turn"]).status == "tie"  # not dead: untouched
+    assert sorted(_queued_turns(tmp_path / "data")[len(before) + 1:]) == sorted([ids["offline_0"], ids["offline_3"]])
+    assert client.get("/admin/judgements/dead-count").text == ""
+    engine.dispose()

@@ -10,7 +10,7 @@ from fastapi.staticfiles import StaticFiles
 
 from gateway import errors
 from gateway.auth import CsrfFailed, LoginRequired
-from gateway.ui import pages
+from gateway.ui import judgements, pages
 
 STATIC = Path(__file__).parent / "static"
 
@@ -34,4 +34,5 @@ def mount(app: FastAPI) -> None:
     errors.error_page(app, "/admin", pages.error_page)
     app.include_router(pages.public)
     app.include_router(pages.router)
+    app.include_router(judgements.router)
     app.mount("/admin/static", StaticFiles(directory=STATIC), name="admin-static")
