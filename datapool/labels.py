@@ -12,7 +12,8 @@ What the trainer does with them:
 * ``correction`` text — the corrected reply becomes the turn's OPD hint: the scorer uses it
   before any feedback or judge hint and computes teacher logprobs under it
   (``datapool.scoring``); the turn is re-queued for scoring when one is added;
-* ``thumb`` ±1, ``tag``, ``note`` — for people and for the ``labels`` batch filter.
+* ``thumb`` ±1, ``tag``, ``note`` — for people and for the ``labels`` batch filter; ``untag``
+  NAME removes the tag NAME from the same target (a later ``tag`` NAME adds it again).
 
 The SQL helpers read a label's value through its JSON text (``CAST(value AS TEXT)``), which is
 the same on PostgreSQL (jsonb) and SQLite for the values :func:`validate` lets in.
@@ -26,13 +27,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Float, Text, and_, cast, exists, func, or_, select
-from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy.orm import Session as OrmSession, aliased
 from sqlalchemy.sql.elements import ColumnElement
 
 from datapool.db import iso, utcnow
 from datapool.models import Label, Session, Turn
 
-KINDS = ("thumb", "override", "exclude", "correction", "tag", "note")
+KINDS = ("thumb", "override", "exclude", "correction", "tag", "untag", "note")
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 MAX_TEXT = 64 * 1024
 #: the values of the trainer's and the UI's ``labels`` filter (``tag:NAME`` too)
@@ -46,22 +47,23 @@ class LabelError(ValueError):
 def validate(kind: str, value: Any) -> Any:
     """The value as stored; raises :class:`LabelError` for a value the kind does not take."""
     if kind not in KINDS:
-        raise LabelError(f"unknown label kind {kind!r}; one of {', '.join(KINDS)}")
-    if value is None:
-        if kind == "tag":
-            raise LabelError("a tag label needs the tag")
+        raise LabelError(f"unknown label kind {_shown(kind)}; use one of {', '.join(KINDS)}")
+    if value is None or (kind in ("tag", "untag") and isinstance(value, str) and not value.strip()):
+        if kind in ("tag", "untag"):
+            raise LabelError("Type a tag first: 1-64 letters, digits, '_', '.', ':' or '-', e.g. wrong-tool")
         return None
     if kind == "thumb":
         if value in (1, -1, "1", "-1", "+1", "up", "down") and not isinstance(value, bool):
             return {"up": 1, "down": -1}.get(value, None) or int(value)
-        raise LabelError("thumb is 1 (up) or -1 (down)")
+        raise LabelError(f"A thumb is 1 (up) or -1 (down), not {_shown(value)}")
     if kind == "override":
         try:
             r = float(value)
         except (TypeError, ValueError):
-            raise LabelError(f"override is a reward between -1 and 1, not {value!r}") from None
+            raise LabelError(f"The score override must be a number from -1 to 1 (e.g. -0.5), not {_shown(value)}; "
+                             "leave it empty to withdraw the override") from None
         if isinstance(value, bool) or not math.isfinite(r) or not -1.0 <= r <= 1.0:
-            raise LabelError(f"override is a reward between -1 and 1, not {value!r}")
+            raise LabelError(f"The score override must be a number from -1 to 1 (e.g. -0.5), not {_shown(value)}")
         return r
     if kind == "exclude":
         if isinstance(value, bool):
@@ -70,20 +72,31 @@ def validate(kind: str, value: Any) -> Any:
             return True
         if value in ("false", "0", 0, "off"):
             return False
-        raise LabelError("exclude is true or false")
+        raise LabelError(f"exclude is true or false, not {_shown(value)}")
     if not isinstance(value, str):
-        raise LabelError(f"{kind} is text")
-    if kind == "tag":
+        raise LabelError(f"{kind} is text, not {type(value).__name__}")
+    if kind in ("tag", "untag"):
         tag = value.strip()
         if not TAG_RE.match(tag):
-            raise LabelError("a tag is 1-64 letters, digits, '_', '.', ':' or '-'")
+            why = (f"it is {len(tag)} characters long" if len(tag) > 64
+                   else "it has a space" if any(c.isspace() for c in tag)
+                   else "it must start with a letter or digit" if not tag[0].isalnum() or not tag[0].isascii()
+                   else "it has a character other than letters, digits, '_', '.', ':' or '-'")
+            raise LabelError(f"Tag {_shown(tag)} is not allowed: {why}. A tag is 1-64 letters, digits, "
+                             "'_', '.', ':' or '-', starting with a letter or digit (e.g. wrong-tool)")
         return tag
     text = value.strip()
     if not text:
         return None  # an emptied note or correction withdraws it
     if len(text) > MAX_TEXT:
-        raise LabelError(f"{kind} is longer than {MAX_TEXT} characters")
+        raise LabelError(f"The {kind} is {len(text)} characters long; at most {MAX_TEXT} are kept")
     return text
+
+
+def _shown(value: Any) -> str:
+    """A rejected value as an error message quotes it: short, so a pasted essay stays out."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "…"
 
 
 def add_label(db: OrmSession, *, kind: str, value: Any, author: str, turn_id: str | None = None,
@@ -118,6 +131,8 @@ def in_force(rows: Iterable[Label]) -> dict[str, Any]:
     for row in sorted(rows, key=lambda r: r.id):
         if row.kind == "tag":
             tags.add(row.value)
+        elif row.kind == "untag":
+            tags.discard(row.value)
         else:
             state[row.kind] = row.value
             state[f"{row.kind}_by"] = row.author
@@ -214,7 +229,12 @@ def matches(spec: str, turn_id: Any, session_id: Any) -> ColumnElement[bool]:
     if spec == "correction":
         return _latest("correction", Label.turn_id == turn_id).is_not(None)
     if spec.startswith("tag:") and TAG_RE.match(spec[4:]):
-        return exists().where(on_target, Label.kind == "tag", cast(Label.value, Text) == f'"{spec[4:]}"')
+        value = f'"{spec[4:]}"'
+        removed = aliased(Label)
+        # a tag row on the target with no later untag of the same tag on the same target
+        return exists().where(on_target, Label.kind == "tag", cast(Label.value, Text) == value, ~exists().where(
+            removed.kind == "untag", cast(removed.value, Text) == value, removed.id > Label.id,
+            or_(removed.turn_id == Label.turn_id, removed.session_id == Label.session_id)))
     raise LabelError(f"unknown labels filter {spec!r}; one of {', '.join(FILTERS)} or tag:NAME")
 
 

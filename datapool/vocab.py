@@ -159,6 +159,7 @@ class LabelKind(StrEnum):
     EXCLUDE = "exclude"
     CORRECTION = "correction"
     TAG = "tag"
+    UNTAG = "untag"  # removes that tag from the same turn or session (rows are never deleted)
     NOTE = "note"
 
 

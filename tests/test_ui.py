@@ -433,3 +433,70 @@ def test_judgements_page_retry_one_and_all_dead(app_and_ids: Any, tmp_path: Path
     assert sorted(_queued_turns(tmp_path / "data")[len(before) + 1:]) == sorted([ids["offline_0"], ids["offline_3"]])
     assert client.get("/admin/judgements/dead-count").text == ""
     engine.dispose()
+
+
+def test_remove_a_tag_from_a_turn_and_a_session(app_and_ids: Any) -> None:
+    client, ids, url = app_and_ids
+    csrf = login(client)
+    hx = {"HX-Request": "true"}
+    turn, sid = ids["weather_reply"], ids["weather"]
+    engine = make_engine(url)
+
+    def tagged(name: str) -> set[str]:
+        with OrmSession(engine) as db:
+            page, _ = browse.sessions_page(db, browse.Browse.from_params({"label": f"tag:{name}"}), limit=100,
+                                           cursor=None)
+            return {s["id"] for s in page}
+
+    turl = f"/admin/turns/{turn}/labels"
+    for tag in ("wrong-tool", "keep"):
+        assert client.post(turl, data={"kind": "tag", "value": tag, "csrf_token": csrf}, headers=hx).status_code == 200
+    assert tagged("wrong-tool") == {sid}
+    assert client.post(turl, data={"kind": "untag", "value": "wrong-tool"}, headers=hx).status_code == 403  # CSRF
+    r = client.post(turl, data={"kind": "untag", "value": "wrong-tool", "csrf_token": csrf}, headers=hx)
+    assert r.status_code == 200 and "#keep" in r.text and "#wrong-tool" not in r.text
+    assert 'aria-label="remove tag keep"' in r.text
+    assert tagged("wrong-tool") == set() and tagged("keep") == {sid}
+    # tagged again later: back (the history keeps every step)
+    r = client.post(turl, data={"kind": "tag", "value": "wrong-tool", "csrf_token": csrf}, headers=hx)
+    assert "#wrong-tool" in r.text and tagged("wrong-tool") == {sid}
+    with OrmSession(engine) as db:
+        history = [h["kind"] for h in labels.for_turns(db, [turn])[turn]["history"]]
+    assert history == ["tag", "tag", "untag", "tag"]
+
+    # a session's tag: removed from the session; a session tag shown on a turn has no × there
+    surl = f"/admin/sessions/{sid}/labels"
+    client.post(surl, data={"kind": "tag", "value": "flaky", "csrf_token": csrf}, headers=hx)
+    page = client.get(f"/admin/sessions/{sid}").text
+    assert 'aria-label="remove tag flaky"' in page and page.count('aria-label="remove tag flaky"') == 1
+    r = client.post(surl, data={"kind": "untag", "value": "flaky", "csrf_token": csrf}, headers=hx)
+    assert r.status_code == 200 and "#flaky" not in r.text and tagged("flaky") == set()
+    engine.dispose()
+
+
+@pytest.mark.parametrize("kind,value,says", [
+    ("tag", "wrong tool", "Tag 'wrong tool' is not allowed: it has a space"),
+    ("tag", "-x", "it must start with a letter or digit"),
+    ("tag", "x" * 70, "is 70 characters long"),
+    ("tag", "", "Type a tag first"),
+    ("override", "abc", "The score override must be a number from -1 to 1 (e.g. -0.5), not 'abc'"),
+    ("override", "2", "not '2'"),
+    ("thumb", "7", "A thumb is 1 (up) or -1 (down), not '7'"),
+])
+def test_bad_label_input_gets_a_clear_message(app_and_ids: Any, kind: str, value: str, says: str) -> None:
+    client, ids, url = app_and_ids
+    csrf = login(client)
+    turn = ids["weather_call"]
+    r = client.post(f"/admin/turns/{turn}/labels", data={"kind": kind, "value": value, "csrf_token": csrf},
+                    headers={"HX-Request": "true"})
+    assert r.status_code == 200  # the fragment comes back with the message in place
+    shown = re.search(r'<p class="error" role="alert">([^<]*)</p>', r.text)
+    assert shown and says.replace("'", "&#39;") in shown.group(1)
+    # the API answers the same words as an OpenAI-shaped 400; nothing was stored
+    api = client.post(f"/api/turns/{turn}/labels", json={"kind": kind, "value": value},
+                      headers={"X-CSRF-Token": csrf})
+    assert api.status_code == 400 and says in api.json()["error"]["message"]
+    engine = make_engine(url)
+    with OrmSession(engine) as db:
+        assert labels.for_turns(db, [turn])[turn]["history"] == []
+    engine.dispose()
