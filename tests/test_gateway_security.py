@@ -236,13 +236,13 @@ def test_rejected_requests_store_nothing(open_gateway: GatewayProcess) -> None:
 
 # --- credentials on every route ----------------------------------------------------------------
 
-# Routes anyone may call: liveness, readiness and metrics (scraped by infrastructure), and the
-# API's own description. Anything else, including routes added later, must refuse a caller
+# Routes anyone may call: liveness, readiness and metrics (scraped by infrastructure). The API's
+# own description (/docs, /redoc, /openapi.json) is admin-only when a token is set. Anything else, including routes added later, must refuse a caller
 # without credentials, or this test fails.
-PUBLIC = {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc",
+PUBLIC = {"/healthz", "/readyz", "/metrics",
           # the admin UI's login form (it issues the session cookie) and its static files
           "/admin/login", "/admin/static"}
-ADMIN_PREFIXES = ("/api", "/admin")
+ADMIN_PREFIXES = ("/api", "/admin", "/docs", "/redoc", "/openapi.json")
 
 
 def _all_routes(routes: Any, prefix: str = "") -> Iterator[tuple[str, Route]]:
@@ -301,7 +301,7 @@ def test_every_route_needs_its_credentials(tmp_path: Path) -> None:
     paths = {p for _, p in probed}
     assert {"/v1/chat/completions", "/s/{session_id}/v1/completions", "/v1/models", "/v1/feedback",
             "/api/sessions", "/api/turns/{turn_id}", "/v1/responses", "/v1/responses/{response_id}",
-            "/s/{session_id}/v1/messages", "/v1/messages/count_tokens"} <= paths
+            "/s/{session_id}/v1/messages", "/v1/messages/count_tokens", "/docs", "/redoc", "/openapi.json"} <= paths
 
 
 # --- no secret reaches the pool or the logs ------------------------------------------------------
