@@ -368,3 +368,49 @@ async def rollback(request: Request) -> Response:
 @router.get("/export.{fmt}")
 async def export_file(request: Request, fmt: str) -> StreamingResponse:
     return actions.export_response(gateway_of(request), _filters(request), fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# turns: one row per turn across sessions
+
+TURNS_PER_PAGE = 50
+
+
+def turns_query(request: Request) -> tuple[browse.Browse, browse.TurnPage]:
+    try:
+        return browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
+    except browse.FilterError as exc:
+        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+
+
+async def turns_data(request: Request) -> dict[str, Any]:
+    """The page of turns the URL names, and the URLs of its neighbours and sort headers."""
+    f, p = turns_query(request)
+    rows, more = await in_pool(gateway_of(request).engine, browse.turns_page, f, p, limit=TURNS_PER_PAGE)
+    base = {**f.params(), **p.params()}
+
+    def url(**change: Any) -> str:
+        q = {**base, **{k: str(v) for k, v in change.items() if v not in (None, "", 0)}}
+        for k, v in change.items():
+            if v in (None, "", 0):
+                q.pop(k, None)
+        return urlencode(q)
+
+    sorts = {s: url(sort=None if s == "time" else s,
+                    order="asc" if p.sort == s and p.order == "desc" else None, offset=None)
+             for s in browse.TURN_SORTS}
+    return {"turns": rows, "filters": f, "page": p, "query": urlencode(base),
+            "newer": url(offset=max(0, p.offset - TURNS_PER_PAGE)) if p.offset > 0 else None,
+            "older": url(offset=p.offset + TURNS_PER_PAGE) if more else None, "sorts": sorts,
+            "newer_label": "← Previous" if p.sort != "time" or p.order != "desc" else "← Newer",
+            "older_label": "Next →" if p.sort != "time" or p.order != "desc" else "Older →"}
+
+
+@router.get("/turns")
+async def turns_page(request: Request) -> HTMLResponse:
+    data = await turns_data(request)
+    if _is_htmx(request) and request.headers.get("hx-target") == "turn-results":
+        return render(request, "_turn_rows.html", **data)
+    choices = await in_pool(gateway_of(request).engine, _choices)
+    return render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
+                  label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES)
