@@ -162,14 +162,32 @@ def _session_where(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
 def sessions_page(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
                   ) -> tuple[list[dict[str, Any]], str | None]:
     """Matching sessions, newest first, with a summary each; and the next page's cursor."""
+    page, next_cursor, _ = sessions_window(db, f, limit=limit, cursor=cursor)
+    return page, next_cursor
+
+
+def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None = None, before: str | None = None
+                    ) -> tuple[list[dict[str, Any]], str | None, str | None]:
+    """A page of matching sessions, newest first: those older than ``cursor``, or (``before``)
+    the ``limit`` sessions just newer than that key. Returns the page, the cursor of the older
+    page and the ``before`` key of the newer page (None where there is none)."""
     q = select(Session).where(*_session_where(db, f))
+    if before:
+        at, sid = decode_cursor(before)
+        q = q.where(or_(Session.created_at > at, and_(Session.created_at == at, Session.id > sid)))
+        rows = list(db.scalars(q.order_by(Session.created_at.asc(), Session.id.asc()).limit(limit + 1)))
+        page = list(reversed(rows[:limit]))
+        newer = encode_cursor(page[0].created_at, page[0].id) if len(rows) > limit else None
+        older = encode_cursor(page[-1].created_at, page[-1].id) if page else None
+        return _summaries(db, page), older, newer
     if cursor:
         at, sid = decode_cursor(cursor)
         q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
     rows = list(db.scalars(q.order_by(Session.created_at.desc(), Session.id.desc()).limit(limit + 1)))
     page = rows[:limit]
-    next_cursor = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
-    return _summaries(db, page), next_cursor
+    older = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
+    newer = encode_cursor(page[0].created_at, page[0].id) if cursor and page else (cursor if cursor else None)
+    return _summaries(db, page), older, newer
 
 
 def _preview(messages: list[dict[str, Any]]) -> str:

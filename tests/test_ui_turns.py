@@ -26,7 +26,7 @@ from tests.test_ui import login
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
 
 
-def seed_many(url: str, n_sessions: int = 40, bad: int = 3) -> dict[str, Any]:
+def seed_many(url: str, n_sessions: int = 60, bad: int = 3) -> dict[str, Any]:
     """``n_sessions`` sessions of three main turns each; ``bad`` of the turns scored −1, the
     rest +1 or unjudged; latencies and token counts varied."""
     engine = make_engine(url)
@@ -118,9 +118,9 @@ def test_pages_older_then_newer_and_back(many: Any) -> None:
         seen += rows(html)
         assert len(rows(html)) <= 50
         url = link(html, "older")
-    assert sorted(seen) == sorted(data["turns"]) and len(seen) == len(set(seen)) == 120
+    assert sorted(seen) == sorted(data["turns"]) and len(seen) == len(set(seen)) == 180
     times = [r for r in seen]
-    assert len(pages) == 3
+    assert len(pages) == 4
     # newest first: the first row is the last turn written
     last_url, last_rows = pages[-1]
     html = client.get(last_url).text
@@ -186,3 +186,35 @@ def test_bad_parameters_are_a_clear_400(many: Any) -> None:
         r = client.get("/admin/turns", params=params)
         assert r.status_code == 400, params
         assert client.get("/api/turns", params=params).status_code == 400
+
+
+def session_rows(html: str) -> list[str]:
+    return re.findall(r'class="session-row" data-session="([^"]+)"', html)
+
+
+def test_session_list_pages_both_ways_with_filters_in_the_url(many: Any) -> None:
+    client, _ = many
+    first = client.get("/admin/sessions", params={"model": "m-a"}).text
+    assert 'method="get"' in first and 'hx-push-url="true"' in first
+    assert link(first, "newer") is None
+    ids1 = session_rows(first)
+    assert len(ids1) == 30
+    every = client.get("/admin/sessions").text
+    ids_all = session_rows(every)
+    older = link(every, "older")
+    assert older and "cursor=" in older and len(ids_all) == 50
+    second = client.get(older).text
+    ids2 = session_rows(second)
+    assert len(ids2) == 10 and not set(ids2) & set(ids_all) and link(second, "older") is None
+    newer = link(second, "newer")
+    assert newer and "before=" in newer
+    back = client.get(newer).text
+    assert session_rows(back) == ids_all
+    assert link(back, "newer") is None
+    # a filtered URL keeps its filter in the pager links
+    filtered_older = link(client.get("/admin/sessions", params={"mode": "online"}).text, "older")
+    assert filtered_older is None or "mode=online" in filtered_older
+    # an htmx request for the same URL gets the rows alone, for the pushed URL to stay a page
+    frag = client.get("/admin/sessions", params={"model": "m-a"}, headers={"HX-Request": "true", "HX-Target": "results"})
+    assert "<html" not in frag.text and session_rows(frag.text) == ids1
+    assert client.get("/admin/sessions", params={"before": "garbage"}).status_code == 400

@@ -151,15 +151,17 @@ def _choices(db: OrmSession) -> dict[str, list[str]]:
 async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
     gw = gateway_of(request)
     cursor = request.query_params.get("cursor") or None
-    if cursor:
-        try:
-            queries.decode_cursor(cursor)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="cursor") from exc
+    before = request.query_params.get("before") or None
+    for name, value in (("cursor", cursor), ("before", before)):
+        if value:
+            try:
+                queries.decode_cursor(value)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param=name) from exc
 
     def run(db: OrmSession) -> dict[str, Any]:
-        page, next_cursor = browse.sessions_page(db, f, limit=50, cursor=cursor)
-        return {"sessions": page, "next_cursor": next_cursor, "counts": browse.counts(db, f)}
+        page, next_cursor, newer = browse.sessions_window(db, f, limit=50, cursor=cursor, before=before)
+        return {"sessions": page, "next_cursor": next_cursor, "newer_cursor": newer, "counts": browse.counts(db, f)}
 
     data = await in_pool(gw.engine, run)
     data["query"] = urlencode(f.params())
@@ -171,6 +173,8 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
 async def sessions_page(request: Request) -> HTMLResponse:
     f = _filters(request)
     data = await _results(request, f)
+    if _is_htmx(request) and request.headers.get("hx-target") == "results":
+        return render(request, "_rows.html", **data)
     choices = await in_pool(gateway_of(request).engine, _choices)
     return render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
                   rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES)
