@@ -103,7 +103,8 @@ def test_each_row_links_to_an_anchor_of_its_session(many: Any) -> None:
         assert session.status_code == 200
         assert f'id="{anchor}"' in session.text
         assert f'href="#{anchor}"' in session.text  # the visible permalink
-        assert f'/api/turns/{tid}' in session.text  # copy as JSON
+        assert f'data-copy-json="/api/turns/{tid}"' in session.text  # copy as JSON
+        assert f'data-copy-json="/api/sessions/{path.rsplit("/", 1)[1]}"' in session.text
         assert client.get(f"/api/turns/{tid}").json()["id"] == tid
 
 
