@@ -218,4 +218,7 @@ def test_session_list_pages_both_ways_with_filters_in_the_url(many: Any) -> None
     # an htmx request for the same URL gets the rows alone, for the pushed URL to stay a page
     frag = client.get("/admin/sessions", params={"model": "m-a"}, headers={"HX-Request": "true", "HX-Target": "results"})
     assert "<html" not in frag.text and session_rows(frag.text) == ids1
+    # the same URL answers two ways: no cache may serve the fragment for "back"
+    assert "HX-Request" in frag.headers["vary"] and frag.headers["cache-control"] == "no-store"
+    assert "HX-Request" in client.get("/admin/turns").headers["vary"]
     assert client.get("/admin/sessions", params={"before": "garbage"}).status_code == 400

@@ -170,14 +170,22 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
 
 
 @router.get("/sessions")
-async def sessions_page(request: Request) -> HTMLResponse:
+async def sessions_page(request: Request) -> Response:
     f = _filters(request)
     data = await _results(request, f)
     if _is_htmx(request) and request.headers.get("hx-target") == "results":
-        return render(request, "_rows.html", **data)
+        return _fragment(render(request, "_rows.html", **data))
     choices = await in_pool(gateway_of(request).engine, _choices)
-    return render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
-                  rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES)
+    return _fragment(render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
+                            rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES))
+
+
+def _fragment(response: Response) -> Response:
+    """A URL that answers htmx with a fragment and a browser with the page (what hx-push-url
+    pushes): the browser must not cache one for the other, or "back" shows the bare fragment."""
+    response.headers["Vary"] = "HX-Request, HX-Target"
+    response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 @router.get("/sessions/rows")
@@ -411,10 +419,10 @@ async def turns_data(request: Request) -> dict[str, Any]:
 
 
 @router.get("/turns")
-async def turns_page(request: Request) -> HTMLResponse:
+async def turns_page(request: Request) -> Response:
     data = await turns_data(request)
     if _is_htmx(request) and request.headers.get("hx-target") == "turn-results":
-        return render(request, "_turn_rows.html", **data)
+        return _fragment(render(request, "_turn_rows.html", **data))
     choices = await in_pool(gateway_of(request).engine, _choices)
-    return render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
-                  label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES)
+    return _fragment(render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
+                            label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES))
