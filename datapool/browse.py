@@ -422,7 +422,10 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
     elif p.status:
         conds.append(Judgement.status == p.status)
     key = {"time": Turn.created_at, "reward": r, "latency": Turn.latency_ms, "tokens": completion}[p.sort]
-    primary = key.desc().nulls_last() if p.order == "desc" else key.asc().nulls_last()
+    if p.sort == "time":  # never NULL: plain order, which the created_at index serves either way
+        primary = key.desc() if p.order == "desc" else key.asc()
+    else:
+        primary = key.desc().nulls_last() if p.order == "desc" else key.asc().nulls_last()
     tie = Turn.id.desc() if p.order == "desc" else Turn.id.asc()
     q = (select(Turn.id, Turn.session_id, Turn.created_at, Turn.model, Turn.upstream_model, Turn.policy_version,
                 Turn.capture, Turn.turn_type, Turn.status, Turn.latency_ms,
