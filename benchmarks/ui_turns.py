@@ -17,22 +17,22 @@ import statistics
 import sys
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import insert  # noqa: E402
-from sqlalchemy.orm import Session as OrmSession  # noqa: E402
+from sqlalchemy import insert
+from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse  # noqa: E402
-from datapool.db import make_engine, upgrade  # noqa: E402
-from datapool.models import Judgement, Session, Turn  # noqa: E402
+from datapool import browse
+from datapool.db import make_engine, upgrade
+from datapool.models import Judgement, Session, Turn
 
 
 def seed(engine: Any, sessions: int, per: int) -> None:
-    start = datetime.now(timezone.utc) - timedelta(days=7)
+    start = datetime.now(UTC) - timedelta(days=7)
     for lo in range(0, sessions, 1000):
         srows, trows, jrows = [], [], []
         for i in range(lo, min(sessions, lo + 1000)):
@@ -117,7 +117,7 @@ def main() -> None:
                     n = len(fn(db))
                     times.append((time.perf_counter() - t) * 1000)
             times.sort()
-            p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
+            p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
             print(f"{name:<28} {statistics.median(times):8.1f} {p95:8.1f} {n:5d}")
         engine.dispose()
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
@@ -23,7 +25,7 @@ from datapool.settings import Settings
 from gateway.app import create_app
 from tests.test_ui import login
 
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
 
 def seed_many(url: str, n_sessions: int = 60, bad: int = 3) -> dict[str, Any]:
@@ -123,7 +125,7 @@ def test_pages_older_then_newer_and_back(many: Any) -> None:
     times = [r for r in seen]
     assert len(pages) == 4
     # newest first: the first row is the last turn written
-    last_url, last_rows = pages[-1]
+    last_url, _ = pages[-1]
     html = client.get(last_url).text
     newer = link(html, "newer")
     assert newer is not None and rows(client.get(newer).text) == pages[-2][1]
