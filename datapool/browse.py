@@ -162,14 +162,32 @@ def _session_where(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
 def sessions_page(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
                   ) -> tuple[list[dict[str, Any]], str | None]:
     """Matching sessions, newest first, with a summary each; and the next page's cursor."""
+    page, next_cursor, _ = sessions_window(db, f, limit=limit, cursor=cursor)
+    return page, next_cursor
+
+
+def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None = None, before: str | None = None
+                    ) -> tuple[list[dict[str, Any]], str | None, str | None]:
+    """A page of matching sessions, newest first: those older than ``cursor``, or (``before``)
+    the ``limit`` sessions just newer than that key. Returns the page, the cursor of the older
+    page and the ``before`` key of the newer page (None where there is none)."""
     q = select(Session).where(*_session_where(db, f))
+    if before:
+        at, sid = decode_cursor(before)
+        q = q.where(or_(Session.created_at > at, and_(Session.created_at == at, Session.id > sid)))
+        rows = list(db.scalars(q.order_by(Session.created_at.asc(), Session.id.asc()).limit(limit + 1)))
+        page = list(reversed(rows[:limit]))
+        newer = encode_cursor(page[0].created_at, page[0].id) if len(rows) > limit else None
+        older = encode_cursor(page[-1].created_at, page[-1].id) if page else None
+        return _summaries(db, page), older, newer
     if cursor:
         at, sid = decode_cursor(cursor)
         q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
     rows = list(db.scalars(q.order_by(Session.created_at.desc(), Session.id.desc()).limit(limit + 1)))
     page = rows[:limit]
-    next_cursor = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
-    return _summaries(db, page), next_cursor
+    older = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
+    newer = encode_cursor(page[0].created_at, page[0].id) if cursor and page else (cursor if cursor else None)
+    return _summaries(db, page), older, newer
 
 
 def _preview(messages: list[dict[str, Any]]) -> str:
@@ -340,3 +358,116 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
     scored.sort(key=lambda x: (-x["score"], -x["created_at"].timestamp()))
     return scored[:limit]
 
+
+
+# --------------------------------------------------------------------------------------------
+# the turns view: one row per turn across sessions
+
+TURN_SORTS = ("time", "reward", "latency", "tokens")
+JUDGE_STATUSES = tuple(s.value for s in JudgementStatus) + ("none",)
+
+
+@dataclass(frozen=True)
+class TurnPage:
+    """How the turns view orders and pages: ``sort`` one of :data:`TURN_SORTS`, ``order``
+    ``desc``/``asc``, ``offset`` rows skipped; ``status`` a judge status (or ``none``)."""
+
+    sort: str = "time"
+    order: str = "desc"
+    offset: int = 0
+    status: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any]) -> "TurnPage":
+        sort = str(params.get("sort") or "time")
+        order = str(params.get("order") or "desc")
+        status = str(params.get("status") or "").strip() or None
+        if sort not in TURN_SORTS:
+            raise FilterError(f"sort: {sort!r} is not one of {', '.join(TURN_SORTS)}")
+        if order not in ("asc", "desc"):
+            raise FilterError(f"order: {order!r} is not one of asc, desc")
+        if status is not None and status not in JUDGE_STATUSES:
+            raise FilterError(f"status: {status!r} is not one of {', '.join(JUDGE_STATUSES)}")
+        raw = str(params.get("offset") or "0").strip()
+        if not raw.isdigit() or int(raw) > 10_000_000:
+            raise FilterError(f"offset: not a whole number >= 0: {raw[:40]!r}")
+        return cls(sort=sort, order=order, offset=int(raw), status=status)
+
+    def params(self) -> dict[str, str]:
+        out = {}
+        if self.sort != "time":
+            out["sort"] = self.sort
+        if self.order != "desc":
+            out["order"] = self.order
+        if self.status:
+            out["status"] = self.status
+        return out
+
+
+def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """One SQL query (LIMIT ``limit`` + 1, OFFSET): the turns the filter selects, each with its
+    session, reward, judge status, latency, tokens, finish reason and tool-call count; and
+    whether more follow. The date range (``since``/``until``) applies to the turn's time here.
+    Labels are fetched for the page's turns only."""
+    r = effective_reward()
+    completion = Turn.usage["completion_tokens"].as_float()
+    sconds = session_conditions(Browse(mode=f.mode, task_id=f.task_id))
+    conds = [*sconds, *turn_conditions(db, f)]
+    if f.since:
+        conds.append(Turn.created_at >= f.since)
+    if f.until:
+        conds.append(Turn.created_at < f.until)
+    if p.status == "none":
+        conds.append(Judgement.status.is_(None))
+    elif p.status:
+        conds.append(Judgement.status == p.status)
+    key = {"time": Turn.created_at, "reward": r, "latency": Turn.latency_ms, "tokens": completion}[p.sort]
+    if p.sort == "time":  # never NULL: plain order, which the created_at index serves either way
+        primary = key.desc() if p.order == "desc" else key.asc()
+    else:
+        primary = key.desc().nulls_last() if p.order == "desc" else key.asc().nulls_last()
+    tie = Turn.id.desc() if p.order == "desc" else Turn.id.asc()
+    q = (select(Turn.id, Turn.session_id, Turn.created_at, Turn.model, Turn.upstream_model, Turn.policy_version,
+                Turn.capture, Turn.turn_type, Turn.status, Turn.latency_ms,
+                Turn.usage["prompt_tokens"].as_float().label("prompt_tokens"), completion.label("completion_tokens"),
+                Turn.response[("choices", 0, "finish_reason")].as_string().label("finish_reason"),
+                Turn.response[("choices", 0, "message", "tool_calls")].label("tool_calls"),
+                Judgement.status.label("judge_status"), r.label("reward"))
+         .select_from(Turn).outerjoin(Judgement, Judgement.turn_id == Turn.id)
+         .where(*conds).order_by(primary, tie).offset(p.offset).limit(limit + 1))
+    if sconds:
+        q = q.join(Session, Session.id == Turn.session_id)
+    rows = db.execute(q).all()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    labs = labels.for_turns(db, [row.id for row in rows]) if rows else {}
+    out = []
+    for row in rows:
+        calls = row.tool_calls
+        out.append({
+            "id": row.id, "session_id": row.session_id, "created_at": row.created_at, "model": row.model,
+            "upstream_model": row.upstream_model, "policy_version": row.policy_version, "capture": row.capture,
+            "turn_type": row.turn_type, "status": row.status, "latency_ms": row.latency_ms,
+            "prompt_tokens": _int(row.prompt_tokens), "completion_tokens": _int(row.completion_tokens),
+            "finish_reason": row.finish_reason if isinstance(row.finish_reason, str) else None,
+            "tool_calls": len(calls) if isinstance(calls, list) else 0,
+            "judge_status": row.judge_status, "reward": row.reward,
+            "labels": _label_words((labs.get(row.id) or {}).get("effective") or {}),
+        })
+    return out, more
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _label_words(state: dict[str, Any]) -> list[str]:
+    """A turn's labels in force as short words for a table cell (``thumb:1``, ``exclude``, tags)."""
+    out = []
+    for k, v in state.items():
+        if k.endswith("_by") or k in ("tags", "correction", "note"):
+            continue
+        out.append(k if v is True else f"{k}:{v}")
+    out += [f"#{t}" for t in state.get("tags", [])]
+    out += [k for k in ("correction", "note") if k in state]
+    return out

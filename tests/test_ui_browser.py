@@ -308,6 +308,32 @@ def test_export_of_a_filtered_view_round_trips(page: Any, ids: dict[str, str], t
     assert table.to_pylist()[0]["messages"][-1]["role"] == "assistant"
 
 
+def test_turns_view_finds_negative_turns_and_keeps_its_url(page: Any, ids: dict[str, str]) -> None:
+    """Filter the turns view to negative turns: the URL carries the filter, each row opens its
+    turn's anchor on the session page, and the back button returns to the same filtered view."""
+    page.goto("/admin/turns")
+    page.select_option("select[name=reward]", "negative")
+    page.wait_for_url("**/admin/turns?*reward=negative*")
+    expected = page.request.get("/api/turns?reward=negative").json()["data"]
+    assert expected, "the seed has negative turns"
+    rows = page.locator("tr.turn-row")
+    rows.first.wait_for()
+    page.wait_for_function("n => document.querySelectorAll('tr.turn-row').length === n", arg=len(expected))
+    assert [rows.nth(i).get_attribute("data-turn-row") for i in range(rows.count())] == [t["id"] for t in expected]
+    shot(page, "turns-negative")
+    filtered = page.url
+    rows.first.locator("a.permalink").click()
+    page.wait_for_url(f"**/admin/sessions/*#turn-{expected[0]['id']}")
+    card = page.locator(f"#turn-{expected[0]['id']}")
+    assert "focused" in (card.get_attribute("class") or "")
+    assert card.locator(f"a.permalink[href='#turn-{expected[0]['id']}']").count() == 1
+    page.go_back()
+    page.wait_for_url(filtered)
+    assert page.locator("select[name=reward]").input_value() == "negative"
+    assert page.locator("tr.turn-row").count() == len(expected)
+    assert not page.js_errors
+
+
 def test_logout(page: Any) -> None:
     page.goto("/admin/sessions")
     page.get_by_role("button", name="Log out").click()

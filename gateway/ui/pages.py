@@ -151,15 +151,17 @@ def _choices(db: OrmSession) -> dict[str, list[str]]:
 async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
     gw = gateway_of(request)
     cursor = request.query_params.get("cursor") or None
-    if cursor:
-        try:
-            queries.decode_cursor(cursor)
-        except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="cursor") from exc
+    before = request.query_params.get("before") or None
+    for name, value in (("cursor", cursor), ("before", before)):
+        if value:
+            try:
+                queries.decode_cursor(value)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param=name) from exc
 
     def run(db: OrmSession) -> dict[str, Any]:
-        page, next_cursor = browse.sessions_page(db, f, limit=50, cursor=cursor)
-        return {"sessions": page, "next_cursor": next_cursor, "counts": browse.counts(db, f)}
+        page, next_cursor, newer = browse.sessions_window(db, f, limit=50, cursor=cursor, before=before)
+        return {"sessions": page, "next_cursor": next_cursor, "newer_cursor": newer, "counts": browse.counts(db, f)}
 
     data = await in_pool(gw.engine, run)
     data["query"] = urlencode(f.params())
@@ -168,12 +170,22 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
 
 
 @router.get("/sessions")
-async def sessions_page(request: Request) -> HTMLResponse:
+async def sessions_page(request: Request) -> Response:
     f = _filters(request)
     data = await _results(request, f)
+    if _is_htmx(request) and request.headers.get("hx-target") == "results":
+        return _fragment(render(request, "_rows.html", **data))
     choices = await in_pool(gateway_of(request).engine, _choices)
-    return render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
-                  rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES)
+    return _fragment(render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
+                            rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES))
+
+
+def _fragment(response: Response) -> Response:
+    """A URL that answers htmx with a fragment and a browser with the page (what hx-push-url
+    pushes): the browser must not cache one for the other, or "back" shows the bare fragment."""
+    response.headers["Vary"] = "HX-Request, HX-Target"
+    response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 @router.get("/sessions/rows")
@@ -368,3 +380,49 @@ async def rollback(request: Request) -> Response:
 @router.get("/export.{fmt}")
 async def export_file(request: Request, fmt: str) -> StreamingResponse:
     return actions.export_response(gateway_of(request), _filters(request), fmt)
+
+
+# --------------------------------------------------------------------------------------------
+# turns: one row per turn across sessions
+
+TURNS_PER_PAGE = 50
+
+
+def turns_query(request: Request) -> tuple[browse.Browse, browse.TurnPage]:
+    try:
+        return browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
+    except browse.FilterError as exc:
+        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+
+
+async def turns_data(request: Request) -> dict[str, Any]:
+    """The page of turns the URL names, and the URLs of its neighbours and sort headers."""
+    f, p = turns_query(request)
+    rows, more = await in_pool(gateway_of(request).engine, browse.turns_page, f, p, limit=TURNS_PER_PAGE)
+    base = {**f.params(), **p.params()}
+
+    def url(**change: Any) -> str:
+        q = {**base, **{k: str(v) for k, v in change.items() if v not in (None, "", 0)}}
+        for k, v in change.items():
+            if v in (None, "", 0):
+                q.pop(k, None)
+        return urlencode(q)
+
+    sorts = {s: url(sort=None if s == "time" else s,
+                    order="asc" if p.sort == s and p.order == "desc" else None, offset=None)
+             for s in browse.TURN_SORTS}
+    return {"turns": rows, "filters": f, "page": p, "query": urlencode(base),
+            "newer": url(offset=max(0, p.offset - TURNS_PER_PAGE)) if p.offset > 0 else None,
+            "older": url(offset=p.offset + TURNS_PER_PAGE) if more else None, "sorts": sorts,
+            "newer_label": "← Previous" if p.sort != "time" or p.order != "desc" else "← Newer",
+            "older_label": "Next →" if p.sort != "time" or p.order != "desc" else "Older →"}
+
+
+@router.get("/turns")
+async def turns_page(request: Request) -> Response:
+    data = await turns_data(request)
+    if _is_htmx(request) and request.headers.get("hx-target") == "turn-results":
+        return _fragment(render(request, "_turn_rows.html", **data))
+    choices = await in_pool(gateway_of(request).engine, _choices)
+    return _fragment(render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
+                            label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES))

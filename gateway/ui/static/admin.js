@@ -42,4 +42,21 @@
     var card = e.target.closest && e.target.closest("[data-turn]");
     if (card) card.classList.add("focused");
   });
+  // copy-as-JSON: fetch the /api JSON the button names (same login) and put it on the clipboard
+  document.addEventListener("click", function (e) {
+    var btn = e.target.closest && e.target.closest("[data-copy-json]");
+    if (!btn) return;
+    e.preventDefault();
+    var label = btn.textContent;
+    fetch(btn.getAttribute("data-copy-json"), { credentials: "same-origin", headers: { Accept: "application/json" } })
+      .then(function (r) { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
+      .then(function (data) { return navigator.clipboard.writeText(JSON.stringify(data, null, 2)); })
+      .then(function () { btn.textContent = "copied"; }, function (err) { btn.textContent = "copy failed (" + err.message + ")"; })
+      .finally(function () { setTimeout(function () { btn.textContent = label; }, 1500); });
+  });
+  // a #turn-<id> in the URL: show that turn focused
+  if (location.hash.indexOf("#turn-") === 0) {
+    var target = document.getElementById(location.hash.slice(1));
+    if (target && target.matches("[data-turn]")) { target.classList.add("focused"); target.scrollIntoView({ block: "start" }); }
+  }
 })();

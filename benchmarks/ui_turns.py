@@ -1,0 +1,129 @@
+"""The admin UI's turns view (``datapool.browse.turns_page``, what ``GET /admin/turns`` and
+``GET /api/turns`` run) and session list page, on real PostgreSQL.
+
+    python benchmarks/ui_turns.py [--sessions 10000] [--turns-per-session 5] [--repeat 20] [--database-url ...]
+
+Seeds --sessions sessions of --turns-per-session main turns (judged +1/−1/unjudged, varied
+latency, usage, finish reasons, tool calls) into a fresh database on the local PostgreSQL (or
+the empty, migrated --database-url), then times each view --repeat times: one page of 50 rows,
+the query and the page's labels, server side without HTTP. Columns: p50 and p95 milliseconds,
+rows returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sqlalchemy import insert
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool import browse
+from datapool.db import make_engine, upgrade
+from datapool.models import Judgement, Session, Turn
+
+
+def seed(engine: Any, sessions: int, per: int) -> None:
+    start = datetime.now(UTC) - timedelta(days=7)
+    for lo in range(0, sessions, 1000):
+        srows, trows, jrows = [], [], []
+        for i in range(lo, min(sessions, lo + 1000)):
+            at = start + timedelta(seconds=60 * i)
+            sid = f"bench-{i}"
+            srows.append({"id": sid, "source": "header", "mode": "online", "created_at": at, "updated_at": at,
+                          "meta": {}})
+            for j in range(per):
+                k = i * per + j
+                tid = str(uuid.uuid4())
+                calls = [{"id": f"c{j}", "type": "function", "function": {"name": "ls", "arguments": "{}"}}] * (j % 3)
+                trows.append({"id": tid, "session_id": sid, "turn_type": "main", "endpoint": "chat", "status": "ok",
+                              "wire_format": "chat", "created_at": at + timedelta(seconds=j),
+                              "model": f"model-{i % 3}", "upstream_model": "smollm2", "capture": "black-box",
+                              "policy_version": f"v{i % 4}",
+                              "request": {"messages": [{"role": "user", "content": f"task {i} step {j}: list the files"}]},
+                              "response": {"choices": [{"index": 0, "finish_reason": "length" if k % 17 == 0 else "stop",
+                                                        "message": {"role": "assistant", "content": f"answer {k}",
+                                                                    **({"tool_calls": calls} if calls else {})}}]},
+                              "latency_ms": float((k * 7919) % 5000), "usage": {"prompt_tokens": 20 + j * 30,
+                                                                              "completion_tokens": (k * 31) % 400}})
+                if k % 4:
+                    jrows.append({"turn_id": tid, "status": "scored", "reward": -1.0 if k % 997 == 0 else 1.0,
+                                  "attempts": 1, "retries": 0, "updated_at": at})
+        with OrmSession(engine) as db, db.begin():
+            db.execute(insert(Session), srows)
+            db.execute(insert(Turn), trows)
+            db.execute(insert(Judgement), jrows)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ANALYZE")
+
+
+VIEWS: list[tuple[str, dict[str, str]]] = [
+    ("newest", {}),
+    ("reward=negative", {"reward": "negative"}),
+    ("status=none", {"status": "none"}),
+    ("sort=latency", {"sort": "latency"}),
+    ("sort=reward asc", {"sort": "reward", "order": "asc"}),
+    ("sort=tokens", {"sort": "tokens"}),
+    ("model + version", {"model": "model-1", "policy_version": "v1"}),
+    ("q=files (full text)", {"q": "files"}),
+    ("offset 5000", {"offset": "5000"}),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=10000)
+    ap.add_argument("--turns-per-session", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--database-url")
+    args = ap.parse_args()
+    drop = None
+    url = args.database_url
+    if url is None:
+        from tests.pg import fresh_database, service_dsn
+
+        dsn = service_dsn()
+        if dsn is None:
+            sys.exit("no PostgreSQL on 127.0.0.1:5432: pass --database-url")
+        url, drop = fresh_database(dsn)
+    try:
+        upgrade(url)
+        engine = make_engine(url)
+        t0 = time.perf_counter()
+        seed(engine, args.sessions, args.turns_per_session)
+        print(f"seeded {args.sessions} sessions / {args.sessions * args.turns_per_session} turns "
+              f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"{'view':<28} {'p50 ms':>8} {'p95 ms':>8} {'rows':>5}")
+        runs: list[tuple[str, Any]] = [
+            (f"turns {name}", lambda db, p=params: browse.turns_page(db, browse.Browse.from_params(p),
+                                                                    browse.TurnPage.from_params(p), limit=50)[0])
+            for name, params in VIEWS]
+        runs += [("sessions newest", lambda db: browse.sessions_page(db, browse.Browse(), limit=50, cursor=None)[0]),
+                 ("sessions reward=negative", lambda db: browse.sessions_page(
+                     db, browse.Browse(reward="negative"), limit=50, cursor=None)[0])]
+        for name, fn in runs:
+            times, n = [], 0
+            for _ in range(args.repeat):
+                with OrmSession(engine) as db:
+                    t = time.perf_counter()
+                    n = len(fn(db))
+                    times.append((time.perf_counter() - t) * 1000)
+            times.sort()
+            p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
+            print(f"{name:<28} {statistics.median(times):8.1f} {p95:8.1f} {n:5d}")
+        engine.dispose()
+    finally:
+        if drop:
+            drop()
+
+
+if __name__ == "__main__":
+    main()
