@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session as OrmSession  # noqa: E402
 
 from datapool import export  # noqa: E402
 from datapool.browse import Browse  # noqa: E402
-from datapool.db import make_engine, upgrade  # noqa: E402
+from datapool.db import make_engine  # noqa: E402
 from datapool.models import Judgement, Session, Turn  # noqa: E402
 
 
@@ -95,17 +95,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--database-url")
     args = ap.parse_args()
-    drop = None
-    url = args.database_url
-    if url is None:
-        from tests.pg import fresh_database, service_dsn
+    from tests.pg import benchmark_database
 
-        dsn = service_dsn()
-        if dsn is None:
-            sys.exit("no PostgreSQL on 127.0.0.1:5432: pass --database-url")
-        url, drop = fresh_database(dsn)
-    try:
-        upgrade(url)
+    with benchmark_database(args.database_url) as url:
         engine = make_engine(url)
         t0 = time.perf_counter()
         seed(engine, args.turns)
@@ -134,9 +126,6 @@ def main() -> None:
         for r in results:
             print(" | ".join(f"{r[c]:>14.2f}" if isinstance(r[c], float) else f"{r[c]:>14}" for c in cols))
         engine.dispose()
-    finally:
-        if drop:
-            drop()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from sqlalchemy import insert
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse
-from datapool.db import make_engine, upgrade
+from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
 
 
@@ -85,17 +85,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--database-url")
     args = ap.parse_args()
-    drop = None
-    url = args.database_url
-    if url is None:
-        from tests.pg import fresh_database, service_dsn
+    from tests.pg import benchmark_database
 
-        dsn = service_dsn()
-        if dsn is None:
-            sys.exit("no PostgreSQL on 127.0.0.1:5432: pass --database-url")
-        url, drop = fresh_database(dsn)
-    try:
-        upgrade(url)
+    with benchmark_database(args.database_url) as url:
         engine = make_engine(url)
         t0 = time.perf_counter()
         seed(engine, args.sessions, args.turns_per_session)
@@ -120,9 +112,6 @@ def main() -> None:
             p95 = times[min(len(times) - 1, round(0.95 * (len(times) - 1)))]
             print(f"{name:<28} {statistics.median(times):8.1f} {p95:8.1f} {n:5d}")
         engine.dispose()
-    finally:
-        if drop:
-            drop()
 
 
 if __name__ == "__main__":

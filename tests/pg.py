@@ -634,3 +634,23 @@ class ThrowawayPostgres:
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
         return f"<ThrowawayPostgres {self.host}:{self.port} {state} at {self.base_dir}>"
+
+
+@contextlib.contextmanager
+def benchmark_database(url: str | None) -> Any:
+    """The database a benchmark measures, migrated to head: *url* as given, or a fresh database on
+    this machine's PostgreSQL (127.0.0.1:5432), dropped on exit. Exits clearly when there is none."""
+    from datapool.db import upgrade
+
+    drop = None
+    if url is None:
+        dsn = service_dsn()
+        if dsn is None:
+            raise SystemExit("no PostgreSQL on 127.0.0.1:5432: pass --database-url")
+        url, drop = fresh_database(dsn)
+    try:
+        upgrade(url)
+        yield url
+    finally:
+        if drop:
+            drop()
