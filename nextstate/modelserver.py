@@ -94,7 +94,7 @@ def vllm_requirements(gpu: bool) -> list[str]:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on *path* so concurrent setups do not collide."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
@@ -136,7 +136,7 @@ def ensure_vllm_env(cache_dir: Path, log: Log = print) -> Path:
 
     log_path = cache_dir / "logs" / "vllm-install.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir / ".vllm-venv.lock"), open(log_path, "a") as log_file:
+    with file_lock(cache_dir / ".vllm-venv.lock"), open(log_path, "a") as log_file:
         if python.exists() and stamp.exists() and stamp.read_text().strip() == spec:
             return python
         started = time.monotonic()
@@ -195,7 +195,7 @@ def ensure_model(cache_dir: Path, python: Path, log: Log = print) -> Path:
     log_path = cache_dir / "logs" / "model-convert.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     models.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir / ".model.lock"), open(log_path, "a") as log_file:
+    with file_lock(cache_dir / ".model.lock"), open(log_path, "a") as log_file:
         if stamp.exists() and stamp.read_text().strip() == source:
             return model_dir
         for stale in models.glob(".convert-*"):  # left by an interrupted conversion

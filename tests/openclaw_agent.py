@@ -12,18 +12,18 @@ install needs the npm registry and nothing else; npm itself may be any version o
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from datapool.settings import Settings
+from nextstate.modelserver import file_lock
 
 OPENCLAW_SPEC = "openclaw@2026.9.6"
 NODE_SPEC = "node@24"
@@ -45,20 +45,8 @@ class OpenClawInstall:
 
 
 def default_root() -> Path:
-    base = os.environ.get("NEXTSTATE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "nextstate")
-    return Path(base) / "openclaw"
-
-
-@contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """Where Node and OpenClaw are installed: the cache the vLLM venv and models share."""
+    return Settings().cache_dir / "openclaw"
 
 
 def _spec() -> str:
@@ -106,7 +94,7 @@ def ensure_openclaw(root: Path | None = None, say: Any = print) -> OpenClawInsta
     node, package = _paths(root)
     if not _ready(root):
         log_path = root / "install.log"
-        with _lock(root.parent / ".openclaw.lock"):
+        with file_lock(root.parent / ".openclaw.lock"):
             if not _ready(root):
                 root.mkdir(parents=True, exist_ok=True)
                 (root / READY_STAMP).unlink(missing_ok=True)
