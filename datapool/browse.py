@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
+from sqlalchemy import Text, and_, cast, exists, func, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -96,11 +96,21 @@ class Browse:
         return not self.params()
 
 
+def search_document() -> Any:
+    """SQL (PostgreSQL): the words of every string in a turn's request, reply and next state, the
+    expression the GIN index ``ix_turns_search`` holds (migration 0008)."""
+    def words(doc: Any) -> Any:
+        return func.jsonb_to_tsvector(literal_column("'english'::regconfig"), doc,
+                                      literal_column("'[\"string\"]'::jsonb"))
+
+    null = literal_column("'null'::jsonb")
+    return words(Turn.request).op("||")(words(func.coalesce(Turn.response, null))).op("||")(
+        words(func.coalesce(Turn.next_state, null)))
+
+
 def _search(db: OrmSession, q: str) -> ColumnElement[bool]:
     if db.get_bind().dialect.name == "postgresql":
-        doc = func.jsonb_to_tsvector(literal_column("'english'::regconfig"), func.jsonb_build_array(Turn.request, Turn.response, Turn.next_state),
-                                     literal_column("'[\"string\"]'::jsonb"))
-        return doc.op("@@")(func.websearch_to_tsquery("english", q))
+        return search_document().op("@@")(func.websearch_to_tsquery(literal_column("'english'::regconfig"), q))
     text = func.lower(func.coalesce(cast(Turn.request, Text), "") + " " + func.coalesce(cast(Turn.response, Text), "")
                       + " " + func.coalesce(cast(Turn.next_state, Text), ""))
     words = [w for w in q.lower().split() if w]
@@ -108,12 +118,26 @@ def _search(db: OrmSession, q: str) -> ColumnElement[bool]:
 
 
 def effective_reward() -> Any:
-    """SQL: the reward the trainer uses for a turn: a person's override, else the judge's."""
+    """SQL: the reward the trainer uses for a turn: a person's override, else the judge's.
+    Stored on the turn (``turns.effective_reward``, kept current by triggers: migration 0008);
+    :func:`computed_reward` is the same value computed from the labels and the judgement."""
+    return Turn.effective_reward
+
+
+def computed_reward() -> Any:
+    """SQL (``Turn`` outer-joined to ``Judgement``): the override in force, else the judge's reward."""
     return func.coalesce(labels.override_reward(Turn.id, Turn.session_id), Judgement.reward)
 
 
+def judged(status: str | None) -> ColumnElement[bool]:
+    """SQL: the turn has a judgement in *status* (None: in any status). A subquery rather than a
+    join, so that a page of turns is found by the turns' own indexes and only its rows are joined."""
+    where = [Judgement.turn_id == Turn.id] + ([Judgement.status == status] if status is not None else [])
+    return exists().where(*where)
+
+
 def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
-    """Conditions on ``Turn`` (outer-joined to ``Judgement``)."""
+    """Conditions on ``Turn`` (with or without ``Judgement`` joined)."""
     conds: list[ColumnElement[bool]] = []
     if f.q:
         conds.append(_search(db, f.q))
@@ -127,11 +151,10 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
         conds.append(Turn.turn_type == f.turn_type)
     if f.reward:
         r = effective_reward()
-        conds.append({"positive": r > 0, "negative": r < 0,
-                      "tie": and_(r.is_(None), Judgement.status == JudgementStatus.TIE),
+        tied = judged(JudgementStatus.TIE)
+        conds.append({"positive": r > 0, "negative": r < 0, "tie": and_(r.is_(None), tied),
                       # side turns are never scored: "unscored" means a main turn still without a reward
-                      "unscored": and_(r.is_(None), Turn.turn_type == TurnKind.MAIN,
-                                       or_(Judgement.status.is_(None), Judgement.status != JudgementStatus.TIE))}[f.reward])
+                      "unscored": and_(r.is_(None), Turn.turn_type == TurnKind.MAIN, ~tied)}[f.reward])
     if f.label:
         conds.append(labels.matches(f.label, Turn.id, Turn.session_id))
     return conds
@@ -154,8 +177,7 @@ def _session_where(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
     conds = session_conditions(f)
     tconds = turn_conditions(db, f)
     if tconds:
-        conds.append(select(Turn.id).outerjoin(Judgement, Judgement.turn_id == Turn.id)
-                     .where(Turn.session_id == Session.id, *tconds).exists())
+        conds.append(select(Turn.id).where(Turn.session_id == Session.id, *tconds).exists())
     return conds
 
 
@@ -418,25 +440,30 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
     if f.until:
         conds.append(Turn.created_at < f.until)
     if p.status == "none":
-        conds.append(Judgement.status.is_(None))
+        conds.append(~judged(None))
     elif p.status:
-        conds.append(Judgement.status == p.status)
+        conds.append(judged(p.status))
     key = {"time": Turn.created_at, "reward": r, "latency": Turn.latency_ms, "tokens": completion}[p.sort]
     if p.sort == "time":  # never NULL: plain order, which the created_at index serves either way
         primary = key.desc() if p.order == "desc" else key.asc()
     else:
         primary = key.desc().nulls_last() if p.order == "desc" else key.asc().nulls_last()
     tie = Turn.id.desc() if p.order == "desc" else Turn.id.asc()
+    # first the page's turn ids, by the turns' own indexes (sorts and filters read columns of
+    # ``turns``; judge states are EXISTS subqueries), then its columns and judge status for
+    # those rows only
+    ids = select(Turn.id).where(*conds).order_by(primary, tie).offset(p.offset).limit(limit + 1)
+    if sconds:
+        ids = ids.join(Session, Session.id == Turn.session_id)
+    page = ids.subquery()
     q = (select(Turn.id, Turn.session_id, Turn.created_at, Turn.model, Turn.upstream_model, Turn.policy_version,
                 Turn.capture, Turn.turn_type, Turn.status, Turn.latency_ms,
                 Turn.usage["prompt_tokens"].as_float().label("prompt_tokens"), completion.label("completion_tokens"),
                 Turn.response[("choices", 0, "finish_reason")].as_string().label("finish_reason"),
                 Turn.response[("choices", 0, "message", "tool_calls")].label("tool_calls"),
                 Judgement.status.label("judge_status"), r.label("reward"))
-         .select_from(Turn).outerjoin(Judgement, Judgement.turn_id == Turn.id)
-         .where(*conds).order_by(primary, tie).offset(p.offset).limit(limit + 1))
-    if sconds:
-        q = q.join(Session, Session.id == Turn.session_id)
+         .select_from(Turn).join(page, page.c.id == Turn.id).outerjoin(Judgement, Judgement.turn_id == Turn.id)
+         .order_by(primary, tie))
     rows = db.execute(q).all()
     more = len(rows) > limit
     rows = rows[:limit]

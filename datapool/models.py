@@ -5,7 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    literal_column,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -46,6 +55,30 @@ class Session(Base):
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
 
 
+def sort_indexes(*columns: str) -> list[Index]:
+    """Indexes serving ``ORDER BY col ASC NULLS LAST, id ASC`` and ``col DESC NULLS LAST, id DESC``.
+    SQLite sorts NULLs first ascending and last descending, and takes no NULLS LAST in an index:
+    there, one plain index serves both (the ascending sort as a full scan)."""
+    out = []
+    for c in columns:
+        col = literal_column(c)
+        out.append(Index(f"ix_turns_{c}_asc", c, "id"))
+        out.append(Index(f"ix_turns_{c}_desc", col.desc().nulls_last(), literal_column("id").desc())
+                   .ddl_if(dialect="postgresql"))
+    return out
+
+
+#: the completion tokens of a turn's usage, as the turns view sorts by them (PostgreSQL), in the
+#: two spellings PostgreSQL reflects the ascending and the descending index with (so that
+#: autogenerate finds the models and the migrations agree)
+COMPLETION_TOKENS = "(((usage ->> 'completion_tokens'::text))::double precision)"
+COMPLETION_TOKENS_DESC = "((usage ->> 'completion_tokens'::text)::double precision)"
+#: every string of a turn's request, reply and next state as words (``datapool.browse.search_document``)
+SEARCH_DOCUMENT = ("""(((jsonb_to_tsvector('english'::regconfig, request, '["string"]'::jsonb) || """
+                   """jsonb_to_tsvector('english'::regconfig, COALESCE(response, 'null'::jsonb), '["string"]'::jsonb)) || """
+                   """jsonb_to_tsvector('english'::regconfig, COALESCE(next_state, 'null'::jsonb), '["string"]'::jsonb)))""")
+
+
 class Turn(Base):
     """One model call, as the gateway saw it."""
 
@@ -79,8 +112,22 @@ class Turn(Base):
     link_hash: Mapped[str | None] = mapped_column(String(64), index=True)
     # the `id` the client received (chatcmpl-...), so feedback can name the turn by it
     response_id: Mapped[str | None] = mapped_column(String(256), index=True)
+    # the reward the turn shows and is filtered and sorted by: a person's override in force (the
+    # turn's, else its session's), else its judgement's reward. Kept current by the database's
+    # own triggers on judgements, labels and turns (migration 0008), whoever writes them.
+    effective_reward: Mapped[float | None] = mapped_column(Float)
 
-    __table_args__ = (Index("ix_turns_session_created", "session_id", "created_at"),)
+    __table_args__ = (
+        Index("ix_turns_session_created", "session_id", "created_at"),
+        # the turns view's sorts, both ways, NULLs last (and the reward filters)
+        *sort_indexes("effective_reward", "latency_ms"),
+        Index("ix_turns_completion_tokens_asc", literal_column(COMPLETION_TOKENS), literal_column("id"))
+        .ddl_if(dialect="postgresql"),
+        Index("ix_turns_completion_tokens_desc", literal_column(COMPLETION_TOKENS_DESC).desc().nulls_last(),
+              literal_column("id").desc()).ddl_if(dialect="postgresql"),
+        # full-text search (PostgreSQL; SQLite matches words in the JSON text, unindexed)
+        Index("ix_turns_search", literal_column(SEARCH_DOCUMENT), postgresql_using="gin").ddl_if(dialect="postgresql"),
+    )
 
 
 class TurnContinuation(Base):
