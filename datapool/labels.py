@@ -213,28 +213,45 @@ def override_reward(turn_id: Any, session_id: Any) -> Any:
     return cast(in_force_text("override", turn_id, session_id), Float)
 
 
+def _carries(kinds: Sequence[str], turn_id: Any, session_id: Any, *, sessions: bool = True) -> ColumnElement[bool]:
+    """SQL: the turn (or, with *sessions*, its session) has a label of one of *kinds* at all. One
+    uncorrelated ``IN`` over the few labelled turns (the database builds that set once), the
+    cheap test that the exact, per-row conditions below are put behind. *session_id* is implied
+    by *turn_id* here (the session's labels reach the turn through its row)."""
+    ids = select(Label.turn_id).where(Label.kind.in_(kinds), Label.turn_id.is_not(None))
+    if sessions:
+        member = aliased(Turn)
+        ids = ids.union_all(select(member.id).join(Label, Label.session_id == member.session_id)
+                            .where(Label.kind.in_(kinds)))
+    return turn_id.in_(ids)
+
+
 def matches(spec: str, turn_id: Any, session_id: Any) -> ColumnElement[bool]:
     """SQL for one ``labels`` filter value (see :data:`FILTERS`, or ``tag:NAME``)."""
     on_target = or_(Label.turn_id == turn_id, Label.session_id == session_id)
     if spec == "labeled":
-        return exists().where(on_target)
+        return _carries(KINDS, turn_id, session_id)
     if spec == "unlabeled":
-        return ~exists().where(on_target)
+        return ~_carries(KINDS, turn_id, session_id)
     if spec == "excluded":
-        return excluded(turn_id, session_id)
+        return and_(_carries(["exclude"], turn_id, session_id), excluded(turn_id, session_id))
     if spec in ("thumb-up", "thumb-down"):
-        return in_force_text("thumb", turn_id, session_id) == ("1" if spec == "thumb-up" else "-1")
+        return and_(_carries(["thumb"], turn_id, session_id),
+                    in_force_text("thumb", turn_id, session_id) == ("1" if spec == "thumb-up" else "-1"))
     if spec == "override":
-        return in_force_text("override", turn_id, session_id).is_not(None)
+        return and_(_carries(["override"], turn_id, session_id),
+                    in_force_text("override", turn_id, session_id).is_not(None))
     if spec == "correction":
-        return _latest("correction", Label.turn_id == turn_id).is_not(None)
+        return and_(_carries(["correction"], turn_id, session_id, sessions=False),
+                    _latest("correction", Label.turn_id == turn_id).is_not(None))
     if spec.startswith("tag:") and TAG_RE.match(spec[4:]):
         value = f'"{spec[4:]}"'
         removed = aliased(Label)
         # a tag row on the target with no later untag of the same tag on the same target
-        return exists().where(on_target, Label.kind == "tag", cast(Label.value, Text) == value, ~exists().where(
-            removed.kind == "untag", cast(removed.value, Text) == value, removed.id > Label.id,
-            or_(removed.turn_id == Label.turn_id, removed.session_id == Label.session_id)))
+        return and_(_carries(["tag"], turn_id, session_id), exists().where(
+            on_target, Label.kind == "tag", cast(Label.value, Text) == value, ~exists().where(
+                removed.kind == "untag", cast(removed.value, Text) == value, removed.id > Label.id,
+                or_(removed.turn_id == Label.turn_id, removed.session_id == Label.session_id))))
     raise LabelError(f"unknown labels filter {spec!r}; one of {', '.join(FILTERS)} or tag:NAME")
 
 
