@@ -15,12 +15,13 @@ word must occur (case-insensitively) in that JSON text.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Text, and_, cast, exists, func, literal_column, or_, select
+from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -133,7 +134,7 @@ def judged(status: str | None) -> ColumnElement[bool]:
     """SQL: the turn has a judgement in *status* (None: in any status). A subquery rather than a
     join, so that a page of turns is found by the turns' own indexes and only its rows are joined."""
     where = [Judgement.turn_id == Turn.id] + ([Judgement.status == status] if status is not None else [])
-    return exists().where(*where)
+    return select(Judgement.turn_id).where(*where).correlate_except(Judgement).exists()
 
 
 def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
@@ -278,22 +279,43 @@ def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
     return out
 
 
+_CHOICES: dict[str, tuple[float, dict[str, list[str]]]] = {}
+
+
+def filter_choices(db: OrmSession, *, max_age_s: float = 10.0) -> dict[str, list[str]]:
+    """The models and policy versions the filter forms list (200 of each at most). Each is a
+    DISTINCT over every turn, so a page load reuses the answer for *max_age_s* seconds."""
+    key = db.get_bind().url.render_as_string(hide_password=True)
+    now = time.monotonic()
+    hit = _CHOICES.get(key)
+    if hit is not None and now - hit[0] < max_age_s:
+        return hit[1]
+    models = [m for m in db.scalars(select(Turn.model).distinct().limit(200)) if m]
+    versions = [v for v in db.scalars(select(Turn.policy_version).distinct().limit(200)) if v]
+    found = {"models": sorted(models), "versions": sorted(versions)}
+    _CHOICES[key] = (now, found)
+    return found
+
+
 def counts(db: OrmSession, f: Browse) -> dict[str, int]:
     """How many sessions match and how many turns are selected, by reward bucket."""
     sessions = db.scalar(select(func.count()).select_from(Session).where(*_session_where(db, f))) or 0
     r = effective_reward()
-    bucket = (select(r.label("reward"), Judgement.status.label("status"))
-              .select_from(Turn).join(Session, Session.id == Turn.session_id)
-              .outerjoin(Judgement, Judgement.turn_id == Turn.id)
-              .where(*session_conditions(f), *turn_conditions(db, f)).subquery())
-    rows = db.execute(select(
-        func.count(),
-        func.count().filter(bucket.c.reward > 0),
-        func.count().filter(bucket.c.reward < 0),
-        func.count().filter(and_(bucket.c.reward.is_(None), bucket.c.status == JudgementStatus.TIE)),
-        func.count().filter(bucket.c.reward == 0),
-    ).select_from(bucket)).one()
-    total, pos, neg, tie, neutral = (int(x or 0) for x in rows)
+    sconds, tconds = session_conditions(f), turn_conditions(db, f)
+
+    def selected(q: Any) -> Any:
+        q = q.where(*sconds, *tconds)
+        return q.join(Session, Session.id == Turn.session_id) if sconds else q
+
+    # the buckets read the turns' own column; ties (no reward, judges split) are counted from
+    # the judgements in that state, which are few
+    rows = db.execute(selected(select(
+        func.count(), func.count().filter(r > 0), func.count().filter(r < 0), func.count().filter(r == 0),
+    ).select_from(Turn))).one()
+    tie = db.scalar(selected(select(func.count()).select_from(Turn).join(Judgement, Judgement.turn_id == Turn.id)
+                             .where(Judgement.status == JudgementStatus.TIE, r.is_(None))))
+    total, pos, neg, neutral = (int(x or 0) for x in rows)
+    tie = int(tie or 0)
     return {"sessions": int(sessions), "turns": total, "positive": pos, "negative": neg, "neutral": neutral,
             "tie": tie, "unscored": total - pos - neg - tie - neutral}
 

@@ -10,11 +10,9 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
-from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse, labels, queries, training_view, versions
-from datapool.models import Turn
 from datapool.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
@@ -143,9 +141,7 @@ def _filters(request: Request) -> browse.Browse:
 
 
 def _choices(db: OrmSession) -> dict[str, list[str]]:
-    models = [m for m in db.scalars(select(Turn.model).distinct().limit(200)) if m]
-    versions = [v for v in db.scalars(select(Turn.policy_version).distinct().limit(200)) if v]
-    return {"models": sorted(models), "versions": sorted(versions)}
+    return browse.filter_choices(db)
 
 
 async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
