@@ -327,8 +327,7 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         select(Turn.id, Turn.session_id, Turn.created_at, Turn.logprobs, Judgement.status, Judgement.reward,
                Judgement.prm_reward, Judgement.teacher_logprobs)
         .join(Judgement, Judgement.turn_id == Turn.id)
-        .where(Turn.turn_type == TurnKind.MAIN, Judgement.status.in_((JudgementStatus.SCORED, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)),
-               ~labels.matches("labeled", Turn.id, Turn.session_id))
+        .where(*_queue_where())
         .order_by(Turn.created_at.desc(), Turn.id.desc()).limit(scan)).all()
     ids = [r.id for r in rows]
     votes: dict[str, list[Vote]] = {}
@@ -357,6 +356,19 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
                        "gap": gap})
     scored.sort(key=lambda x: (-x["score"], -x["created_at"].timestamp()))
     return scored[:limit]
+
+
+def _queue_where() -> tuple[Any, ...]:
+    """Which turns the annotation queue holds: unlabeled judged main turns."""
+    return (Turn.turn_type == TurnKind.MAIN,
+            Judgement.status.in_((JudgementStatus.SCORED, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)),
+            ~labels.matches("labeled", Turn.id, Turn.session_id))
+
+
+def queue_size(db: OrmSession) -> int:
+    """How many turns the annotation queue holds in all (not only the ones :func:`queue` ranks)."""
+    return db.scalar(select(func.count()).select_from(Turn).join(Judgement, Judgement.turn_id == Turn.id)
+                     .where(*_queue_where())) or 0
 
 
 

@@ -1,7 +1,9 @@
 """A pool holding every state a turn can be in, for the read-side fill test: judgements pending,
 waiting, dead, tied, unparsable, skipped, scored and missing; error, cancelled and side turns;
-black-box turns without token ids; odd content (text parts, None, tool calls without content);
-sessions of 1 and of 200 turns. ``TurnSpec`` describes one turn; hypothesis draws random ones."""
+black-box turns without token ids; odd content (text parts, None, tool calls without content,
+markdown with raw HTML, 60 kB of text, non-Latin scripts and emoji); requests without any
+setting, turns without usage or latency; sessions of 1 and of 200 turns. ``TurnSpec`` describes
+one turn; hypothesis draws random ones."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.vocab import CaptureKind, JudgementStatus, SessionMode, SessionSource, TurnKind, TurnStatus
 
 JUDGEMENTS = (None, *JudgementStatus)  # None: no judgement row at all
-CONTENTS = ("text", "parts", "none", "tool_calls", "markdown", "empty")
+CONTENTS = ("text", "parts", "none", "tool_calls", "markdown", "empty", "huge", "unicode")
+SMALL = tuple(c for c in CONTENTS if c != "huge")  # the 200-turn session's (each request repeats the history)
+UNICODE = "Ünïcødé ✓ 日本語のテキスト العربية עברית 🙂👍🏽 e\u0301 \u200b zero-width, 𝔘𝔫𝔦"
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class TurnSpec:
     content: str = "text"
     next_state: bool = True
     label: bool = False
+    settings: bool = True  # False: the request names no sampling setting at all
 
 
 turn_specs = st.builds(
@@ -43,6 +48,7 @@ turn_specs = st.builds(
     content=st.sampled_from(CONTENTS),
     next_state=st.booleans(),
     label=st.booleans(),
+    settings=st.booleans(),
 )
 
 
@@ -54,9 +60,10 @@ def every_state() -> list[list[TurnSpec]]:
            [TurnSpec(status=TurnStatus.CANCELLED, judgement=JudgementStatus.SKIPPED)],
            [TurnSpec(turn_type=TurnKind.SIDE, judgement=None)],
            [TurnSpec(capture=CaptureKind.BLACK_BOX, judgement=None, content="parts")],
-           [TurnSpec(content=c, judgement=JudgementStatus.PENDING) for c in CONTENTS]]
+           [TurnSpec(content=c, judgement=JudgementStatus.PENDING) for c in CONTENTS],
+           [TurnSpec(settings=False, capture=CaptureKind.BLACK_BOX, content="unicode")]]
     long = [TurnSpec(judgement=JUDGEMENTS[i % len(JUDGEMENTS)], capture=list(CaptureKind)[i % 2],
-                     turn_type=TurnKind.SIDE if i % 17 == 5 else TurnKind.MAIN, content=CONTENTS[i % len(CONTENTS)],
+                     turn_type=TurnKind.SIDE if i % 17 == 5 else TurnKind.MAIN, content=SMALL[i % len(SMALL)],
                      status=TurnStatus.ERROR if i % 23 == 7 else TurnStatus.OK, label=i % 11 == 0)
             for i in range(200)]
     return one_each + odd + [long]
@@ -67,6 +74,8 @@ def _content(kind: str, i: int) -> dict[str, Any]:
             "parts": {"content": [{"type": "text", "text": f"Reply {i} in parts."}]},
             "none": {"content": None},
             "empty": {"content": ""},
+            "huge": {"content": ("A long line of a tool dump, " * 40 + "\n") * 54},  # 60 kB: past the markdown limit
+            "unicode": {"content": f"{UNICODE} {i}"},
             "markdown": {"content": f"# Heading {i}\n\n```python\nprint('<b>{i}</b>')\n```\n\n* item\n<script>x()</script>"},
             "tool_calls": {"content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
                 "name": "lookup", "arguments": '{"q": "weather"}'}}]}}[kind]
@@ -90,7 +99,8 @@ def write_session(engine: Engine, specs: list[TurnSpec], *, at: datetime | None 
                 id=str(uuid.uuid4()), session_id=sid, turn_type=spec.turn_type, endpoint="chat", status=spec.status,
                 created_at=at + timedelta(seconds=i), model="smollm2", upstream_model="smollm2",
                 policy_version="v-fill" if i % 3 == 0 else None, capture=spec.capture,
-                request={"model": "smollm2", "messages": list(history), "temperature": 0.7, "max_tokens": 64,
+                request={"model": "smollm2", "messages": list(history),
+                         **({"temperature": 0.7, "max_tokens": 64} if spec.settings else {}),
                          **({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {
                              "type": "object", "properties": {"q": {"type": "string"}}}}}]}
                             if spec.content == "tool_calls" else {})},

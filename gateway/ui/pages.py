@@ -21,7 +21,7 @@ from gateway.auth import Admin, require_ui
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
-from gateway.ui import plots, tokens
+from gateway.ui import facts, markup, plots, tokens
 
 HERE = Path(__file__).parent
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
@@ -41,6 +41,8 @@ env.filters["when"] = lambda v: "" if v is None else (v.strftime("%Y-%m-%d %H:%M
                                                          else str(v)[:19].replace("T", " "))
 env.globals["content_text"] = browse.content_text
 env.globals["urlencode"] = urlencode
+env.globals.update(markdown=markup.markdown, plain=markup.plain, turn_facts=facts.turn_facts,
+                   question=facts.question, prob_legend=tokens.PROB_LEGEND, gap_legend=tokens.GAP_LEGEND)
 
 public = APIRouter(prefix="/admin", include_in_schema=False)
 router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_ui)])
@@ -282,7 +284,9 @@ async def label_turn(request: Request, turn_id: str) -> Response:
     if not _is_htmx(request):
         return _back(request, "/admin/sessions")
     found = await in_pool(gateway_of(request).engine, labels.for_turns, [turn_id])
-    return render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
+    response = render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
+    response.headers["HX-Trigger"] = "labels-changed"  # the queue page's count listens for it
+    return response
 
 
 @router.post("/sessions/{session_id}/labels")
@@ -294,17 +298,27 @@ async def label_session(request: Request, session_id: str) -> Response:
     return render(request, "_session_labels.html", session_id=session_id, slab=found, error=error)
 
 
+QUEUE_PAGE = 30  # turns the queue page shows at once
+
+
 @router.get("/queue")
 async def queue_page(request: Request) -> HTMLResponse:
     gw = gateway_of(request)
 
     def run(db: OrmSession) -> dict[str, Any]:
-        items = browse.queue(db, limit=30)
+        items = browse.queue(db, limit=QUEUE_PAGE)
         ids = [i["turn_id"] for i in items]
         views = {t["id"]: t for t in (queries.get_turn(db, tid) for tid in ids) if t}
-        return {"items": items, "views": views, "labels": labels.for_turns(db, ids)}
+        return {"items": items, "views": views, "labels": labels.for_turns(db, ids),
+                "remaining": browse.queue_size(db)}
 
-    return render(request, "queue.html", **await in_pool(gw.engine, run))
+    return render(request, "queue.html", shown=QUEUE_PAGE, **await in_pool(gw.engine, run))
+
+
+@router.get("/queue/count")
+async def queue_count(request: Request) -> HTMLResponse:
+    """The queue's size as a bare number: the queue page refreshes its count after each label."""
+    return HTMLResponse(str(await in_pool(gateway_of(request).engine, browse.queue_size)))
 
 
 # --------------------------------------------------------------------------------------------

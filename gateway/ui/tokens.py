@@ -56,17 +56,31 @@ class Token:
 
     @property
     def student_style(self) -> str:
-        # low probability: strong red; near-certain tokens stay unshaded
-        p = self.prob
-        return "" if p is None else f"background: rgba(220, 38, 38, {min(1.0, (1 - p)) * 0.75:.2f})"
+        return prob_style(self.prob)
 
     @property
     def gap_style(self) -> str:
-        g = self.gap
-        if g is None:
-            return ""
-        color = "22, 163, 74" if g > 0 else "220, 38, 38"
-        return f"background: rgba({color}, {min(1.0, abs(g) / 3) * 0.8:.2f})"
+        return gap_style(self.gap)
+
+
+def prob_style(p: float | None) -> str:
+    """The heat map's shade for a token of probability *p*: low probability strong red,
+    near-certain tokens unshaded."""
+    return "" if p is None else f"background: rgba(220, 38, 38, {min(1.0, (1 - p)) * 0.75:.2f})"
+
+
+def gap_style(g: float | None) -> str:
+    """The shade for teacher − student logprob *g*: green where the teacher prefers the token,
+    red where it does not, full strength from |g| = 3."""
+    if g is None:
+        return ""
+    color = "22, 163, 74" if g > 0 else "220, 38, 38"
+    return f"background: rgba({color}, {min(1.0, abs(g) / 3) * 0.8:.2f})"
+
+
+# the token view's legends: (label, style) per swatch, with the same functions as the tokens
+PROB_LEGEND = [(f"p {p:g}", prob_style(p)) for p in (0.99, 0.9, 0.5, 0.2, 0.01)]
+GAP_LEGEND = [(f"{g:+g}", gap_style(g)) for g in (-3.0, -1.0, 0.0, 1.0, 3.0)]
 
 
 async def token_texts(http: aiohttp.ClientSession, api_base: str, model: str | None, text: str,
