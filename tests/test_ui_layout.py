@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.orm import Session as OrmSession
 
 from datapool import leases as lease
 from datapool.db import make_engine, upgrade
+from datapool.models import Judgement, Session, Turn, Vote
 from datapool.vocab import CaptureKind, JudgementStatus
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess
@@ -34,6 +38,62 @@ if not CHROMIUM.exists():  # pragma: no cover - CI installs it (.ci/run)
                 allow_module_level=True)
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {
+        "type": "string", "enum": ["C", "F"]}}, "required": ["city"]}}}
+REPLY = ("It is **light drizzle** in Oslo, 7 °C. For the week:\n\n| day | sky | °C |\n|---|---|---|\n"
+         "| Mon | drizzle | 7 |\n| Tue | cloudy | 9 |\n\nTo check it yourself:\n\n```python\n"
+         "import httpx\nprint(httpx.get('https://api.example.com/weather', params={'city': 'Oslo'}).json())\n```\n"
+         "<script>alert('never runs')</script>")
+
+
+def showcase(engine: Any) -> tuple[str, list[str]]:
+    """A session as the screenshots show it: a Responses-API client with tools, a markdown reply
+    with a table and code, a follow-up cut at the token limit."""
+    sid = "s-showcase-" + uuid.uuid4().hex[:6]
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    ask = [{"role": "system", "content": "You are a weather assistant. Use the tools."},
+           {"role": "user", "content": "Is it raining in **Oslo**? Give me the week too."}]
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_7", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]}
+    result = {"role": "tool", "tool_call_id": "call_7", "content": '{"sky": "drizzle", "c": 7, "week": [7, 9]}'}
+    settings = {"temperature": 0.2, "top_p": 0.9, "max_completion_tokens": 256, "tool_choice": "auto",
+                "stream": True, "stop": ["</answer>"], "tools": [WEATHER_TOOL]}
+    rows = [(ask, call, "tool_calls", None), (ask + [call, result], {"role": "assistant", "content": REPLY}, "stop", None),
+            (ask + [call, result, {"role": "assistant", "content": REPLY},
+                    {"role": "user", "content": "And the whole month, day by day?"}],
+             {"role": "assistant", "content": "Here is the month:\n\n1. Nov 1: drizzle, 6 °C\n2. Nov 2: cloudy, 8"},
+             "length", 48)]
+    ids = []
+    with OrmSession(engine) as db, db.begin():
+        db.add(Session(id=sid, source="header", mode="online", created_at=now, updated_at=now, task_id="weather"))
+        db.flush()
+        for i, (messages, reply, finish, limit) in enumerate(rows):
+            text = reply.get("content") or ""
+            n = max(2, len(text.split()))
+            request = {"model": "smollm2", "messages": messages, **settings,
+                       **({"max_completion_tokens": limit} if limit else {})}
+            t = Turn(id=str(uuid.uuid4()), session_id=sid, turn_type="main", endpoint="chat", wire_format="responses",
+                     status="ok", created_at=now + timedelta(seconds=i), model="smollm2", upstream_model="smollm2",
+                     policy_version="v3", capture=CaptureKind.WHITE_BOX, request=request,
+                     response={"id": f"resp_{i}", "choices": [{"index": 0, "finish_reason": finish, "message": reply}]},
+                     next_state={"messages": [result]} if i == 0 else None,
+                     prompt_token_ids=list(range(1, 60)), token_ids=list(range(1000, 1000 + n)),
+                     logprobs=[-0.02 - (2.8 if k % 6 == 4 else 0.4 * (k % 3)) for k in range(n)],
+                     latency_ms=640.0 + 210 * i,
+                     usage={"prompt_tokens": 59 + 40 * i, "completion_tokens": n, "total_tokens": 59 + 40 * i + n})
+            db.add(t)
+            db.flush()
+            for k, v in enumerate((1, 1, -1) if i != 2 else (-1, -1, 0)):
+                db.add(Vote(turn_id=t.id, kind="prm", dedupe_key=f"prm:show:{k}", judge="judge", prompt_version="v1",
+                            vote_index=k, value=v, rationale="used the tool result" if v > 0 else "cut off"))
+            db.add(Judgement(turn_id=t.id, status=JudgementStatus.SCORED, reward=1.0 if i != 2 else -1.0,
+                             prm_reward=1.0 if i != 2 else -1.0, vote_mean=0.33 if i != 2 else -0.67, judge="judge"))
+            ids.append(t.id)
+    return sid, ids
+
+
 @pytest.fixture(scope="module")
 def pool(pg_admin_dsn: str) -> Iterator[dict[str, Any]]:
     url, drop = fresh_database(pg_admin_dsn)
@@ -44,6 +104,7 @@ def pool(pg_admin_dsn: str) -> Iterator[dict[str, Any]]:
     # the session the screenshots show: each kind of content, tools, a truncated reply, votes
     sid, ids = write_session(engine, [TurnSpec(content=c, judgement=JudgementStatus.SCORED,
                                                capture=CaptureKind.WHITE_BOX) for c in CONTENTS if c != "huge"])
+    show, show_turns = showcase(engine)
     run = lease.start_run(engine, objective="rl", backend="local", config={}, base_version=None)
     turns = lease.lease(engine, run, limit=100)
     for step in range(1, 5):
@@ -51,7 +112,7 @@ def pool(pg_admin_dsn: str) -> Iterator[dict[str, Any]]:
         time.sleep(0.02)
     lease.finish_run(engine, run, status="done")
     engine.dispose()
-    yield {"url": url, "session": sid, "turns": ids}
+    yield {"url": url, "session": sid, "turns": ids, "showcase": show, "showcase_turns": show_turns}
     drop()
 
 
@@ -86,9 +147,9 @@ def pages(pool: dict[str, Any]) -> list[str]:
             "/admin/judgements?status=dead", "/admin/training", "/admin/queue"]
 
 
-def shot(page: Any, name: str) -> None:
+def shot(page: Any, name: str, full_page: bool = True) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=full_page)
 
 
 def luminance(css: str) -> float:
@@ -164,3 +225,25 @@ def test_colour_scheme_follows_the_system(browser: Any, gateway: GatewayProcess,
                     assert (luminance(bg) < 0.25) == (scheme == "dark"), (url, sel, bg)
         if scheme == "dark":
             shot(page, "dark-390-" + re.sub(r"\W+", "-", url.strip("/")))
+
+
+@pytest.mark.parametrize("viewport,scheme", [(WIDE, "light"), (PHONE, "light"), (WIDE, "dark"), (PHONE, "dark")])
+def test_showcase_session_reads(browser: Any, gateway: GatewayProcess, pool: dict[str, Any],
+                                viewport: dict[str, int], scheme: str) -> None:
+    """The session the docs' screenshots show (docs/ui/session-*.png are these, copied)."""
+    page = tab(browser, gateway, viewport, scheme)
+    page.goto(f"/admin/sessions/{pool['showcase']}")
+    page.wait_for_load_state("networkidle")
+    first, reply, cut = (page.locator(f"#turn-{t}") for t in pool["showcase_turns"])
+    assert first.get_by_test_id("settings").inner_text().count("\n") >= 5
+    assert "get_weather" in first.get_by_test_id("tools").inner_text()
+    assert reply.locator(".md table td").first.inner_text() == "Mon" and reply.locator(".md pre code").count() == 1
+    assert "<script>alert('never runs')</script>" in reply.locator(".msg.reply").inner_text()
+    assert "max tokens 48" in cut.get_by_test_id("finish-warning").inner_text()
+    assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+    reply.locator("details.tokens-box summary").click()
+    reply.scroll_into_view_if_needed()
+    page.evaluate("window.scrollTo(0, 0)")
+    shot(page, f"session-{viewport['width']}{'-dark' if scheme == 'dark' else ''}", full_page=False)
+    assert not page.js_errors
+
