@@ -242,8 +242,7 @@ def test_showcase_session_reads(browser: Any, gateway: GatewayProcess, pool: dic
     assert "max tokens 48" in cut.get_by_test_id("finish-warning").inner_text()
     assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
     reply.locator("details.tokens-box summary").click()
-    reply.scroll_into_view_if_needed()
-    page.evaluate("window.scrollTo(0, 0)")
+    reply.evaluate("e => e.scrollIntoView({block: 'start'})")
     shot(page, f"session-{viewport['width']}{'-dark' if scheme == 'dark' else ''}", full_page=False)
     assert not page.js_errors
 
