@@ -10,6 +10,7 @@ as escaped plain text.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import nh3
@@ -20,6 +21,9 @@ from markupsafe import Markup, escape
 # past this many characters a text is shown as plain text (markdown's cost grows with it, and
 # a dump that long is rarely markdown)
 MARKDOWN_LIMIT = 50_000
+# texts up to this long are cached once rendered: a session whose requests repeat their history
+# (every restart of the context) shows the same messages many times
+CACHE_TEXT = 8_000
 
 TAGS = {"p", "br", "hr", "em", "strong", "del", "s", "code", "pre", "blockquote", "ul", "ol", "li",
         "h1", "h2", "h3", "h4", "h5", "h6", "a", "table", "thead", "tbody", "tr", "th", "td"}
@@ -56,7 +60,14 @@ def markdown(text: str | None) -> Markup:
         return Markup("")
     if len(text) > MARKDOWN_LIMIT:
         return plain(text)
-    return Markup(f'<div class="text md">{sanitize(_md.render(text))}</div>')
+    return Markup(_cached(text) if len(text) <= CACHE_TEXT else _render(text))
+
+
+def _render(text: str) -> str:
+    return f'<div class="text md">{sanitize(_md.render(text))}</div>'
+
+
+_cached = lru_cache(maxsize=4096)(_render)  # at most ~40 MB of HTML
 
 
 def plain(text: str | None) -> Markup:
