@@ -246,3 +246,18 @@ def test_showcase_session_reads(browser: Any, gateway: GatewayProcess, pool: dic
     shot(page, f"session-{viewport['width']}{'-dark' if scheme == 'dark' else ''}", full_page=False)
     assert not page.js_errors
 
+
+
+def test_queue_count_goes_down_as_turns_are_labelled(browser: Any, gateway: GatewayProcess,
+                                                     pool: dict[str, Any]) -> None:
+    page = tab(browser, gateway, WIDE)
+    page.goto("/admin/queue")
+    count = page.get_by_test_id("queue-remaining")
+    before = int(count.inner_text())
+    assert before >= 2
+    first = page.locator("article.queue-item").first
+    assert first.get_by_test_id("question").is_visible()  # the user's question, above the reply
+    first.get_by_role("button", name="▲ Good").click()
+    first.locator(".badge.pos").wait_for()
+    page.wait_for_function(f"document.querySelector('[data-testid=queue-remaining]').innerText === '{before - 1}'")
+    assert not page.js_errors
