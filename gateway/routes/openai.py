@@ -9,7 +9,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -64,6 +64,7 @@ _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 _FORMATS = {"/chat/completions": WireFormat.CHAT, "/completions": WireFormat.COMPLETIONS,
             "/responses": WireFormat.RESPONSES, "/messages": WireFormat.MESSAGES}
 _JSON = {"Content-Type": "application/json"}
+_Handler = Callable[..., Awaitable[Any]]
 
 
 def _inline(schema: dict[str, Any]) -> dict[str, Any]:
@@ -90,8 +91,26 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
         "schema": _inline(model.model_json_schema())}}}}
 
 
-@router.get("/v1/models", dependencies=[Depends(require_api_key)])
-@router.get("/s/{session_id}/v1/models", dependencies=[Depends(require_api_key)])
+SESSION_PREFIX = "/s/{session_id}"
+_KEYED = [Depends(require_api_key)]
+
+
+def proxy_route(method: str, path: str, *, keyed: bool = True, body: type[BaseModel] | None = None,
+                ) -> Callable[[_Handler], _Handler]:
+    """Registers a handler at *path* and again under ``/s/{session_id}`` (the session carried in
+    the base_url), so no proxy route exists at one of the two. *keyed*: the API key is checked
+    as a dependency (count_tokens checks it itself, to answer in Anthropic's shape); *body*: the
+    request body the handler reads itself, documented in the OpenAPI schema."""
+    def register(handler: _Handler) -> _Handler:
+        for full in (path, SESSION_PREFIX + path):
+            router.add_api_route(full, handler, methods=[method], dependencies=_KEYED if keyed else None,
+                                 openapi_extra=body_schema(body) if body is not None else None)
+        return handler
+
+    return register
+
+
+@proxy_route("GET", "/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     groups = await gw.upstreams.groups()
@@ -113,42 +132,29 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ChatCompletionRequest))
-@router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ChatCompletionRequest))
+@proxy_route("POST", "/v1/chat/completions", body=ChatCompletionRequest)
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, WireFormat.CHAT, session_id)
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CompletionRequest))
-@router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CompletionRequest))
+@proxy_route("POST", "/v1/completions", body=CompletionRequest)
 async def completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, WireFormat.COMPLETIONS, session_id)
 
 
-@router.post("/v1/responses", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ResponsesRequest))
-@router.post("/s/{session_id}/v1/responses", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ResponsesRequest))
+@proxy_route("POST", "/v1/responses", body=ResponsesRequest)
 async def responses(request: Request, session_id: str | None = None) -> Response:
     """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
     return await _in_dialect(_proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
 
 
-@router.post("/v1/messages", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(MessagesRequest))
-@router.post("/s/{session_id}/v1/messages", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(MessagesRequest))
+@proxy_route("POST", "/v1/messages", body=MessagesRequest)
 async def messages(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
     return await _in_dialect(_proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
 
 
-@router.get("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
-@router.get("/s/{session_id}/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+@proxy_route("GET", "/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str, session_id: str | None = None) -> dict[str, Any]:
     """A stored Response, read back from the pool (any replica answers it)."""
     gw = gateway_of(request)
@@ -162,8 +168,7 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
                             int(usage.get("completion_tokens") or 0), int(t.created_at.timestamp()))
 
 
-@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
-@router.post("/s/{session_id}/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+@proxy_route("POST", "/v1/messages/count_tokens", keyed=False, body=CountTokensRequest)
 async def count_tokens(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
     LiteLLM's estimate for other providers. Nothing is stored."""
