@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from datapool import queries
+from datapool import queries, vllm_admin
 from datapool.db import utcnow
 from datapool.records import TurnRecord
 from datapool.vocab import Endpoint, TurnStatus, WireFormat
@@ -184,20 +184,16 @@ async def _count_tokens(request: Request) -> Response:
     if not target.white_box:
         return JSONResponse({"input_tokens": litellm.token_counter(model=target.served_name,
                                                                    messages=chat["messages"])})
-    payload = {"model": target.served_name, "messages": chat["messages"], "add_generation_prompt": True}
-    if chat.get("tools"):
-        payload["tools"] = chat["tools"]
-    root = (target.api_base or "").removesuffix("/v1")
-    auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
-        async with gw.http.post(f"{root}/tokenize", json=payload, headers=auth) as resp:
-            found = await resp.json(content_type=None)
-            if resp.status >= 400:
-                raise OpenAIError(resp.status if resp.status < 500 else 502,
-                                  str((found.get("error") or {}).get("message") or found)[:2000])
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc).__name__}") from exc
-    return JSONResponse({"input_tokens": int(found["count"])})
+        found = await vllm_admin.tokenize(gw.http, target.api_base or "", target.served_name,
+                                          messages=chat["messages"], tools=chat.get("tools"), api_key=target.api_key)
+    except vllm_admin.CallError as exc:
+        if exc.status_code is None and exc.__cause__ is not None:
+            raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
+        if exc.status_code is None:
+            raise OpenAIError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
+        raise OpenAIError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
+    return JSONResponse({"input_tokens": found.count})
 
 
 def _error_response(exc: OpenAIError, fmt: str) -> Response:
