@@ -45,6 +45,7 @@ import httpx
 from datapool.vllm_admin import CallError, post_json, tokenize
 
 __all__ = [
+    "FINAL_STATUSES",
     "HINT_TEMPLATE",
     "TeacherError",
     "TeacherResult",
@@ -58,17 +59,28 @@ HINT_TEMPLATE = "[Hint for your reply: {hint}]"
 _STRING_SEPARATOR = "\n\n"
 
 
+#: The teacher's answers that no retry can change: the request itself is refused (400: bad or
+#: over the context window; 401/403: credentials; 413: too large; 422: unprocessable). Not
+#: among them: 404, which a LoRA version being published answers until the teacher has loaded
+#: it, and 429 (back-pressure); those, 5xx and no answer at all are retried.
+FINAL_STATUSES = frozenset({400, 401, 403, 413, 422})
+
+
 class TeacherError(Exception):
     """Teacher logprobs could not be computed.
 
     ``status_code`` is the HTTP status of the vLLM reply that caused it, or ``None`` for
-    transport errors, malformed replies and bad arguments. A caller may treat 5xx and ``None``
-    from transport errors as retryable and 4xx as permanent.
+    transport errors, malformed replies and bad arguments. ``final``: a retry cannot help
+    (:data:`FINAL_STATUSES`).
     """
 
     def __init__(self, message: str, *, status_code: int | None = None):
         super().__init__(message)
         self.status_code = status_code
+
+    @property
+    def final(self) -> bool:
+        return self.status_code in FINAL_STATUSES
 
 
 @dataclass(frozen=True)
