@@ -117,28 +117,32 @@ def test_a_10k_token_turn_is_judged_from_a_prompt_fitted_to_the_judge(
         assert j.attempts == 1 and j.dead_reason is None
 
 
+def _worker(tmp_path: Path, **env: str) -> tuple[str, dict[str, str]]:
+    """A broker (SQLite) and the environment of a worker that retries after 1 s."""
+    broker = f"sqla+sqlite:///{tmp_path / 'broker.sqlite'}"
+    return broker, {"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_JUDGE_RETRY_BACKOFF_S": "1", **env}
+
+
+def _dead(engine: Engine, tid: str) -> Judgement | None:
+    with OrmSession(engine) as db:
+        j = db.get(Judgement, tid)
+        return j if j is not None and j.status == "dead" else None
+
+
 def test_a_judge_context_error_is_dead_after_exactly_one_attempt(
         vllm_server: RunningVLLM, pool: tuple[str, Engine], tmp_path: Path) -> None:
     url, engine = pool
-    broker = f"sqla+sqlite:///{tmp_path / 'broker.sqlite'}"
     # the judge is told its window is larger than vLLM's, so the unshortened prompt reaches vLLM,
     # which answers 400 (context length): retrying could only fail the same way
-    env = {"NEXTSTATE_JUDGE_BACKEND": "llm", "NEXTSTATE_JUDGE_MODEL": "hosted_vllm/smollm2",
-           "NEXTSTATE_JUDGE_API_BASE": vllm_server.base_url, "NEXTSTATE_JUDGE_CONTEXT_TOKENS": "100000",
-           "NEXTSTATE_JUDGE_MAX_RETRIES": "3", "NEXTSTATE_JUDGE_RETRY_BACKOFF_S": "1",
-           "NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_TEACHER_URL": vllm_server.base_url}
+    broker, env = _worker(tmp_path, NEXTSTATE_JUDGE_BACKEND="llm", NEXTSTATE_JUDGE_MODEL="hosted_vllm/smollm2",
+                          NEXTSTATE_JUDGE_API_BASE=vllm_server.base_url, NEXTSTATE_JUDGE_CONTEXT_TOKENS="100000",
+                          NEXTSTATE_JUDGE_MAX_RETRIES="3", NEXTSTATE_TEACHER_URL=vllm_server.base_url)
     tid = _long_turn(engine)
     with OrmSession(engine) as db, db.begin():
         mark_pending(db, [tid])
     with WorkerProcess(tmp_path, database_url=url, broker_url=broker, env=env) as worker:
         assert Enqueuer(Settings(broker_url=broker)).send([tid]) == 1
-
-        def dead() -> Judgement | None:
-            with OrmSession(engine) as db:
-                j = db.get(Judgement, tid)
-                return j if j is not None and j.status == "dead" else None
-
-        j = wait_for(dead, timeout=180)
+        j = wait_for(lambda: _dead(engine, tid), timeout=180)
         log = worker.log_tail(20_000)
     assert j.attempts == 1 and j.retries == 0
     assert j.dead_reason == "context_window_exceeded"
@@ -172,24 +176,16 @@ def _hinted_white_box_turn(engine: Engine, served_as: str, token_ids: list[int])
 def test_a_teacher_refusal_is_dead_at_once_a_missing_lora_is_retried(
         teacher_server: RunningVLLM, pool: tuple[str, Engine], tmp_path: Path) -> None:
     url, engine = pool
-    broker = f"sqla+sqlite:///{tmp_path / 'broker.sqlite'}"
-    env = {"NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
-           "NEXTSTATE_TEACHER_URL": teacher_server.base_url, "NEXTSTATE_JUDGE_MAX_RETRIES": "1",
-           "NEXTSTATE_JUDGE_RETRY_BACKOFF_S": "1", "NEXTSTATE_BROKER_URL": broker}
+    broker, env = _worker(tmp_path, NEXTSTATE_JUDGE_BACKEND="python", NEXTSTATE_JUDGE_PYTHON="tests.judges:verdict",
+                          NEXTSTATE_TEACHER_URL=teacher_server.base_url, NEXTSTATE_JUDGE_MAX_RETRIES="1")
     # a reply longer than the teacher's 8,192-token window: vLLM answers 400, every time
     too_long = _hinted_white_box_turn(engine, "smollm2", [30] * 8300)
     # a LoRA version the teacher does not serve (yet): 404, as while it is being published
     not_loaded = _hinted_white_box_turn(engine, f"policy-v-{uuid.uuid4().hex[:6]}", [30] * 4)
-
-    def dead(tid: str) -> Judgement | None:
-        with OrmSession(engine) as db:
-            j = db.get(Judgement, tid)
-            return j if j is not None and j.status == "dead" else None
-
     with WorkerProcess(tmp_path, database_url=url, broker_url=broker, env=env) as worker:
         assert Enqueuer(Settings(broker_url=broker)).send([too_long, not_loaded]) == 2
-        refused = wait_for(lambda: dead(too_long), timeout=180)
-        retried = wait_for(lambda: dead(not_loaded), timeout=180)
+        refused = wait_for(lambda: _dead(engine, too_long), timeout=180)
+        retried = wait_for(lambda: _dead(engine, not_loaded), timeout=180)
         log = worker.log_tail(20_000)
     # the refusal: one attempt, no retry, the teacher's own words in the reason
     assert refused.attempts == 1 and refused.retries == 0, log[-3000:]
