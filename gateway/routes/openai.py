@@ -27,6 +27,7 @@ from gateway.auth import require_api_key
 from gateway.classify import session_of, turn_kind_of
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
 from gateway.formats import (
+    SENT_ARGUMENTS,
     MessagesReply,
     Reply,
     ResponsesReply,
@@ -179,7 +180,7 @@ async def _count_tokens(request: Request) -> Response:
     await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
     gw = gateway_of(request)
     body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
-    chat = messages_to_chat({**body, "max_tokens": 1})
+    chat = await _sent_arguments(gw, messages_to_chat({**body, "max_tokens": 1}))
     target = await gw.upstreams.resolve(body["model"])
     if not target.white_box:
         return JSONResponse({"input_tokens": litellm.token_counter(model=target.served_name,
@@ -269,6 +270,22 @@ async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]
     return found
 
 
+async def _sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
+    """*chat* (a translated Messages request) with the model's own arguments text of each tool
+    call this replica did not answer itself, from the pool (gateway.formats._SentArguments).
+    With the pool down the call is served all the same, with LiteLLM's rendering."""
+    missing = SENT_ARGUMENTS.unknown(chat["messages"])
+    if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
+        try:
+            found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
+        except OpenAIError:  # the pool went down just now
+            found = {}
+        if found:
+            SENT_ARGUMENTS.learn(found)
+            SENT_ARGUMENTS.restore(chat["messages"])
+    return chat
+
+
 async def _proxy(request: Request, fmt: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
@@ -280,7 +297,7 @@ async def _proxy(request: Request, fmt: str, path_session: str | None) -> Respon
         reply = ResponsesReply(asked["model"], asked)
     elif fmt == WireFormat.MESSAGES:
         asked = parse_body(raw, MessagesRequest)
-        body = messages_to_chat(asked)
+        body = await _sent_arguments(gw, messages_to_chat(asked))
         reply = MessagesReply(asked["model"], asked)
     else:
         body = parse_body(raw, _SCHEMAS[fmt])
