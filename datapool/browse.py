@@ -2,7 +2,7 @@
 export selection and the annotation queue.
 
 A filter has session conditions (mode, task, time range) and turn conditions (search words,
-capture, model, policy version, reward, label state, turn type). A session matches when one of
+capture, model, policy version, reward, label state, turn type, wire format). A session matches when one of
 its turns meets every turn condition; the turns a filter *selects* (what an export writes) are
 exactly those turns of matching sessions.
 
@@ -28,12 +28,13 @@ from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.queries import decode_cursor, encode_cursor
-from datapool.vocab import JudgementStatus, TurnKind
+from datapool.vocab import JudgementStatus, TurnKind, WireFormat, values
 
 MODES = ("online", "offline", "eval")
 CAPTURES = ("white-box", "black-box")
 REWARDS = ("positive", "negative", "tie", "unscored")
 TURN_TYPES = ("main", "side")
+WIRE_FORMATS = values(WireFormat)
 
 
 class FilterError(ValueError):
@@ -55,6 +56,7 @@ class Browse:
     since: datetime | None = None
     until: datetime | None = None
     task_id: str | None = None
+    wire_format: str | None = None  # the API the client spoke (chat, completions, responses, messages)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "Browse":
@@ -71,7 +73,8 @@ class Browse:
                 except ValueError:
                     raise FilterError(f"{f.name}: not a date/time: {text!r}") from None
                 continue
-            choices = {"mode": MODES, "capture": CAPTURES, "reward": REWARDS, "turn_type": TURN_TYPES}.get(f.name)
+            choices = {"mode": MODES, "capture": CAPTURES, "reward": REWARDS, "turn_type": TURN_TYPES,
+                       "wire_format": WIRE_FORMATS}.get(f.name)
             if choices and text not in choices:
                 raise FilterError(f"{f.name}: {text!r} is not one of {', '.join(choices)}")
             if f.name == "label":
@@ -125,6 +128,8 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
         conds.append(Turn.policy_version == f.policy_version)
     if f.turn_type:
         conds.append(Turn.turn_type == f.turn_type)
+    if f.wire_format:
+        conds.append(Turn.wire_format == f.wire_format)
     if f.reward:
         r = effective_reward()
         conds.append({"positive": r > 0, "negative": r < 0,
@@ -440,7 +445,7 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
         primary = key.desc().nulls_last() if p.order == "desc" else key.asc().nulls_last()
     tie = Turn.id.desc() if p.order == "desc" else Turn.id.asc()
     q = (select(Turn.id, Turn.session_id, Turn.created_at, Turn.model, Turn.upstream_model, Turn.policy_version,
-                Turn.capture, Turn.turn_type, Turn.status, Turn.latency_ms,
+                Turn.capture, Turn.wire_format, Turn.turn_type, Turn.status, Turn.latency_ms,
                 Turn.usage["prompt_tokens"].as_float().label("prompt_tokens"), completion.label("completion_tokens"),
                 Turn.response[("choices", 0, "finish_reason")].as_string().label("finish_reason"),
                 Turn.response[("choices", 0, "message", "tool_calls")].label("tool_calls"),
@@ -459,7 +464,7 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
         out.append({
             "id": row.id, "session_id": row.session_id, "created_at": row.created_at, "model": row.model,
             "upstream_model": row.upstream_model, "policy_version": row.policy_version, "capture": row.capture,
-            "turn_type": row.turn_type, "status": row.status, "latency_ms": row.latency_ms,
+            "wire_format": row.wire_format, "turn_type": row.turn_type, "status": row.status, "latency_ms": row.latency_ms,
             "prompt_tokens": _int(row.prompt_tokens), "completion_tokens": _int(row.completion_tokens),
             "finish_reason": row.finish_reason if isinstance(row.finish_reason, str) else None,
             "tool_calls": len(calls) if isinstance(calls, list) else 0,

@@ -95,6 +95,20 @@ class TurnContinuation(Base):
     choice_index: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
 
 
+class ToolCallArguments(Base):
+    """The model's own arguments text of a tool call answered on /v1/messages, by the call's id.
+
+    Anthropic clients send a call back as a parsed ``input`` object; the gateway puts this text
+    back in its place (``gateway.formats``), whichever replica answered the call and across
+    restarts."""
+
+    __tablename__ = "tool_call_arguments"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), index=True)
+    arguments: Mapped[str] = mapped_column(Text)
+
+
 class PolicyVersion(Base):
     """A servable policy: the base model, or base + adapter / checkpoint produced by the trainer."""
 

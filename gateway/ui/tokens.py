@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import aiohttp
 
-from datapool.vllm_admin import server_root
+from datapool.vllm_admin import CallError, tokenize
 
 
 @lru_cache(maxsize=1)
@@ -86,21 +85,11 @@ GAP_LEGEND = [(f"{g:+g}", gap_style(g)) for g in (-3.0, -1.0, 0.0, 1.0, 3.0)]
 async def token_texts(http: aiohttp.ClientSession, api_base: str, model: str | None, text: str,
                       token_ids: list[int]) -> list[str] | None:
     """The text of each captured token, or None when vLLM cannot give them exactly."""
-    root = server_root(api_base)
-    payload: dict[str, Any] = {"prompt": text, "add_special_tokens": False, "return_token_strs": True}
-    if model:
-        payload["model"] = model
     try:
-        async with http.post(f"{root}/tokenize", json=payload,
-                             timeout=aiohttp.ClientTimeout(total=3.0)) as resp:
-            body = await resp.json(content_type=None) if resp.status == 200 else {}
-    except (TimeoutError, aiohttp.ClientError, ValueError):
+        found = await tokenize(http, api_base, model, prompt=text, return_token_strs=True, timeout_s=3.0)
+    except CallError:
         return None
-    if not isinstance(body, dict):
-        return None
-    ids, strs = body.get("tokens"), body.get("token_strs")
-    if not isinstance(ids, list) or not isinstance(strs, list) or len(ids) != len(strs):
-        return None
+    ids, strs = found.tokens, found.token_strs or []
     if ids != token_ids[: len(ids)] or len(token_ids) - len(ids) > 2:  # only special tokens may follow
         return None
     return [readable(s) for s in strs] + [f"⟨{t}⟩" for t in token_ids[len(ids):]]
