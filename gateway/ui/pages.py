@@ -334,12 +334,14 @@ async def training_page(request: Request) -> HTMLResponse:
 
     data = await in_pool(gw.engine, run)
     c, bv = data["curves"], data["by_version"]
+    runs = plots.palette(list(c["labels"].values()))
     data["charts"] = [
-        plots.line_chart("Loss per optimizer step", c["loss"], testid="chart-loss"),
-        plots.line_chart("KL to the base policy", c["kl"], testid="chart-kl"),
-        plots.line_chart("Mean advantage", c["advantage"], testid="chart-advantage"),
-        plots.line_chart("Learning latency: capture → trained (median s)", c["latency"], testid="chart-latency"),
-        plots.line_chart("Held-out score of each candidate", c["eval"], testid="chart-eval"),
+        plots.line_chart("Loss per optimizer step", c["loss"], testid="chart-loss", colors=runs),
+        plots.line_chart("KL to the base policy", c["kl"], testid="chart-kl", colors=runs),
+        plots.line_chart("Mean advantage", c["advantage"], testid="chart-advantage", colors=runs),
+        plots.line_chart("Learning latency: capture → trained (median s)", c["latency"], testid="chart-latency",
+                         colors=runs),
+        plots.line_chart("Held-out score of each candidate", c["eval"], testid="chart-eval", colors=runs),
         plots.line_chart(f"Reward of judged turns by policy version ({'hourly' if bv['bucket'] == 3600 else 'daily'}"
                          " mean)", bv["series"], time_axis=True, testid="chart-reward-by-version"),
     ]

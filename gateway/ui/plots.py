@@ -117,6 +117,11 @@ def time_ticks(lo: float, hi: float, count: int = 5) -> tuple[list[float], list[
     return ticks, [datetime.fromtimestamp(t, timezone.utc).strftime(fmt) for t in ticks]
 
 
+def palette(names: Sequence[str]) -> dict[str, str]:
+    """A colour for each name, in order: pass it to every chart of a page."""
+    return {n: COLORS[i % len(COLORS)] for i, n in enumerate(dict.fromkeys(names))}
+
+
 def _segments(points: Sequence[tuple[float, float]]) -> tuple[list[list[tuple[float, float]]], int]:
     """The series sorted by x, cut at its non-finite values; and how many those were."""
     out: list[list[tuple[float, float]]] = [[]]
@@ -145,11 +150,13 @@ def _legend_rows(names: Sequence[str], width: int, left: int) -> list[list[tuple
 
 
 def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: bool = False,
-               integer_x: bool = True, width: int = 520, height: int = 210, testid: str | None = None) -> Markup:
+               integer_x: bool = True, width: int = 520, height: int = 210, testid: str | None = None,
+               colors: Mapping[str, str] | None = None) -> Markup:
     """An SVG chart with one line per series: x is a step (or Unix seconds with *time_axis*).
     Every drawn point carries a ``<title>`` with its series, x and value; the legend sits
-    under the plot."""
+    under the plot. *colors* keeps a series' colour the same across charts (see ``palette``)."""
     names = [n for n in series]
+    color_of = {n: (colors or {}).get(n) or COLORS[i % len(COLORS)] for i, n in enumerate(names)}
     cut = {n: _segments(series[n]) for n in names}
     skipped = sum(s for _, s in cut.values())
     points = [p for segs, _ in cut.values() for seg in segs for p in seg]
@@ -210,8 +217,8 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
     if axis:
         parts.append(f'<text x="{left + w / 2}" y="{top + plot_h + 31}" text-anchor="middle" '
                      f'class="chart-axis">{escape(axis)}</text>')
-    for i, name in enumerate(names):
-        color = COLORS[i % len(COLORS)]
+    for name in names:
+        color = color_of[name]
         segs, _ = cut[name]
         n = sum(len(s) for s in segs)
         parts.append(f'<g class="series" data-series="{escape(name)}">')
@@ -233,8 +240,8 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
     ly = top + plot_h + 48
     for r, row in enumerate(legend):
         x = left
-        for i, name in row:
-            color = COLORS[i % len(COLORS)]
+        for _, name in row:
+            color = color_of[name]
             parts.append(f'<line x1="{x}" x2="{x + 16}" y1="{ly + 16 * r - 4}" y2="{ly + 16 * r - 4}" stroke="{color}" '
                          f'stroke-width="3"/><text x="{x + 21}" y="{ly + 16 * r}" class="chart-legend">'
                          f'{escape(name)}</text>')
