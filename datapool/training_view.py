@@ -271,11 +271,12 @@ def by_version(db: OrmSession, *, days: float = 30.0, limit: int = MAX_RUNS) -> 
 
 
 def version_names(db: OrmSession) -> list[str]:
-    """Every name a comparison can pick: policy versions (newest first), then other names turns
-    were served by or the eval gate evaluated (the base model)."""
+    """Every name a comparison can pick: policy versions (newest first), then the base models
+    they were trained from and other names turns were served by or the eval gate evaluated."""
     named = [n for n in db.scalars(select(PolicyVersion.name).order_by(PolicyVersion.created_at.desc(),
                                                                          PolicyVersion.id.desc()))]
-    other = set(evals.evaluated_versions(db)) | {v for v in db.scalars(select(Turn.policy_version).distinct()) if v}
+    other = (set(evals.evaluated_versions(db)) | {v for v in db.scalars(select(Turn.policy_version).distinct()) if v}
+             | set(db.scalars(select(PolicyVersion.base_model).distinct())))
     return named + sorted(other - set(named))
 
 

@@ -7,8 +7,10 @@ Screenshots go to tests/artifacts/ (git-ignored)."""
 
 from __future__ import annotations
 
+import random
 import uuid
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -18,7 +20,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import evals, leases
 from datapool.db import make_engine, upgrade
-from datapool.models import PolicyEvent, PolicyVersion
+from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess
 
@@ -40,9 +42,27 @@ def gateway(pg_admin_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     url, drop = fresh_database(pg_admin_dsn)
     upgrade(url)
     engine = make_engine(url)
-    run = leases.start_run(engine, objective="rl", backend="local", config={"lr": 1e-5}, base_version=None)
-    for step in range(1, 4):
-        leases.record_step(engine, run, step, [], {"pg_loss": 0.4 / step, "kl": 0.002 * step})
+    rng = random.Random(7)
+    first = leases.start_run(engine, objective="opd", backend="local", config={"lr": 2e-5}, base_version=None)
+    for step in range(1, 26):
+        leases.record_step(engine, first, step, [], {"loss": 1.2 / step ** 0.5 + rng.uniform(-0.05, 0.05),
+                                                     "kl": 0.0004 * step + rng.uniform(0, 0.0003)})
+    run = leases.start_run(engine, objective="rl", backend="local", config={"lr": 1e-5, "k": 4}, base_version=None)
+    for step in range(1, 41):
+        leases.record_step(engine, run, step, [], {"pg_loss": 0.4 / step + rng.uniform(-0.02, 0.02),
+                                                   "kl": -0.00475 + 0.0002 * step, "advantage_mean": rng.gauss(0, 0.1)})
+    start = datetime.now(timezone.utc) - timedelta(hours=12)
+    with OrmSession(engine) as db, db.begin():  # judged turns of the base and each version, over 12 hours
+        for i in range(72):
+            version = ("smollm2", "rl-a1", "rl-a2")[min(2, i // 24)]
+            sid, tid = f"s-{i}", str(uuid.uuid4())
+            db.add(Session(id=sid, source="header"))
+            db.flush()
+            db.add(Turn(id=tid, session_id=sid, endpoint="chat", status="ok", created_at=start + timedelta(minutes=10 * i),
+                        model="policy", policy_version=version, capture="white-box", request={"messages": []}))
+            db.flush()
+            p = {"smollm2": 0.5, "rl-a1": 0.65, "rl-a2": 0.45}[version]
+            db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if rng.random() < p else -1.0, attempts=1))
     with OrmSession(engine) as db, db.begin():
         parent = None
         for i, name in enumerate(REPLIES):
@@ -99,7 +119,8 @@ def test_compare_two_versions_and_share_the_view(browser: Any, gateway: GatewayP
     tab.goto("/admin/training")
     _log_in(tab)
     tab.wait_for_url("**/admin/training")
-    assert tab.locator("svg.chart[data-testid=chart-loss] polyline").count() == 1  # one run, one line
+    assert tab.locator("svg.chart[data-testid=chart-loss] polyline").count() == 2  # two runs, two lines
+    assert tab.locator("svg.chart[data-testid=chart-reward-by-version] g.series").count() == 3
     tab.screenshot(path=str(ARTIFACTS / "training-charts.png"), full_page=True)
     tab.get_by_test_id("compare-link").click()
     tab.wait_for_url("**/admin/training/compare")
@@ -138,7 +159,7 @@ def test_compare_two_versions_and_share_the_view(browser: Any, gateway: GatewayP
     # the run the versions came from is a click away
     fresh.locator("a[href^='/admin/training/runs/']").first.click()
     fresh.wait_for_url("**/admin/training/runs/*")
-    assert fresh.get_by_test_id("run-steps").inner_text() == "3"
+    assert fresh.get_by_test_id("run-steps").inner_text() == "40"
     assert fresh.locator("[data-testid=run-versions] tr[data-version]").count() == 2
     assert not fresh.js_errors
     fresh.context.close()

@@ -210,8 +210,10 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
     for xv, label in zip(xticks, xlabels):
         if x0 - 1e-9 <= xv <= x1 + 1e-9:
             x = sx(xv)
+            # a label at either edge stays inside the chart
+            anchor = "end" if x > left + w - 3 * len(label) else "start" if x < left + 3 * len(label) - 10 else "middle"
             parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" '
-                         f'class="chart-frame"/><text x="{x:.1f}" y="{top + plot_h + 15}" text-anchor="middle" '
+                         f'class="chart-frame"/><text x="{x:.1f}" y="{top + plot_h + 15}" text-anchor="{anchor}" '
                          f'class="chart-tick">{escape(label)}</text>')
     axis = "time (UTC)" if time_axis else x_label
     if axis:
