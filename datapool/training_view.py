@@ -9,7 +9,7 @@ import statistics
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, case, cast, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import evals
@@ -70,13 +70,17 @@ def runs(db: OrmSession, limit: int = 20) -> list[dict[str, Any]]:
 
 def number(v: Any) -> float | None:
     """A metric value as a float, non-finite ones included (NaN and inf as a float or as the
-    strings JSON stores them as); None for anything that is not a number."""
+    strings JSON writers store them as, ``"NaN"``, ``"Infinity"``); None for anything that is
+    not a number."""
     if isinstance(v, bool):
         return None
     if isinstance(v, (int, float)):
         return float(v)
-    if isinstance(v, str) and v.strip().lower() in ("nan", "inf", "+inf", "-inf", "infinity", "-infinity"):
-        return float(v.strip().lower().replace("infinity", "inf"))
+    if isinstance(v, str) and len(v) < 40:
+        try:
+            return float(v)
+        except ValueError:
+            return None
     return None
 
 
@@ -139,12 +143,21 @@ def step_curves(db: OrmSession, run_ids: list[str] | None = None, *, steps: int 
         run_ids = [r for r, _ in db.execute(newest)]
     objectives = dict(db.execute(select(TrainingRun.id, TrainingRun.objective).where(TrainingRun.id.in_(run_ids))).all())
     labels = {r: run_label(r, objectives.get(r)) for r in run_ids}
+    # on PostgreSQL only the values the charts read, as text, picked in the database: a step's
+    # metrics can hold hundreds of turn ids, and decoding JSON per value costs more than the
+    # query. (SQLite's JSON functions refuse the NaN its JSON text may hold: read it whole.)
+    pg = db.get_bind().dialect.name == "postgresql"
+    picked = [func.coalesce(*(TrainingStep.metrics[k].as_string() for k in keys)) if len(keys) > 1
+              else TrainingStep.metrics[keys[0]].as_string() for _, _, keys in STEP_CHARTS]
     rows: list[tuple[str, int, dict[str, Any]]] = []
     for run_id in run_ids:
-        part = db.execute(select(TrainingStep.run_id, TrainingStep.step, TrainingStep.metrics)
+        part = db.execute(select(TrainingStep.run_id, TrainingStep.step, *(picked if pg else [TrainingStep.metrics]))
                           .where(TrainingStep.run_id == run_id).order_by(TrainingStep.step.desc()).limit(steps)).all()
-        rows += [tuple(r) for r in part]  # type: ignore[misc]
-    out: dict[str, Any] = {key: series_by_run(rows, keys, labels) for key, _, keys in STEP_CHARTS}
+        if pg:
+            rows += [(r[0], r[1], {key: v for (key, _, _), v in zip(STEP_CHARTS, r[2:])}) for r in part]
+        else:
+            rows += [(r[0], r[1], {key: _metric(r[2] or {}, keys) for key, _, keys in STEP_CHARTS}) for r in part]
+    out: dict[str, Any] = {key: series_by_run(rows, (key,), labels) for key, _, _ in STEP_CHARTS}
     out["latency"] = {labels[k]: v for k, v in _latency_by_step(db, run_ids).items()}
     out["eval"] = {}
     for v in _published(db, set(run_ids)):
@@ -223,50 +236,65 @@ def _bucket(span: float) -> int:
     return 3600 if span <= 3 * 86400 else 86400
 
 
+def _epoch_bucket(db: OrmSession, column: Any, bucket: int) -> Any:
+    """SQL for *column*'s Unix time cut down to a multiple of *bucket* seconds."""
+    if db.get_bind().dialect.name == "sqlite":
+        seconds = cast(func.strftime("%s", column), BigInteger)
+    else:
+        seconds = cast(func.floor(func.extract("epoch", column)), BigInteger)
+    return (seconds // bucket) * bucket
+
+
 def by_version(db: OrmSession, *, days: float = 30.0, limit: int = MAX_RUNS) -> dict[str, Any]:
     """Reward by policy version: the mean reward of judged turns each version served, per hour
     (per day when the data spans more than three days) — one series per version, the *limit*
-    most recent; and a row per version: judged turns, mean reward, share positive, people's
-    mean rating, its newest held-out eval."""
+    most recently served; and a row per version: judged turns, mean reward, share positive,
+    people's mean rating, its newest held-out eval. Aggregated in the database."""
     since = utcnow() - timedelta(days=days)
-    rows = db.execute(select(Turn.policy_version, Turn.created_at, Judgement.reward)
-                      .join(Judgement, Judgement.turn_id == Turn.id)
-                      .where(Judgement.reward.is_not(None), Turn.created_at >= since)).all()
-    stamps = [at.timestamp() for _, at, _ in rows]
-    bucket = _bucket(max(stamps) - min(stamps)) if stamps else 3600
-    cells: dict[str, dict[int, list[float]]] = {}
+    judged = (Judgement.reward.is_not(None), Turn.created_at >= since)
     totals: dict[str, dict[str, Any]] = {}
-    for version, at, reward in rows:
-        name = version or "(no version)"
-        if not math.isfinite(reward):
-            continue
-        cells.setdefault(name, {}).setdefault(int(at.timestamp() // bucket * bucket), []).append(float(reward))
-        t = totals.setdefault(name, {"n": 0, "sum": 0.0, "pos": 0, "first": at, "last": at})
-        t["n"] += 1
-        t["sum"] += reward
-        t["pos"] += reward > 0
-        t["first"], t["last"] = min(t["first"], at), max(t["last"], at)
-    feedback: dict[str, list[float]] = {}
-    for version, value in db.execute(select(Turn.policy_version, Vote.value).join(Turn, Turn.id == Vote.turn_id)
-                                     .where(Vote.kind == VoteKind.FEEDBACK, Vote.value.is_not(None),
-                                            Turn.created_at >= since)):
-        feedback.setdefault(version or "(no version)", []).append(float(value))
+    for version, n, mean, pos, first, last in db.execute(
+            select(Turn.policy_version, func.count(), func.avg(Judgement.reward),
+                   func.sum(case((Judgement.reward > 0, 1), else_=0)), func.min(Turn.created_at),
+                   func.max(Turn.created_at))
+            .join(Judgement, Judgement.turn_id == Turn.id).where(*judged).group_by(Turn.policy_version)):
+        totals[version or "(no version)"] = {"n": int(n), "mean": float(mean), "pos": int(pos or 0) / int(n),
+                                             "first": first, "last": last}
+    stamps = [t["first"] for t in totals.values()] + [t["last"] for t in totals.values()]
+    bucket = _bucket((max(stamps) - min(stamps)).total_seconds()) if stamps else 3600
     recent = sorted(totals, key=lambda n: totals[n]["last"], reverse=True)[:limit]
-    series = {n: sorted((float(h), sum(v) / len(v)) for h, v in cells[n].items()) for n in recent}
+    series: dict[str, list[tuple[float, float]]] = {n: [] for n in recent}
+    if recent:
+        at = _epoch_bucket(db, Turn.created_at, bucket).label("at")
+        chosen = [n for n in recent if n != "(no version)"]
+        which = Turn.policy_version.in_(chosen)
+        if "(no version)" in recent:
+            which = or_(which, Turn.policy_version.is_(None))
+        for version, t, mean in db.execute(
+                select(Turn.policy_version, at, func.avg(Judgement.reward))
+                .join(Judgement, Judgement.turn_id == Turn.id).where(*judged, which)
+                .group_by(Turn.policy_version, at)):
+            series[version or "(no version)"].append((float(t), float(mean)))
+    for points in series.values():
+        points.sort()
+    feedback = {v or "(no version)": (int(n), float(mean)) for v, n, mean in db.execute(
+        select(Turn.policy_version, func.count(), func.avg(Vote.value)).join(Turn, Turn.id == Vote.turn_id)
+        .where(Vote.kind == VoteKind.FEEDBACK, Vote.value.is_not(None), Turn.created_at >= since)
+        .group_by(Turn.policy_version))}
     vrows = {r.name: r for r in db.scalars(select(PolicyVersion))}
     ev = _latest_evals(db, [r.id for r in vrows.values()])
+
+    def newest(name: str) -> Any:
+        return (totals.get(name, {}).get("last") or getattr(vrows.get(name), "created_at", None) or since)
+
     table = []
-    for name in sorted(set(totals) | set(vrows) | set(feedback),
-                       key=lambda n: (totals.get(n, {}).get("last") or getattr(vrows.get(n), "created_at", None)
-                                      or since), reverse=True):
-        t = totals.get(name)
-        f = feedback.get(name)
-        row = vrows.get(name)
+    for name in sorted(set(totals) | set(vrows) | set(feedback), key=newest, reverse=True):
+        t, row = totals.get(name), vrows.get(name)
+        f_n, f_mean = feedback.get(name, (0, None))
         table.append({"name": name, "status": row.status if row else None, "n": t["n"] if t else 0,
-                      "mean": t["sum"] / t["n"] if t else None, "positive": t["pos"] / t["n"] if t else None,
+                      "mean": t["mean"] if t else None, "positive": t["pos"] if t else None,
                       "first": t["first"] if t else None, "last": t["last"] if t else None,
-                      "feedback_n": len(f or ()), "feedback": sum(f) / len(f) if f else None,
-                      "eval": ev.get(row.id) if row else None})
+                      "feedback_n": f_n, "feedback": f_mean, "eval": ev.get(row.id) if row else None})
     return {"series": series, "bucket": bucket, "table": table}
 
 
@@ -282,9 +310,9 @@ def version_names(db: OrmSession) -> list[str]:
 
 def _side(db: OrmSession, name: str) -> dict[str, Any]:
     row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == name)).first()
-    rewards = [r for r, in db.execute(select(Judgement.reward).join(Turn, Turn.id == Judgement.turn_id)
-                                      .where(Turn.policy_version == name, Judgement.reward.is_not(None)))
-               if math.isfinite(r)]
+    live_n, live_mean = db.execute(select(func.count(), func.avg(Judgement.reward))
+                                   .join(Turn, Turn.id == Judgement.turn_id)
+                                   .where(Turn.policy_version == name, Judgement.reward.is_not(None))).one()
     ev = _latest_evals(db, [row.id]).get(row.id) if row else None
     parent = db.get(PolicyVersion, row.parent_id).name if row and row.parent_id else None
     replies = evals.replies_of(db, name)
@@ -293,7 +321,7 @@ def _side(db: OrmSession, name: str) -> dict[str, Any]:
             "created_at": row.created_at if row else None, "parent": parent,
             "run_id": (row.stats or {}).get("run_id") if row else None,
             "step": (row.stats or {}).get("step") if row else None, "eval": ev,
-            "live_n": len(rewards), "live_mean": sum(rewards) / len(rewards) if rewards else None,
+            "live_n": int(live_n or 0), "live_mean": float(live_mean) if live_mean is not None else None,
             "heldout_n": len(replies), "heldout_mean": sum(scores) / len(scores) if scores else None,
             "replies": replies}
 

@@ -27,6 +27,7 @@ PREFIXES = ((1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""), (1e-3, "m"), (1e-6, "
 TIME_STEPS = (1, 5, 10, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400, 2 * 86400,
               7 * 86400, 14 * 86400, 30 * 86400, 91 * 86400, 365 * 86400)
 
+MAX_DRAWN = 600  # vertices a series' line keeps (``thin``): more than a chart has pixels across
 Series = Mapping[str, Sequence[tuple[float, float]]]
 
 
@@ -126,14 +127,36 @@ def _segments(points: Sequence[tuple[float, float]]) -> tuple[list[list[tuple[fl
     """The series sorted by x, cut at its non-finite values; and how many those were."""
     out: list[list[tuple[float, float]]] = [[]]
     skipped = 0
-    for x, y in sorted(((x, y) for x, y in points if finite(x)), key=lambda p: p[0]):
-        if finite(y):
-            out[-1].append((float(x), float(y)))
+    isfinite = math.isfinite
+    ordered = sorted(points, key=lambda p: p[0])
+    for x, y in ordered:
+        try:
+            ok = isfinite(x) and isfinite(y)
+        except TypeError:
+            ok = False
+        if ok:
+            out[-1].append((x, y))
         else:
             skipped += 1
             if out[-1]:
                 out.append([])
     return [s for s in out if s], skipped
+
+
+def thin(points: Sequence[tuple[float, float]], most: int) -> list[tuple[float, float]]:
+    """At most about *most* of the points, in order: the lowest and highest of each run of
+    neighbours, so a spike survives (a chart is a few hundred pixels wide)."""
+    if len(points) <= most:
+        return list(points)
+    per = math.ceil(len(points) / max(1, most // 2))
+    out: list[tuple[float, float]] = []
+    for i in range(0, len(points), per):
+        chunk = points[i:i + per]
+        lo, hi = min(chunk, key=lambda p: p[1]), max(chunk, key=lambda p: p[1])
+        out += sorted({lo, hi}, key=lambda p: p[0])
+    if out[-1] != points[-1]:
+        out.append(points[-1])
+    return out
 
 
 def _legend_rows(names: Sequence[str], width: int, left: int) -> list[list[tuple[int, str]]]:
@@ -226,18 +249,20 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
         parts.append(f'<g class="series" data-series="{escape(name)}">')
         for seg in segs:
             if len(seg) > 1:
+                drawn = thin(seg, max(2, math.ceil(MAX_DRAWN * len(seg) / n)))
                 parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="'
-                             + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in seg) + '"/>')
+                             + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in drawn) + '"/>')
         stride = max(1, math.ceil(n / 200))  # a hover target for at most ~200 points a series
-        k = 0
         for seg in segs:
-            for j, (x, y) in enumerate(seg):
-                if k % stride == 0 or len(seg) == 1 or j == len(seg) - 1:
-                    cls = "pt dot" if n <= 60 or len(seg) == 1 else "pt"
-                    parts.append(f'<circle class="{cls}" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
-                                 f'<title>{escape(name)} · {escape(x_text(x))}: {escape(value_label(y))}</title>'
-                                 '</circle>')
-                k += 1
+            cls = "pt dot" if n <= 60 or len(seg) == 1 else "pt"
+            marked = list(range(0, len(seg), stride))
+            if marked[-1] != len(seg) - 1:
+                marked.append(len(seg) - 1)
+            for j in marked:
+                x, y = seg[j]
+                parts.append(f'<circle class="{cls}" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
+                             f'<title>{escape(name)} · {escape(x_text(x))}: {escape(value_label(y))}</title>'
+                             '</circle>')
         parts.append("</g>")
     ly = top + plot_h + 48
     for r, row in enumerate(legend):
