@@ -47,8 +47,9 @@ def test_ticks_read_as_numbers_people_write() -> None:
     assert plots.tick_labels(*plots.nice_ticks(12000, 48000, 4)) == ["10k", "20k", "30k", "40k", "50k"]
     steps, step = plots.nice_ticks(1, 3, 6, integer=True)
     assert plots.tick_labels(steps, step) == ["1", "2", "3"]  # training steps are whole numbers
-    assert plots.value_label(-0.00475) == "-0.00475" and plots.value_label(123456) == "123.5k"
+    assert plots.value_label(-0.00475) == "-0.00475" and plots.value_label(123456) == "123456"
     assert plots.value_label(float("nan")) == "nan" and plots.value_label(2e-5) == "20µ"
+    assert plots.value_label(0.00085) == "0.00085" and plots.value_label(3.5e6) == "3.5M"
 
 
 magnitudes = st.floats(min_value=-1e12, max_value=1e12, allow_nan=False, allow_infinity=False)
@@ -71,6 +72,14 @@ def test_ticks_cover_the_data_and_every_label_is_short_plain_and_distinct(lo: fl
     assert max(len(t) for t in labels) <= 12, labels
     for t, text in zip(ticks, labels):
         assert abs(parse(text) - t) <= step / 2 + abs(t) * 1e-9, (t, text)
+
+
+@settings(max_examples=400, deadline=None)
+@given(v=st.floats(min_value=-1e15, max_value=1e15, allow_nan=False).filter(lambda x: x == 0 or abs(x) > 1e-12))
+def test_a_value_reads_plainly_to_four_digits(v: float) -> None:
+    text = plots.value_label(v)
+    assert LABEL.match(text), text
+    assert abs(parse(text) - v) <= abs(v) * 5e-4 + 1e-15, (v, text)
 
 
 @settings(max_examples=200, deadline=None)

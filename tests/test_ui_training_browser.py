@@ -122,6 +122,17 @@ def test_compare_two_versions_and_share_the_view(browser: Any, gateway: GatewayP
     assert tab.locator("svg.chart[data-testid=chart-loss] polyline").count() == 2  # two runs, two lines
     assert tab.locator("svg.chart[data-testid=chart-reward-by-version] g.series").count() == 3
     tab.screenshot(path=str(ARTIFACTS / "training-charts.png"), full_page=True)
+    # hover values without script: each point's <title> names its run, step and value
+    title = tab.locator("svg.chart[data-testid=chart-loss] circle title").first.text_content()
+    assert " · step " in title and "e-0" not in title
+    tab.locator("tr[data-run] [data-testid=run-link]").first.click()  # the newest run: 40 steps of rl
+    tab.wait_for_url("**/admin/training/runs/*")
+    assert tab.get_by_test_id("run-steps").inner_text() == "40"
+    assert tab.locator("svg.chart[data-testid=chart-pg_loss] polyline").count() == 1
+    assert '"k": 4' in tab.get_by_test_id("run-config").inner_text()
+    tab.screenshot(path=str(ARTIFACTS / "training-run.png"), full_page=True)
+    tab.go_back()
+    tab.wait_for_url("**/admin/training")
     tab.get_by_test_id("compare-link").click()
     tab.wait_for_url("**/admin/training/compare")
     assert tab.get_by_test_id("compare-empty").is_visible()

@@ -87,12 +87,13 @@ def tick_labels(ticks: Sequence[float], step: float) -> list[str]:
 
 
 def value_label(v: float) -> str:
-    """A single value for a hover or a table: four significant digits, no exponent."""
+    """A single value for a hover or a table: four significant digits, no exponent; an SI
+    prefix only outside 0.0001..1,000,000 (``0.00085``, ``123456``, ``20µ``, ``3.5M``)."""
     if not finite(v):
         return str(v)
     if v == 0:
         return "0"
-    scale, suffix = _scale(abs(v))
+    scale, suffix = (1.0, "") if 1e-4 <= abs(v) < 1e6 else _scale(abs(v))
     x = v / scale
     decimals = max(0, 3 - math.floor(math.log10(abs(x))))
     text = f"{x:.{decimals}f}"
