@@ -21,9 +21,10 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,7 +33,15 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import evals, training_view
 from datapool.db import make_engine
-from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingRun, TrainingStep, Turn
+from datapool.models import (
+    Judgement,
+    PolicyEvent,
+    PolicyVersion,
+    Session,
+    TrainingRun,
+    TrainingStep,
+    Turn,
+)
 from gateway.ui import plots
 
 
@@ -130,10 +139,10 @@ def main() -> None:
 
     for runs, steps in ((1, 40), (args.runs, args.steps)):
         data = series(runs, steps)
-        p50, p95, svg = timed(lambda: plots.line_chart("loss", data), args.repeat)
+        p50, p95, svg = timed(lambda data=data: plots.line_chart("loss", data), args.repeat)
         row(f"chart {runs}x{steps} points: plots.line_chart", p50, p95, len(svg))
         try:
-            p50, p95, svg = timed(lambda: matplotlib_svg(data), args.repeat)
+            p50, p95, svg = timed(lambda data=data: matplotlib_svg(data), args.repeat)
             row(f"chart {runs}x{steps} points: matplotlib svg", p50, p95, len(svg))
         except ImportError:
             print("matplotlib not installed (pip install -e .[bench]): its row skipped", file=sys.stderr)

@@ -229,7 +229,7 @@ def run_detail(db: OrmSession, run_id: str, *, steps: int = 500) -> dict[str, An
                     "produced_version": r.produced_version, "created_at": r.created_at,
                     "finished_at": r.finished_at, "steps": int(total), "in_flight": int(leased), "label": label},
             "steps": listed, "metric_keys": ordered, "series": by_key, "versions": _published(db, {r.id}),
-            "latency": {label: v for v in _latency_by_step(db, [r.id]).values()}}
+            "latency": {label: _latency_by_step(db, [r.id]).get(r.id, [])}}
 
 
 def _bucket(span: float) -> int:

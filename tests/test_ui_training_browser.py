@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -51,7 +51,7 @@ def gateway(pg_admin_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     for step in range(1, 41):
         leases.record_step(engine, run, step, [], {"pg_loss": 0.4 / step + rng.uniform(-0.02, 0.02),
                                                    "kl": -0.00475 + 0.0002 * step, "advantage_mean": rng.gauss(0, 0.1)})
-    start = datetime.now(timezone.utc) - timedelta(hours=12)
+    start = datetime.now(UTC) - timedelta(hours=12)
     with OrmSession(engine) as db, db.begin():  # judged turns of the base and each version, over 12 hours
         for i in range(72):
             version = ("smollm2", "rl-a1", "rl-a2")[min(2, i // 24)]

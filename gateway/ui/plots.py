@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from html import escape
 
 from markupsafe import Markup
@@ -116,7 +116,7 @@ def time_ticks(lo: float, hi: float, count: int = 5) -> tuple[list[float], list[
         fmt = "%H:%M" if hi - lo < 86400 else "%m-%d %H:%M"
     else:
         fmt = "%Y-%m-%d" if hi - lo > 300 * 86400 else "%m-%d"
-    return ticks, [datetime.fromtimestamp(t, timezone.utc).strftime(fmt) for t in ticks]
+    return ticks, [datetime.fromtimestamp(t, UTC).strftime(fmt) for t in ticks]
 
 
 def palette(names: Sequence[str]) -> dict[str, str]:
@@ -190,8 +190,8 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
     legend = _legend_rows(names, width - right, left) if names and (len(names) > 1 or points) else []
     total_h = top + plot_h + 40 + 16 * len(legend) + (4 if legend else 0)
     tid = f' data-testid="{escape(testid)}"' if testid else ""
-    parts = [f'<svg class="chart" role="img" viewBox="0 0 {width} {total_h}" width="{width}" height="{total_h}" '
-             f'xmlns="http://www.w3.org/2000/svg"{tid}><title>{escape(title)}</title>',
+    parts = [(f'<svg class="chart" role="img" viewBox="0 0 {width} {total_h}" width="{width}" height="{total_h}" '
+              f'xmlns="http://www.w3.org/2000/svg"{tid}><title>{escape(title)}</title>'),
              f'<text x="{left}" y="16" class="chart-title">{escape(title)}</text>']
     if skipped:
         parts.append(f'<text x="{width - right}" y="16" text-anchor="end" class="chart-note">'
@@ -222,7 +222,7 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
 
     def x_text(x: float) -> str:
         if time_axis:
-            return datetime.fromtimestamp(x, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            return datetime.fromtimestamp(x, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return f"{x_label} {value_label(x)}" if x_label else value_label(x)
 
     parts.append(f'<rect x="{left}" y="{top}" width="{w}" height="{plot_h}" class="chart-frame"/>')

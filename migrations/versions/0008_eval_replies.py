@@ -8,8 +8,8 @@ Revises: 0007
 Create Date: 2026-11-27
 """
 
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = '0008'
