@@ -238,6 +238,7 @@ def test_compare_shows_scores_and_both_replies_to_the_same_prompts(client: tuple
     assert rows[0].index("Oak.") < rows[0].index("Birch.")  # A left, B right
     assert "Name a river." in rows[1] and "no reply stored" in rows[1]
     assert "Nile &lt;b&gt;river&lt;/b&gt;." in rows[1]  # a reply is text, never markup
+    assert 'class="reply"' in rows[0]  # equal scores: neither side marked
     scores = re.search(r'data-testid="compare-scores".*?</table>', r.text, re.DOTALL).group(0)
     assert "0.9" in re.search(r'data-testid="eval-1">(.*?)</td>', scores, re.DOTALL).group(1)
     assert "no eval" in re.search(r'data-testid="eval-2">(.*?)</td>', scores, re.DOTALL).group(1)

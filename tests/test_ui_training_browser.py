@@ -149,6 +149,9 @@ def test_compare_two_versions_and_share_the_view(browser: Any, gateway: GatewayP
     for prompt, a, b in seen:  # each prompt once, A's reply beside B's
         i = next(k for k, p in enumerate(PROMPTS) if p[-1]["content"] in prompt)
         assert REPLIES["rl-a1"][i] in a and REPLIES["rl-a2"][i] in b
+    river = tab.get_by_test_id("compare-row").filter(has_text="Name a river.")
+    assert "better" in river.get_by_test_id("reply-1").get_attribute("class")  # scored 1 against 0
+    assert "worse" in river.get_by_test_id("reply-2").get_attribute("class")
     assert "0.667" in tab.get_by_test_id("eval-1").inner_text()
     assert "0.333" in tab.get_by_test_id("eval-2").inner_text()
     assert tab.evaluate("typeof window.__xss") == "undefined"  # a reply's markup is shown as text
