@@ -250,3 +250,20 @@ class PolicyEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+
+class EvalReply(Base):
+    """A version's reply to one held-out prompt of the eval gate, and its score: what the
+    version-vs-version page shows side by side. ``prompt_hash`` keys the same prompt across
+    versions (``datapool.evals.prompt_hash``); a later eval of a version adds rows, the newest wins."""
+
+    __tablename__ = "eval_replies"
+    __table_args__ = (Index("ix_eval_replies_version_prompt", "version", "prompt_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[str] = mapped_column(String(256))  # a policy version's name, or the base model's
+    prompt_hash: Mapped[str] = mapped_column(String(64))
+    prompt: Mapped[list[dict[str, Any]]] = mapped_column(Json)  # the chat messages asked
+    reply: Mapped[str] = mapped_column(Text)
+    score: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

@@ -133,3 +133,48 @@ def write_session(engine: Engine, specs: list[TurnSpec], *, at: datetime | None 
             if ok:
                 history = history + [{"role": "assistant", **reply}]
     return sid, ids
+
+
+def write_training_states(engine: Engine) -> dict[str, list[str]]:
+    """Training in every state the training pages show: a run without steps, a run of one step,
+    runs whose metrics hold NaN and infinities (floats on SQLite; on PostgreSQL, whose JSONB
+    refuses them, the strings JSON writers use), a failed run; versions with and without an
+    eval, with held-out replies on one side only or both. Returns the run ids and the version
+    names (and a name no row holds)."""
+    from datapool import evals, leases
+    from datapool.models import PolicyEvent, PolicyVersion
+    from datapool.vocab import RunStatus, VersionKind, VersionStatus
+
+    odd = engine.dialect.name == "sqlite"
+    nan, inf, ninf = (float("nan"), float("inf"), float("-inf")) if odd else ("NaN", "Infinity", "-Infinity")
+    tag = uuid.uuid4().hex[:6]
+    empty = leases.start_run(engine, objective="rl", backend="local", config={}, base_version=None)
+    one = leases.start_run(engine, objective="opd", backend="local", config={"lr": 1e-5}, base_version=None)
+    leases.record_step(engine, one, 1, [], {"loss": 0.7, "kl": 0.0})
+    weird = leases.start_run(engine, objective="rl", backend="verl", config={"nested": {"a": [1, 2]}}, base_version=None)
+    for step in range(1, 30):
+        leases.record_step(engine, weird, step, [], {
+            "pg_loss": nan if step % 7 == 0 else -0.00475 * step, "kl": inf if step == 3 else 1e-7 * step,
+            "advantage_mean": ninf if step == 5 else 12345.6 * step, "grad_norm": "not a number", "flag": True,
+            "turn_ids": ["a", "b"], "candidate": f"fill-{tag}-v1" if step == 29 else None})
+    leases.finish_run(engine, weird, status=RunStatus.FAILED)
+    names = [f"fill-{tag}-v1", f"fill-{tag}-v2", f"fill-{tag}-v3"]
+    with OrmSession(engine) as db, db.begin():
+        parent = None
+        for i, name in enumerate(names):
+            v = PolicyVersion(name=name, base_model="smollm2", kind=VersionKind.LORA, path=f"/nowhere/{name}",
+                              parent_id=parent, status=(VersionStatus.ACTIVE, VersionStatus.REFUSED,
+                                                        VersionStatus.CANDIDATE)[i],
+                              stats={"run_id": weird, "step": 29 + i, "turns": 2})
+            db.add(v)
+            db.flush()
+            parent = v.id
+            if i < 2:  # the third has no eval
+                db.add(PolicyEvent(version_id=v.id, action="eval", actor="eval-gate",
+                                   metrics={"score": 0.5 + i / 10, "active_score": 0.5, "against": "smollm2",
+                                            "n": 2, "threshold": 0.1}))
+    prompts = [[{"role": "user", "content": "Name a tree."}], [{"role": "user", "content": "Name a river."}]]
+    evals.record_replies(engine, "smollm2", prompts, ["Oak.", "Nile."], [1.0, 1.0])
+    evals.record_replies(engine, names[0], prompts, ["<b>Birch</b>", ""], [1.0, None])
+    evals.record_replies(engine, names[1], prompts[1:], ["Rhine."], [0.0])
+    return {"runs": [empty, one, weird], "versions": ["smollm2", *names], "missing": [f"fill-{tag}-nowhere"]}
