@@ -2,7 +2,7 @@
 export selection and the annotation queue.
 
 A filter has session conditions (mode, task, time range) and turn conditions (search words,
-capture, model, policy version, reward, label state, turn type). A session matches when one of
+capture, model, policy version, reward, label state, turn type, wire format). A session matches when one of
 its turns meets every turn condition; the turns a filter *selects* (what an export writes) are
 exactly those turns of matching sessions.
 
@@ -29,12 +29,13 @@ from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.queries import decode_cursor, encode_cursor
-from datapool.vocab import JudgementStatus, TurnKind
+from datapool.vocab import JudgementStatus, TurnKind, WireFormat, values
 
 MODES = ("online", "offline", "eval")
 CAPTURES = ("white-box", "black-box")
 REWARDS = ("positive", "negative", "tie", "unscored")
 TURN_TYPES = ("main", "side")
+WIRE_FORMATS = values(WireFormat)
 
 
 class FilterError(ValueError):
@@ -56,6 +57,7 @@ class Browse:
     since: datetime | None = None
     until: datetime | None = None
     task_id: str | None = None
+    wire_format: str | None = None  # the API the client spoke (chat, completions, responses, messages)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "Browse":
@@ -72,7 +74,8 @@ class Browse:
                 except ValueError:
                     raise FilterError(f"{f.name}: not a date/time: {text!r}") from None
                 continue
-            choices = {"mode": MODES, "capture": CAPTURES, "reward": REWARDS, "turn_type": TURN_TYPES}.get(f.name)
+            choices = {"mode": MODES, "capture": CAPTURES, "reward": REWARDS, "turn_type": TURN_TYPES,
+                       "wire_format": WIRE_FORMATS}.get(f.name)
             if choices and text not in choices:
                 raise FilterError(f"{f.name}: {text!r} is not one of {', '.join(choices)}")
             if f.name == "label":
@@ -99,7 +102,7 @@ class Browse:
 
 def search_document() -> Any:
     """SQL (PostgreSQL): the words of every string in a turn's request, reply and next state, the
-    expression the GIN index ``ix_turns_search`` holds (migration 0008)."""
+    expression the GIN index ``ix_turns_search`` holds (migration 0010)."""
     def words(doc: Any) -> Any:
         return func.jsonb_to_tsvector(literal_column("'english'::regconfig"), doc,
                                       literal_column("'[\"string\"]'::jsonb"))
@@ -120,7 +123,7 @@ def _search(db: OrmSession, q: str) -> ColumnElement[bool]:
 
 def effective_reward() -> Any:
     """SQL: the reward the trainer uses for a turn: a person's override, else the judge's.
-    Stored on the turn (``turns.effective_reward``, kept current by triggers: migration 0008);
+    Stored on the turn (``turns.effective_reward``, kept current by triggers: migration 0010);
     :func:`computed_reward` is the same value computed from the labels and the judgement."""
     return Turn.effective_reward
 
@@ -150,6 +153,8 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
         conds.append(Turn.policy_version == f.policy_version)
     if f.turn_type:
         conds.append(Turn.turn_type == f.turn_type)
+    if f.wire_format:
+        conds.append(Turn.wire_format == f.wire_format)
     if f.reward:
         r = effective_reward()
         tied = judged(JudgementStatus.TIE)
@@ -371,8 +376,7 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         select(Turn.id, Turn.session_id, Turn.created_at, Turn.logprobs, Judgement.status, Judgement.reward,
                Judgement.prm_reward, Judgement.teacher_logprobs)
         .join(Judgement, Judgement.turn_id == Turn.id)
-        .where(Turn.turn_type == TurnKind.MAIN, Judgement.status.in_((JudgementStatus.SCORED, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)),
-               ~labels.matches("labeled", Turn.id, Turn.session_id))
+        .where(*_queue_where())
         .order_by(Turn.created_at.desc(), Turn.id.desc()).limit(scan)).all()
     ids = [r.id for r in rows]
     votes: dict[str, list[Vote]] = {}
@@ -401,6 +405,19 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
                        "gap": gap})
     scored.sort(key=lambda x: (-x["score"], -x["created_at"].timestamp()))
     return scored[:limit]
+
+
+def _queue_where() -> tuple[Any, ...]:
+    """Which turns the annotation queue holds: unlabeled judged main turns."""
+    return (Turn.turn_type == TurnKind.MAIN,
+            Judgement.status.in_((JudgementStatus.SCORED, JudgementStatus.TIE, JudgementStatus.UNPARSABLE)),
+            ~labels.matches("labeled", Turn.id, Turn.session_id))
+
+
+def queue_size(db: OrmSession) -> int:
+    """How many turns the annotation queue holds in all (not only the ones :func:`queue` ranks)."""
+    return db.scalar(select(func.count()).select_from(Turn).join(Judgement, Judgement.turn_id == Turn.id)
+                     .where(*_queue_where())) or 0
 
 
 
@@ -479,7 +496,7 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
         ids = ids.join(Session, Session.id == Turn.session_id)
     page = ids.subquery()
     q = (select(Turn.id, Turn.session_id, Turn.created_at, Turn.model, Turn.upstream_model, Turn.policy_version,
-                Turn.capture, Turn.turn_type, Turn.status, Turn.latency_ms,
+                Turn.capture, Turn.wire_format, Turn.turn_type, Turn.status, Turn.latency_ms,
                 Turn.usage["prompt_tokens"].as_float().label("prompt_tokens"), completion.label("completion_tokens"),
                 Turn.response[("choices", 0, "finish_reason")].as_string().label("finish_reason"),
                 Turn.response[("choices", 0, "message", "tool_calls")].label("tool_calls"),
@@ -496,7 +513,7 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
         out.append({
             "id": row.id, "session_id": row.session_id, "created_at": row.created_at, "model": row.model,
             "upstream_model": row.upstream_model, "policy_version": row.policy_version, "capture": row.capture,
-            "turn_type": row.turn_type, "status": row.status, "latency_ms": row.latency_ms,
+            "wire_format": row.wire_format, "turn_type": row.turn_type, "status": row.status, "latency_ms": row.latency_ms,
             "prompt_tokens": _int(row.prompt_tokens), "completion_tokens": _int(row.completion_tokens),
             "finish_reason": row.finish_reason if isinstance(row.finish_reason, str) else None,
             "tool_calls": len(calls) if isinstance(calls, list) else 0,

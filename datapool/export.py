@@ -6,7 +6,8 @@ One row per turn, in a layout both veRL's RL dataset and Hugging Face ``datasets
   ``data.prompt_key``; ``response`` — the reply text; ``messages`` — prompt + reply, the chat
   column HF SFT recipes use;
 * ``data_source`` (``"nextstate"``), ``ability`` and ``reward_model`` (``{style, ground_truth}``)
-  as veRL's reward loop expects; ``extra_info`` with the ids, mode, capture, versions, hint;
+  as veRL's reward loop expects; ``extra_info`` with the ids, mode, capture, the wire format the
+  client spoke (``chat``, ``completions``, ``responses``, ``messages``), versions, hint;
 * ``reward`` — what the trainer uses (a person's override, else the judge's majority),
   ``judge_reward``, ``integrated_reward``, labels (``excluded``, ``thumb``, ``tags``,
   ``correction``, ``note``), and the raw request/response as JSON text for full fidelity.
@@ -54,7 +55,7 @@ SCHEMA = pa.schema([
     ("extra_info", pa.struct([
         ("turn_id", pa.string()), ("session_id", pa.string()), ("mode", pa.string()),
         ("task_id", pa.string()), ("group_id", pa.string()), ("turn_type", pa.string()),
-        ("capture", pa.string()), ("model", pa.string()), ("policy_version", pa.string()),
+        ("capture", pa.string()), ("wire_format", pa.string()), ("model", pa.string()), ("policy_version", pa.string()),
         ("created_at", pa.string()), ("hint", pa.string()), ("judgement_status", pa.string()),
         ("outcome", pa.float64()),
     ])),
@@ -101,6 +102,7 @@ def row(turn: Turn, session: Session, judgement: Judgement | None, labels: dict[
         "extra_info": {
             "turn_id": turn.id, "session_id": session.id, "mode": session.mode, "task_id": session.task_id,
             "group_id": session.group_id, "turn_type": turn.turn_type, "capture": turn.capture,
+            "wire_format": turn.wire_format,
             "model": turn.model, "policy_version": turn.policy_version, "created_at": iso(turn.created_at),
             "hint": judgement.hint if judgement else None,
             "judgement_status": judgement.status if judgement else None, "outcome": session.outcome,

@@ -114,7 +114,7 @@ class Turn(Base):
     response_id: Mapped[str | None] = mapped_column(String(256), index=True)
     # the reward the turn shows and is filtered and sorted by: a person's override in force (the
     # turn's, else its session's), else its judgement's reward. Kept current by the database's
-    # own triggers on judgements, labels and turns (migration 0008), whoever writes them.
+    # own triggers on judgements, labels and turns (migration 0010), whoever writes them.
     effective_reward: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (
@@ -140,6 +140,20 @@ class TurnContinuation(Base):
         ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True
     )
     choice_index: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
+
+
+class ToolCallArguments(Base):
+    """The model's own arguments text of a tool call answered on /v1/messages, by the call's id.
+
+    Anthropic clients send a call back as a parsed ``input`` object; the gateway puts this text
+    back in its place (``gateway.formats``), whichever replica answered the call and across
+    restarts."""
+
+    __tablename__ = "tool_call_arguments"
+
+    id: Mapped[str] = mapped_column(String(256), primary_key=True)
+    turn_id: Mapped[str] = mapped_column(ForeignKey("turns.id", ondelete="CASCADE"), index=True)
+    arguments: Mapped[str] = mapped_column(Text)
 
 
 class PolicyVersion(Base):
@@ -283,3 +297,20 @@ class PolicyEvent(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     metrics: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+
+
+class EvalReply(Base):
+    """A version's reply to one held-out prompt of the eval gate, and its score: what the
+    version-vs-version page shows side by side. ``prompt_hash`` keys the same prompt across
+    versions (``datapool.evals.prompt_hash``); a later eval of a version adds rows, the newest wins."""
+
+    __tablename__ = "eval_replies"
+    __table_args__ = (Index("ix_eval_replies_version_prompt", "version", "prompt_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    version: Mapped[str] = mapped_column(String(256))  # a policy version's name, or the base model's
+    prompt_hash: Mapped[str] = mapped_column(String(64))
+    prompt: Mapped[list[dict[str, Any]]] = mapped_column(Json)  # the chat messages asked
+    reply: Mapped[str] = mapped_column(Text)
+    score: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)

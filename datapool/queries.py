@@ -12,7 +12,7 @@ from sqlalchemy import func, or_, and_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import iso
-from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn, Vote
+from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, ToolCallArguments, Turn, Vote
 from datapool.vocab import SessionMode, TurnKind, VersionKind, VersionStatus
 
 
@@ -286,3 +286,10 @@ def conversation_through(db: OrmSession, response_id: str) -> list[dict[str, Any
     reply = dict(t.response["choices"][0].get("message") or {})
     reply = {k: v for k, v in reply.items() if v is not None or k == "content"}
     return list(t.request.get("messages") or []) + [reply]
+
+
+def tool_call_arguments(db: OrmSession, call_ids: Sequence[str]) -> dict[str, str]:
+    """The model's own arguments text of these tool calls (those answered on /v1/messages), by id."""
+    rows = db.execute(select(ToolCallArguments.id, ToolCallArguments.arguments)
+                      .where(ToolCallArguments.id.in_(list(call_ids)[:1000])))
+    return {i: a for i, a in rows}

@@ -28,10 +28,10 @@ from sqlalchemy import Connection, Row, bindparam, delete, insert, or_, select, 
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import as_utc, chunked, dialect_insert
-from datapool.models import Session, Turn, TurnContinuation
+from datapool.models import Session, ToolCallArguments, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.judgements import end_session, mark_pending
-from datapool.vocab import Endpoint, TurnKind, TurnStatus
+from datapool.vocab import Endpoint, TurnKind, TurnStatus, WireFormat
 
 Message = dict[str, Any]
 
@@ -731,6 +731,7 @@ class Stitcher:
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()
+        _store_sent_arguments(self.db, fresh)
         self.ready += batch.ready
         self.ready = mark_pending(self.db, self.ready)
         return len(fresh)
@@ -752,3 +753,19 @@ class Stitcher:
                 text("SELECT pg_advisory_xact_lock(k) FROM unnest(CAST(:keys AS bigint[])) AS k ORDER BY k"),
                 {"keys": sorted(keys)},
             )
+
+
+def _store_sent_arguments(db: OrmSession, records: Sequence[TurnRecord]) -> None:
+    """The arguments text of each tool call answered on /v1/messages, by call id, so any gateway
+    can put it back when the client sends the call again as an object (models.ToolCallArguments)."""
+    rows = []
+    for r in records:
+        if r.wire_format != WireFormat.MESSAGES or not r.response:
+            continue
+        for choice in r.response.get("choices") or ():
+            for call in ((choice or {}).get("message") or {}).get("tool_calls") or ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(call.get("id"), str) and isinstance(fn.get("arguments"), str):
+                    rows.append({"id": call["id"][:256], "turn_id": r.id, "arguments": fn["arguments"]})
+    if rows:
+        db.execute(dialect_insert(db)(ToolCallArguments).values(rows).on_conflict_do_nothing())

@@ -1,6 +1,8 @@
 """A typed client for vLLM's admin endpoints: list models, load and unload LoRA adapters, pause,
 resume and reload weights in place. The gateway's promote/rollback and the trainer's publish
 both go through it (``datapool.versions``), so neither speaks vLLM's admin wire format itself.
+Also vLLM's tokenizer (``/tokenize``, ``/detokenize``; :func:`tokenize`), asked by the
+gateway's Messages ``count_tokens`` and token view, the judge's prompt fitting and the teacher.
 
 URLs. A server is named by its OpenAI base ``http://host:port/v1`` (:func:`openai_base` adds the
 ``/v1``); its development endpoints live at the root (:func:`server_root` strips it).
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from datapool.settings import Settings
@@ -440,3 +443,134 @@ def policy_servers(settings: Settings) -> list[str]:
     """The servers a version must be loaded into when none are named: the policy server
     (upstream_url, else the local vLLM) and the teacher replica (teacher_url) if set."""
     return openai_bases([settings.local_vllm_url, *([settings.teacher_url] if settings.teacher_url else [])])
+
+
+# --------------------------------------------------------------------------------------------
+# the tokenizer (``/tokenize`` and ``/detokenize`` at the server's root), async
+#
+# Over either HTTP client: the gateway's aiohttp session (its request path, where httpx costs
+# several times the CPU) or an httpx client (the scoring workers).
+
+AsyncHTTP = aiohttp.ClientSession | httpx.AsyncClient
+
+
+class CallError(AdminError):
+    """A call to a vLLM endpoint failed. ``status_code``: the HTTP status of the server's answer,
+    or None when no answer came (connection, timeout) or it was not the JSON expected;
+    ``detail``: the server's own message (or the transport error), without the URL."""
+
+    def __init__(self, message: str, *, url: str, detail: str, status_code: int | None = None):
+        super().__init__(message)
+        self.url, self.detail, self.status_code = url, detail, status_code
+
+    @classmethod
+    def answered(cls, url: str, status_code: int, detail: str) -> CallError:
+        return cls(f"{url} answered {status_code}: {detail}", url=url, detail=detail, status_code=status_code)
+
+    @classmethod
+    def unexpected(cls, url: str, detail: str) -> CallError:
+        return cls(f"{url} {detail}", url=url, detail=detail)
+
+
+def error_detail(body: Any, text: str) -> str:
+    """The message of an error body (OpenAI's ``{"error": {"message"}}``, FastAPI's ``detail``),
+    else the raw text."""
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"]
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("detail"), str):
+            return body["detail"]
+        return json.dumps(body)[:500]
+    return text.strip()[:500] or "(empty body)"
+
+
+async def post_json(http: AsyncHTTP, url: str, payload: dict[str, Any], *, api_key: str | None = None,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+    """POST *payload* to a vLLM endpoint; its JSON object answer. Raises :class:`CallError`
+    (with the status and the server's message for an error answer). *timeout_s*: this call's
+    total time, else the client's own timeouts."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        if isinstance(http, aiohttp.ClientSession):
+            extra = {"timeout": aiohttp.ClientTimeout(total=timeout_s)} if timeout_s else {}
+            async with http.post(url, json=payload, headers=headers, **extra) as resp:
+                status, text = resp.status, await resp.text(errors="replace")
+        else:
+            extra = {"timeout": timeout_s} if timeout_s else {}
+            response = await http.post(url, json=payload, headers=headers, **extra)
+            status, text = response.status_code, response.text
+    except (TimeoutError, aiohttp.ClientError, httpx.HTTPError) as exc:
+        raise CallError(f"request to {url} failed: {exc!r}", url=url, detail=repr(exc)) from exc
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    if status >= 400:
+        raise CallError.answered(url, status, error_detail(body, text))
+    if body is None:
+        raise CallError.unexpected(url, f"answered with non-JSON: {text[:200]!r}")
+    if not isinstance(body, dict):
+        raise CallError.unexpected(url, f"answered with {type(body).__name__}, expected an object")
+    return body
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """vLLM's ``/tokenize`` answer: the token ids, their count, the server's context window and,
+    when asked for, each token's string."""
+
+    tokens: list[int]
+    count: int
+    max_model_len: int | None
+    token_strs: list[str] | None = None
+
+
+async def tokenize(http: AsyncHTTP, api_base: str, model: str | None, *, prompt: str | None = None,
+                   messages: list[dict[str, Any]] | None = None, tools: list[dict[str, Any]] | None = None,
+                   return_token_strs: bool = False, api_key: str | None = None,
+                   timeout_s: float | None = None) -> Tokenized:
+    """``POST {root}/tokenize`` of the server at *api_base* (``…/v1``): a text (*prompt*, without
+    special tokens) or a chat (*messages* and *tools*, rendered with the server's chat template
+    and its generation prompt, exactly as a chat completion would see them). *model*: the served
+    name (a base model or a loaded LoRA adapter). Raises :class:`CallError`."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("tokenize takes a prompt or messages, one of the two")
+    payload: dict[str, Any] = {"model": model} if model else {}
+    if prompt is not None:
+        payload |= {"prompt": prompt, "add_special_tokens": False}
+    else:
+        payload |= {"messages": messages, "add_generation_prompt": True}
+        if tools:
+            payload["tools"] = tools
+    if return_token_strs:
+        payload["return_token_strs"] = True
+    url = f"{server_root(api_base)}/tokenize"
+    body = await post_json(http, url, payload, api_key=api_key, timeout_s=timeout_s)
+    tokens, strs = body.get("tokens"), body.get("token_strs")
+    if not _int_list(tokens):
+        raise CallError.unexpected(url, f"answered with no token list: {str(body)[:200]}")
+    if return_token_strs and not (isinstance(strs, list) and len(strs) == len(tokens)
+                                  and all(isinstance(x, str) for x in strs)):
+        raise CallError.unexpected(url, f"answered with no token string for each token: {str(body)[:200]}")
+    window = body.get("max_model_len")
+    return Tokenized(tokens=list(tokens), count=int(body.get("count", len(tokens))),
+                     max_model_len=int(window) if window else None,
+                     token_strs=list(strs) if return_token_strs else None)
+
+
+async def detokenize(http: AsyncHTTP, api_base: str, model: str | None, tokens: Sequence[int], *,
+                     api_key: str | None = None, timeout_s: float | None = None) -> str:
+    """``POST {root}/detokenize``: the text of *tokens*. Raises :class:`CallError`."""
+    payload: dict[str, Any] = {"model": model} if model else {}
+    url = f"{server_root(api_base)}/detokenize"
+    body = await post_json(http, url, payload | {"tokens": list(tokens)}, api_key=api_key, timeout_s=timeout_s)
+    if not isinstance(body.get("prompt"), str):
+        raise CallError.unexpected(url, f"answered with no text: {str(body)[:200]}")
+    return str(body["prompt"])

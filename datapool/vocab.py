@@ -89,8 +89,8 @@ class DeadReason(StrEnum):
     """Why a judgement went dead. Only RETRIES_EXHAUSTED was retried first; the others cannot
     succeed on retry and go dead after one attempt."""
 
-    CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"  # the turn cannot fit the judge's context
-    CLIENT_ERROR = "client_error"  # the judge's API refused the request (another 4xx: auth, schema, ...)
+    CONTEXT_WINDOW_EXCEEDED = "context_window_exceeded"  # the turn cannot fit the judge's (or teacher's) context
+    CLIENT_ERROR = "client_error"  # the judge's or teacher's API refused the request (another 4xx: auth, schema, ...)
     INVALID_REQUEST = "invalid_request"  # the judge request could not be built (prompt, schema)
     RETRIES_EXHAUSTED = "retries_exhausted"  # transient failures (connection, 5xx, timeout, 429) kept on
     ERROR = "error"  # anything else (a bug): not retried

@@ -64,13 +64,16 @@ def _clean_message(m: dict[str, Any]) -> dict[str, Any]:
 
 
 class _SentArguments:
-    """The arguments string of each tool call this process answered on /v1/messages, by id.
+    """The arguments string of each tool call answered on /v1/messages, by id.
 
     Anthropic clients send a tool call back as a parsed `input` object; LiteLLM writes it out
     again with ``json.dumps``, which need not be the model's own text (spacing, key order, a
-    bare string where guided decoding made one). Prefix stitching compares the text, so the
-    model's own string is put back where it is known. Bounded; per process (another replica
-    falls back to LiteLLM's rendering).
+    bare string where guided decoding made one). The next prompt should hold the model's own
+    tokens, and prefix stitching must find the call it answered, so the model's own string is
+    put back. Its source is the pool (``tool_call_arguments``, written with each captured turn),
+    so any replica, before or after a restart, finds it: the gateway asks the pool for the ids
+    this map does not hold (:meth:`unknown`, :meth:`learn`). The map is a bounded cache in front
+    of it that also covers a call whose turn is not written yet.
     """
 
     def __init__(self, size: int = 65536):
@@ -81,6 +84,15 @@ class _SentArguments:
         self.by_id[call_id] = arguments
         if len(self.by_id) > self.size:
             self.by_id.popitem(last=False)
+
+    def learn(self, found: dict[str, str]) -> None:
+        for call_id, arguments in found.items():
+            self.remember(call_id, arguments)
+
+    def unknown(self, messages: list[dict[str, Any]]) -> list[str]:
+        """The ids of the assistant tool calls in *messages* this map does not hold."""
+        return [call["id"] for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or ()
+                if isinstance(call.get("id"), str) and call["id"] not in self.by_id]
 
     def restore(self, messages: list[dict[str, Any]]) -> None:
         for m in messages:

@@ -15,6 +15,10 @@ with extra body fields, which the gateway passes through untouched:
 - ``fake_tag`` (str): remembered in ``GET /stats`` as completed or aborted (the client hung
   up before the end), so a test can see the gateway cancel the upstream request.
 
+And by what it is asked: a chat request whose first user message is ``FAKE TOOL CALL: TEXT``
+is answered (whole, not streamed) with one ``get_weather`` tool call whose arguments are TEXT
+verbatim, as a model may write them (odd spacing, or not JSON at all).
+
 Hand-rolled HTTP/1.1 on asyncio (keep-alive, Content-Length bodies, chunked replies): a
 framework here would make the upstream, not the gateway, the thing the benchmark measures.
 """
@@ -63,6 +67,23 @@ def _words(n: int) -> list[str]:
     return [WORDS[k % len(WORDS)] for k in range(n)]
 
 
+TOOL_CALL_MARK = "FAKE TOOL CALL: "
+
+
+def _asked_tool_arguments(body: dict[str, Any]) -> str | None:
+    """TEXT of a first user message ``FAKE TOOL CALL: TEXT`` (string or text parts)."""
+    for m in body.get("messages") or ():
+        if m.get("role") != "user":
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        if isinstance(content, str) and content.startswith(TOOL_CALL_MARK):
+            return content[len(TOOL_CALL_MARK):]
+        return None
+    return None
+
+
 def whole_reply(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
     n_tokens = int(body.get("fake_chunks", 8))
     n = int(body.get("n") or 1)
@@ -73,8 +94,16 @@ def whole_reply(endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
              "total_tokens": len(PROMPT_IDS) + n_tokens * n}
     if endpoint == "chat":
         lp = bool(body.get("logprobs"))
+        choices = [_chat_choice(i, lp, ids, text, n_tokens) for i in range(n)]
+        arguments = _asked_tool_arguments(body)
+        if arguments is not None:
+            for c in choices:
+                c["message"].update(content=None, tool_calls=[{
+                    "id": f"chatcmpl-tool-{os.urandom(8).hex()}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments}}])
+                c["finish_reason"] = "tool_calls"
         return {"id": f"chatcmpl-{os.urandom(8).hex()}", "object": "chat.completion", "created": now,
-                "model": body.get("model"), "choices": [_chat_choice(i, lp, ids, text, n_tokens) for i in range(n)],
+                "model": body.get("model"), "choices": choices,
                 "usage": usage, "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if ids else None}
     lp = body.get("logprobs") is not None
     return {"id": f"cmpl-{os.urandom(8).hex()}", "object": "text_completion", "created": now,

@@ -12,12 +12,26 @@ import openai
 
 
 async def one_call(task: dict[str, Any], client: openai.AsyncOpenAI) -> dict[str, Any]:
-    """One short model call; optionally sleeps after it (NEXTSTATE_TEST_AGENT_SLEEP_S), so a test
-    can interrupt a run while rollouts are in flight."""
+    """One short model call. With NEXTSTATE_TEST_AGENT_HOLD=DIR:N only the first N rollouts to
+    finish their call go on; every later one waits after its call until the run is killed, so a
+    test can interrupt a run with exactly N rollouts done and the rest in flight."""
     reply = await client.chat.completions.create(
         model="policy", messages=[{"role": "user", "content": f"Say the word {task['word']}."}], max_tokens=8)
-    await asyncio.sleep(float(os.environ.get("NEXTSTATE_TEST_AGENT_SLEEP_S", "0")))
+    hold = os.environ.get("NEXTSTATE_TEST_AGENT_HOLD")
+    if hold:
+        folder, passes = hold.rsplit(":", 1)
+        if not any(_take(Path(folder) / f"pass-{k}") for k in range(int(passes))):
+            await asyncio.Event().wait()
     return {"text": reply.choices[0].message.content or ""}
+
+
+def _take(ticket: Path) -> bool:
+    """Creates *ticket*; False when another rollout already has it."""
+    try:
+        os.close(os.open(ticket, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 async def hang(task: dict[str, Any], client: openai.AsyncOpenAI) -> None:

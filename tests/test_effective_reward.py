@@ -1,4 +1,4 @@
-"""``turns.effective_reward`` (migration 0008) is the reward the pool computes for a turn — a
+"""``turns.effective_reward`` (migration 0010) is the reward the pool computes for a turn — a
 person's override in force (the turn's, else its session's), else its judgement's reward —
 after any sequence of writes: judgements scored by the scorer's own aggregation, feedback,
 labels set, withdrawn, tagged and untagged on turns and sessions, judgements dead-lettered and
@@ -206,10 +206,10 @@ def test_override_labels_move_the_ui_filters(database_url: str) -> None:
     engine.dispose()
 
 
-def test_upgrade_backfills_a_pool_written_before_0008(database_url: str) -> None:
-    """Downgrade to 0007, write judgements and overrides there (no triggers, no column), upgrade:
+def test_upgrade_backfills_a_pool_written_before_0010(database_url: str) -> None:
+    """Downgrade to 0009, write judgements and overrides there (no triggers, no column), upgrade:
     every turn's stored reward is the computed one, and the triggers work from then on."""
-    command.downgrade(alembic_config(database_url), "0007")
+    command.downgrade(alembic_config(database_url), "0009")
     engine = make_engine(database_url)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO sessions (id, source, created_at, updated_at, metadata, mode) "

@@ -304,6 +304,21 @@ def test_every_route_needs_its_credentials(tmp_path: Path) -> None:
             "/s/{session_id}/v1/messages", "/v1/messages/count_tokens", "/docs", "/redoc", "/openapi.json"} <= paths
 
 
+def test_every_proxy_route_is_also_under_the_session_prefix() -> None:
+    # gateway.routes.openai.proxy_route registers each proxy route at /v1/... and at
+    # /s/{session_id}/v1/...: the same handler, methods, key check and documented body at both
+    from gateway.routes.openai import SESSION_PREFIX, router
+
+    def shape(r: APIRoute) -> tuple[Any, ...]:
+        return (frozenset(r.methods), r.endpoint, tuple(d.dependency for d in r.dependencies), repr(r.openapi_extra))
+
+    plain = {r.path: shape(r) for r in router.routes if isinstance(r, APIRoute) and r.path.startswith("/v1/")}
+    prefixed = {r.path.removeprefix(SESSION_PREFIX): shape(r) for r in router.routes
+                if isinstance(r, APIRoute) and r.path.startswith(SESSION_PREFIX + "/")}
+    assert plain == prefixed
+    assert len(plain) == 7 and len(router.routes) == 14  # nothing else is on the proxy router
+
+
 # --- no secret reaches the pool or the logs ------------------------------------------------------
 
 

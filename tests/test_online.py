@@ -33,7 +33,7 @@ from tests.holds import HeldTrainingStep
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue
-from datapool import versions, vllm_admin
+from datapool import evals, versions, vllm_admin
 from datapool.vocab import VersionKind
 from trainer.publish import PublishRequest, publish
 from datapool.leases import Filters
@@ -293,6 +293,12 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
     # published (as a candidate, by trainer.publish), then gated and refused
     assert [a for a, _ in events] == ["publish", "eval", "refuse"]
     assert events[1][1]["score"] < events[1][1]["active_score"] - 0.34
+    # both sides' replies to the held-out prompts are kept, keyed alike (the UI's compare page)
+    with OrmSession(online.engine) as db:
+        replies = {v: evals.replies_of(db, v) for v in ("smollm2", name)}
+    assert set(replies["smollm2"]) == set(replies[name]) == {evals.prompt_hash(p) for p in prompts}
+    assert [r["reply"] for r in replies["smollm2"].values()] != [r["reply"] for r in replies[name].values()]
+    assert sum(r["score"] for r in replies[name].values()) / 3 == pytest.approx(events[1][1]["score"])
     assert name not in vllm_admin.served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
     online.engine.dispose()
 

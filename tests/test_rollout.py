@@ -294,16 +294,23 @@ def test_interrupted_run_resumes_without_duplicating_sessions(gateway: GatewayPr
         return [s["id"] for s in _all_sessions(gateway) if (s["metadata"] or {}).get("rollout", {})
                 .get("status") == "done"]
 
-    first = _rollout_cli(gateway, tasks, *args, env={"NEXTSTATE_TEST_AGENT_SLEEP_S": "3"})
+    def half_way() -> list[str]:  # sessions that called the model but are not done
+        finished = set(done())
+        return [sid for sid in slots if sid not in finished and (_session(gateway, sid) or {}).get("turn_count")]
+
+    # two rollouts may finish; the two that start next make their call and then wait in the agent
+    # until the kill (tests.rollout_agents.one_call's hold), however slow the machine
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    first = _rollout_cli(gateway, tasks, *args, env={"NEXTSTATE_TEST_AGENT_HOLD": f"{hold}:2"})
     try:
-        wait_for(lambda: len(done()) >= 2, timeout=120, interval=0.2)
+        wait_for(lambda: len(done()) == 2 and len(half_way()) == 2, timeout=120, interval=0.2)
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # a crash: no chance to clean up
         first.wait(10)
     finished_first = {sid: _session(gateway, sid) for sid in done()}
-    assert 2 <= len(finished_first) < len(slots)
-    left_half_way = [sid for sid in slots if sid not in finished_first and (_session(gateway, sid) or {})
-                     .get("turn_count")]
+    left_half_way = half_way()
+    assert len(finished_first) == 2 and len(left_half_way) == 2 and len(slots) == 6
 
     second = _rollout_cli(gateway, tasks, *args)
     out, err = second.communicate(timeout=300)

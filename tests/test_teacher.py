@@ -404,3 +404,12 @@ async def test_too_long_raises_with_server_message(vllm_server: Any) -> None:
                 http, vllm_server.base_url, vllm_server.model, [{"role": "user", "content": "hi"}], [30] * 8300
             )
     assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize(("status", "final"), [
+    (400, True), (401, True), (403, True), (413, True), (422, True),
+    # a LoRA version mid-publish is briefly unknown to the teacher; 429 is back-pressure
+    (404, False), (429, False), (408, False), (500, False), (503, False), (None, False),
+])
+def test_only_refusals_are_final(status: int | None, final: bool) -> None:
+    assert TeacherError("x", status_code=status).final is final

@@ -154,6 +154,9 @@ def test_search_finds_a_session_by_a_word_in_a_tool_result(page: Any, ids: dict[
     assert page.locator("ul.votes li").count() >= 6 and "vote 2" in page.locator("ul.votes").first.inner_text()
     # white-box token view with teacher − student on the hinted turn
     reply = page.locator(f"#turn-{ids['weather_reply']}")
+    assert reply.locator("details.tokens-box").get_attribute("open") is None  # collapsed at first
+    reply.locator("details.tokens-box summary").click()
+    assert reply.get_by_test_id("token-legend").is_visible()
     assert reply.locator(".tokens .tok").count() > 3
     assert reply.locator(".tokens.gap").count() == 1
     assert "sunny" in reply.locator(".tokens").first.inner_text()

@@ -21,7 +21,7 @@ from datapool.settings import Settings
 from datapool.vocab import JudgementStatus
 from gateway.app import create_app
 from tests.test_ui import admin_routes
-from tests.ui_fill import every_state, turn_specs, write_session
+from tests.ui_fill import every_state, turn_specs, write_session, write_training_states
 
 # query strings the list pages are also asked with: each filter value
 VARIANTS = ([f"reward={r}" for r in browse.REWARDS] + [f"capture={c}" for c in browse.CAPTURES]
@@ -90,6 +90,40 @@ def test_every_page_renders_every_state(client: tuple[TestClient, str]) -> None:
     assert all(req.requested.get(r) for r in req.routes if not re.search(r"\{(run_id|version)", r)), req.requested
     print(f"\nfill test: {len(written)} sessions ({sum(len(t) for _, t in written)} turns), "
           f"{len(req.routes)} GET routes, {req.pages} requests, none >= 500")
+
+
+def test_training_pages_render_every_state(client: tuple[TestClient, str]) -> None:
+    """No runs at all, then runs without steps, of one step, with NaN/inf metrics; versions
+    with and without an eval; compared with themselves, with each other, with a missing one."""
+    c, url = client
+    req = Requester(c)
+    training = [r for r in req.routes if r.startswith("/admin/training")]
+    for route in training:  # an empty pool
+        if "{" not in route:
+            req.get(route, route)
+    assert "No training run yet" in c.get("/admin/training").text
+    assert c.get("/admin/training/runs/nope").status_code == 404
+    engine = make_engine(url)
+    made = write_training_states(engine)
+    engine.dispose()
+    for route in training:
+        params = set(re.findall(r"\{(\w+)", route))
+        if params == {"run_id"}:
+            for run in made["runs"]:
+                req.get(route, route.replace("{run_id}", run))
+        elif not params:
+            req.get(route, route)
+    names = made["versions"]
+    for a in names:
+        for b in names:
+            r = c.get("/admin/training/compare", params={"a": a, "b": b})
+            assert r.status_code == 200, (a, b, r.text[:300])
+            req.pages += 1
+    for a, b in ((names[0], made["missing"][0]), (made["missing"][0], made["missing"][0])):
+        r = c.get("/admin/training/compare", params={"a": a, "b": b})
+        assert r.status_code == 404 and "<nav>" in r.text and made["missing"][0] in r.text
+    assert {"/admin/training", "/admin/training/runs/{run_id}", "/admin/training/compare"} <= set(training)
+    print(f"\ntraining fill test: {len(made['runs'])} runs, {len(names)} versions, {req.pages} requests, none >= 500")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -254,3 +254,44 @@ def test_counts_agree_with_the_rows_for_every_reward_filter(database_url: str, r
             assert sorted(t["id"] for t in turns) == sorted(want)
         if not reward:
             assert c[name] == len(want), name
+
+
+def test_wire_format_in_the_api_turns_and_the_export(sqlite_url: str, tmp_path: Path) -> None:
+    """Each turn says which API its client spoke, in /api/turns and in both export formats, and
+    both select by it."""
+    import io
+    import json
+
+    import pyarrow.parquet as pq
+
+    engine = make_engine(sqlite_url)
+    ids: dict[str, str] = {}
+    with OrmSession(engine) as db:
+        db.add(Session(id="mixed", source="header", created_at=T0))
+        db.flush()
+        for i, fmt in enumerate(("chat", "completions", "responses", "messages")):
+            ids[fmt] = tid = str(uuid.uuid4())
+            completions = fmt == "completions"
+            db.add(Turn(id=tid, session_id="mixed", turn_type="main", endpoint="completions" if completions else "chat",
+                        wire_format=fmt, status="ok", created_at=T0 + timedelta(seconds=i), model="m",
+                        capture="black-box",
+                        request={"prompt": "p"} if completions else {"messages": [{"role": "user", "content": "q"}]},
+                        response={"choices": [{"index": 0, "text": "a"} if completions else
+                                              {"index": 0, "message": {"role": "assistant", "content": "a"}}]}))
+        db.commit()
+    engine.dispose()
+    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=sqlite_url, admin_token="tok-123",
+                        data_dir=tmp_path / "data")
+    with TestClient(create_app(settings), headers={"Authorization": "Bearer tok-123"}) as client:
+        listed = client.get("/api/turns").json()["data"]
+        assert {x["id"]: x["wire_format"] for x in listed} == {tid: fmt for fmt, tid in ids.items()}
+        assert [x["id"] for x in client.get("/api/turns", params={"wire_format": "messages"}).json()["data"]] == [
+            ids["messages"]]
+        r = client.get("/api/turns", params={"wire_format": "grpc"})
+        assert r.status_code == 400 and "wire_format" in r.json()["error"]["message"]
+        lines = client.get("/api/export", params={"format": "jsonl"}).text.splitlines()
+        assert {(x := json.loads(line))["id"]: x["extra_info"]["wire_format"] for line in lines} == {
+            tid: fmt for fmt, tid in ids.items()}
+        r = client.get("/api/export", params={"format": "parquet", "wire_format": "responses"})
+        table = pq.read_table(io.BytesIO(r.content)).to_pylist()
+        assert [(x["id"], x["extra_info"]["wire_format"]) for x in table] == [(ids["responses"], "responses")]

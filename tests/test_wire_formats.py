@@ -13,6 +13,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -426,3 +427,39 @@ def test_black_box_provider_speaks_both_formats(vllm_server: RunningVLLM, tmp_pa
     for t, fmt in ((stored, "responses"), (m_stored, "messages")):
         assert t["capture"] == "black-box" and t["wire_format"] == fmt and t["response"]["content"] == text
         assert t["token_ids"] is None and t["prompt_token_ids"] is None
+
+
+def test_a_tool_calls_own_arguments_come_back_through_another_replica(pg_url: str, tmp_path: Path) -> None:
+    """A tool call answered on /v1/messages by one gateway replica and sent back (as an `input`
+    object) to another: the second finds the model's own arguments text in the pool, so the next
+    prompt holds it and the turn stitches to its parent, also where the text was not a JSON
+    object (the client was given `{}`). The upstream answers with the arguments text asked for
+    (tests/openai_upstream.py), so both spellings are sure to differ from LiteLLM's `json.dumps`."""
+    import yaml
+
+    from tests.openai_upstream import TOOL_CALL_MARK, UpstreamProcess
+
+    with UpstreamProcess(tmp_path / "upstream.log") as up:
+        models = tmp_path / "models.yaml"
+        models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
+            "model": "hosted_vllm/fixed", "api_base": up.base_url}}]}))
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        with GatewayProcess(tmp_path / "a", database_url=pg_url, model_list=models) as a, \
+                GatewayProcess(tmp_path / "b", database_url=pg_url, model_list=models) as b:
+            for raw, given in (('{"city":"Paris" ,  "unit": "c"}', {"city": "Paris", "unit": "c"}),
+                               ('{"city": "Par', {})):
+                body: dict[str, Any] = {"model": "fixed", "max_tokens": 20, "tools": [WEATHER_ANTHROPIC],
+                                        "messages": [{"role": "user", "content": TOOL_CALL_MARK + raw}]}
+                first_raw = claude(a.url).messages.with_raw_response.create(**body)
+                (use,) = [c for c in first_raw.parse().content if c.type == "tool_use"]
+                assert use.input == given
+                first = turn(a, first_raw.headers["x-turn-id"])
+                assert first["response"]["tool_calls"][0]["function"]["arguments"] == raw
+                body["messages"] += [
+                    {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in first_raw.parse().content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+                second_raw = claude(b.url).messages.with_raw_response.create(**body)  # the other replica
+                second = turn(b, second_raw.headers["x-turn-id"])
+                assert second["request"]["messages"][1]["tool_calls"][0]["function"]["arguments"] == raw
+                assert second["parent_turn_id"] == first["id"] and second["session_id"] == first["session_id"]

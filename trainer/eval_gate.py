@@ -14,7 +14,7 @@ import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import queries, versions, vllm_admin
+from datapool import evals, queries, versions, vllm_admin
 from datapool.db import utcnow
 from datapool.vocab import PolicyAction
 from trainer.config import Scorer
@@ -53,12 +53,15 @@ class EvalGate:
         return prompts
 
     def evaluate(self, model: str) -> dict[str, Any]:
-        """The version's mean score on the held-out prompts (greedy, on the first vLLM)."""
+        """The version's mean score on the held-out prompts (greedy, on the first vLLM); each
+        reply and its score is stored (``eval_replies``)."""
         prompts = self.eval_prompts()
         assert self.scorer is not None
         with httpx.Client(timeout=300) as http, ThreadPoolExecutor(4) as pool:
             replies = list(pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens), prompts))
         scores = [float(self.scorer(r, m)) for r, m in zip(replies, prompts)]
+        # kept for the admin UI's version-vs-version page (the replies side by side)
+        evals.record_replies(self.engine, model, prompts, replies, scores)
         return {"score": sum(scores) / len(scores), "n": len(scores)}
 
     def discard(self, name: str, reason: str) -> None:

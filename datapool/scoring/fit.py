@@ -27,6 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import httpx
+
+from datapool.vllm_admin import Tokenized, detokenize, tokenize
+
 MIN_KEEP = 16  # a message cut to fewer tokens than this is dropped into the omitted run instead
 MARKER_RESERVE = 24  # tokens set aside per marker (at most three: system, cut message, omitted run)
 
@@ -50,37 +54,36 @@ class Tokenizer(Protocol):
 
 
 class VLLMTokenizer:
-    """A vLLM server's own tokenizer, over its ``/tokenize`` and ``/detokenize`` endpoints."""
+    """A vLLM server's own tokenizer, over its ``/tokenize`` and ``/detokenize`` endpoints
+    (:func:`datapool.vllm_admin.tokenize`). An error answer raises
+    :class:`~datapool.vllm_admin.CallError`, whose ``status_code`` tells the judge whether a
+    retry can help."""
 
     def __init__(self, api_base: str, model: str, api_key: str | None = None):
-        self.root = api_base.rstrip("/").removesuffix("/v1")
+        self.api_base = api_base
         self.model = model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.api_key = api_key
         self._window: int | None = None
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import httpx
-
-        async with httpx.AsyncClient(timeout=60, headers=self.headers) as http:
-            r = await http.post(f"{self.root}{path}", json={"model": self.model, **body})
-            r.raise_for_status()
-            out: dict[str, Any] = r.json()
-        if out.get("max_model_len"):
-            self._window = int(out["max_model_len"])
+    async def _tokenize(self, **what: Any) -> Tokenized:
+        async with httpx.AsyncClient(timeout=60) as http:
+            out = await tokenize(http, self.api_base, self.model, api_key=self.api_key, **what)
+        self._window = out.max_model_len or self._window
         return out
 
     async def encode(self, text: str) -> list[int]:
-        return list((await self._post("/tokenize", {"prompt": text, "add_special_tokens": False}))["tokens"])
+        return (await self._tokenize(prompt=text)).tokens
 
     async def decode(self, ids: Sequence[int]) -> str:
-        return str((await self._post("/detokenize", {"tokens": list(ids)}))["prompt"])
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await detokenize(http, self.api_base, self.model, ids, api_key=self.api_key)
 
     async def count_prompt(self, messages: list[dict[str, Any]]) -> int:
-        return int((await self._post("/tokenize", {"messages": messages, "add_generation_prompt": True}))["count"])
+        return (await self._tokenize(messages=messages)).count
 
     async def context_window(self) -> int | None:
         if self._window is None:
-            await self._post("/tokenize", {"prompt": "", "add_special_tokens": False})
+            await self._tokenize(prompt="")
         return self._window
 
 

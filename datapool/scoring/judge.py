@@ -395,7 +395,8 @@ class LLMJudge:
         return parse_vote(resp.choices[0].message.content or "")
 
 
-_CONTEXT_WORDS = re.compile(r"maximum context length|context window|context length|prompt is too long", re.I)
+#: how a model API words a prompt over its context window (vLLM, OpenAI, Anthropic)
+CONTEXT_WORDS = re.compile(r"maximum context length|context window|context length|prompt is too long", re.I)
 
 
 def _raise_if_final(exc: Exception) -> None:
@@ -409,7 +410,7 @@ def _raise_if_final(exc: Exception) -> None:
     if status is None and response is not None:
         status = getattr(response, "status_code", None)
     if isinstance(exc, litellm.ContextWindowExceededError) or (
-            status == 400 and _CONTEXT_WORDS.search(str(exc))):
+            status == 400 and CONTEXT_WORDS.search(str(exc))):
         raise JudgeRefused(DeadReason.CONTEXT_WINDOW_EXCEEDED, f"{type(exc).__name__}: {exc}") from exc
     if isinstance(exc, (litellm.Timeout, litellm.APIConnectionError, litellm.RateLimitError)):
         return

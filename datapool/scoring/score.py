@@ -23,9 +23,26 @@ from datapool.labels import correction_for
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from datapool.queries import turn_view
-from datapool.scoring.judge import Judge, JudgeRefused, Vote, choose_hint, hint_is_valid, tally
+from datapool.scoring.judge import (
+    CONTEXT_WORDS,
+    Judge,
+    JudgeRefused,
+    Vote,
+    choose_hint,
+    hint_is_valid,
+    tally,
+)
 from datapool.scoring.teacher import TeacherError, teacher_logprobs, teacher_messages
-from datapool.vocab import CaptureKind, Endpoint, HintSource, JudgementStatus, TurnKind, TurnStatus, VoteKind
+from datapool.vocab import (
+    CaptureKind,
+    DeadReason,
+    Endpoint,
+    HintSource,
+    JudgementStatus,
+    TurnKind,
+    TurnStatus,
+    VoteKind,
+)
 
 log = logging.getLogger("nextstate.scoring")
 
@@ -152,7 +169,13 @@ def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig
         assert teacher is not None and hint is not None and model is not None
         try:
             result = asyncio.run(_teacher(teacher, model, request, hint, token_ids))
-        except (TeacherError, httpx.HTTPError) as exc:
+        except TeacherError as exc:
+            if exc.final:  # the teacher refused the request itself: dead now, not after every retry
+                reason = (DeadReason.CONTEXT_WINDOW_EXCEEDED if CONTEXT_WORDS.search(str(exc))
+                          else DeadReason.CLIENT_ERROR)
+                raise JudgeRefused(reason, f"teacher logprobs: {exc}") from exc
+            raise JudgeError(f"teacher logprobs: {exc}") from exc
+        except httpx.HTTPError as exc:
             raise JudgeError(f"teacher logprobs: {exc}") from exc
         with OrmSession(engine) as db, db.begin():
             db.execute(update(Judgement).where(Judgement.turn_id == turn_id, Judgement.hint == hint).values(

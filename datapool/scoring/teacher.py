@@ -16,8 +16,8 @@ re-tokenization of the response) by asking vLLM for ``prompt_logprobs`` over
 The response token ids are the captured ``token_ids`` of the turn (white-box capture), used
 verbatim, including a trailing end-of-turn token if the capture has one.
 
-Only the standard library and httpx are used, so a Celery worker can import this without the
-gateway or the trainer.
+Both calls go through :mod:`datapool.vllm_admin` (the one vLLM client), over httpx, so a
+Celery worker can import this without the gateway or the trainer.
 
 Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextstate):
 
@@ -36,16 +36,16 @@ Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextst
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from datapool.vllm_admin import server_root
+from datapool.vllm_admin import CallError, post_json, tokenize
 
 __all__ = [
+    "FINAL_STATUSES",
     "HINT_TEMPLATE",
     "TeacherError",
     "TeacherResult",
@@ -59,17 +59,28 @@ HINT_TEMPLATE = "[Hint for your reply: {hint}]"
 _STRING_SEPARATOR = "\n\n"
 
 
+#: The teacher's answers that no retry can change: the request itself is refused (400: bad or
+#: over the context window; 401/403: credentials; 413: too large; 422: unprocessable). Not
+#: among them: 404, which a LoRA version being published answers until the teacher has loaded
+#: it, and 429 (back-pressure); those, 5xx and no answer at all are retried.
+FINAL_STATUSES = frozenset({400, 401, 403, 413, 422})
+
+
 class TeacherError(Exception):
     """Teacher logprobs could not be computed.
 
     ``status_code`` is the HTTP status of the vLLM reply that caused it, or ``None`` for
-    transport errors, malformed replies and bad arguments. A caller may treat 5xx and ``None``
-    from transport errors as retryable and 4xx as permanent.
+    transport errors, malformed replies and bad arguments. ``final``: a retry cannot help
+    (:data:`FINAL_STATUSES`).
     """
 
     def __init__(self, message: str, *, status_code: int | None = None):
         super().__init__(message)
         self.status_code = status_code
+
+    @property
+    def final(self) -> bool:
+        return self.status_code in FINAL_STATUSES
 
 
 @dataclass(frozen=True)
@@ -113,44 +124,6 @@ def teacher_messages(messages: list[dict[str, Any]], hint: str) -> list[dict[str
         return out
     out.append({"role": "user", "content": marked})
     return out
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The server's error message if the body is an OpenAI-style error, else the raw text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and isinstance(err.get("message"), str):
-            return err["message"]
-        if isinstance(err, str):
-            return err
-        if isinstance(body.get("detail"), str):
-            return body["detail"]
-    return json.dumps(body)[:500]
-
-
-async def _post_json(
-    http: httpx.AsyncClient, url: str, payload: dict[str, Any], headers: dict[str, str], what: str
-) -> dict[str, Any]:
-    try:
-        response = await http.post(url, json=payload, headers=headers)
-    except httpx.HTTPError as exc:
-        raise TeacherError(f"{what}: request to {url} failed: {exc!r}") from exc
-    if response.status_code >= 400:
-        raise TeacherError(
-            f"{what}: {url} answered {response.status_code}: {_error_message(response)}",
-            status_code=response.status_code,
-        )
-    try:
-        body = response.json()
-    except ValueError as exc:
-        raise TeacherError(f"{what}: {url} answered with non-JSON: {response.text[:200]!r}") from exc
-    if not isinstance(body, dict):
-        raise TeacherError(f"{what}: {url} answered with {type(body).__name__}, expected an object")
-    return body
 
 
 def _actual_logprob(entry: Any, token_id: int, position: int) -> float:
@@ -204,38 +177,25 @@ async def teacher_logprobs(
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in response_token_ids):
         raise TeacherError("response_token_ids must be a list of ints")
     base = api_base.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    tokenize_payload: dict[str, Any] = {
-        "model": model,
-        "messages": messages,
-        "add_generation_prompt": True,
-    }
-    if tools:
-        tokenize_payload["tools"] = tools
-    tokenized = await _post_json(
-        http, f"{server_root(base)}/tokenize", tokenize_payload, headers, "teacher tokenize"
-    )
-    prompt_ids = tokenized.get("tokens")
-    if not isinstance(prompt_ids, list) or not prompt_ids or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
-    ):
-        raise TeacherError(f"teacher tokenize: reply has no token list: {str(tokenized)[:200]}")
+    try:
+        tokenized = await tokenize(http, base, model, messages=messages, tools=tools, api_key=api_key)
+    except CallError as exc:
+        raise TeacherError(f"teacher tokenize: {exc}", status_code=exc.status_code) from exc
+    prompt_ids = tokenized.tokens
+    if not prompt_ids:
+        raise TeacherError("teacher tokenize: the rendered teacher prompt has no tokens")
 
     response_ids = list(response_token_ids)
-    completion = await _post_json(
-        http,
-        f"{base}/completions",
-        {
+    try:
+        completion = await post_json(http, f"{base}/completions", {
             "model": model,
             "prompt": prompt_ids + response_ids,
             "max_tokens": 1,
             "temperature": 0,
             "prompt_logprobs": 0,
-        },
-        headers,
-        "teacher prompt_logprobs",
-    )
+        }, api_key=api_key)
+    except CallError as exc:
+        raise TeacherError(f"teacher prompt_logprobs: {exc}", status_code=exc.status_code) from exc
     try:
         entries = completion["choices"][0]["prompt_logprobs"]
     except (KeyError, IndexError, TypeError) as exc:

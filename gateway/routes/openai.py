@@ -9,7 +9,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from datapool import queries
+from datapool import queries, vllm_admin
 from datapool.db import utcnow
 from datapool.records import TurnRecord
 from datapool.vocab import Endpoint, TurnStatus, WireFormat
@@ -27,6 +27,7 @@ from gateway.auth import require_api_key
 from gateway.classify import session_of, turn_kind_of
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
 from gateway.formats import (
+    SENT_ARGUMENTS,
     MessagesReply,
     Reply,
     ResponsesReply,
@@ -64,6 +65,7 @@ _PATHS = {"chat": "/chat/completions", "completions": "/completions"}
 _FORMATS = {"/chat/completions": WireFormat.CHAT, "/completions": WireFormat.COMPLETIONS,
             "/responses": WireFormat.RESPONSES, "/messages": WireFormat.MESSAGES}
 _JSON = {"Content-Type": "application/json"}
+_Handler = Callable[..., Awaitable[Any]]
 
 
 def _inline(schema: dict[str, Any]) -> dict[str, Any]:
@@ -90,8 +92,26 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
         "schema": _inline(model.model_json_schema())}}}}
 
 
-@router.get("/v1/models", dependencies=[Depends(require_api_key)])
-@router.get("/s/{session_id}/v1/models", dependencies=[Depends(require_api_key)])
+SESSION_PREFIX = "/s/{session_id}"
+_KEYED = [Depends(require_api_key)]
+
+
+def proxy_route(method: str, path: str, *, keyed: bool = True, body: type[BaseModel] | None = None,
+                ) -> Callable[[_Handler], _Handler]:
+    """Registers a handler at *path* and again under ``/s/{session_id}`` (the session carried in
+    the base_url), so no proxy route exists at one of the two. *keyed*: the API key is checked
+    as a dependency (count_tokens checks it itself, to answer in Anthropic's shape); *body*: the
+    request body the handler reads itself, documented in the OpenAPI schema."""
+    def register(handler: _Handler) -> _Handler:
+        for full in (path, SESSION_PREFIX + path):
+            router.add_api_route(full, handler, methods=[method], dependencies=_KEYED if keyed else None,
+                                 openapi_extra=body_schema(body) if body is not None else None)
+        return handler
+
+    return register
+
+
+@proxy_route("GET", "/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     groups = await gw.upstreams.groups()
@@ -113,42 +133,29 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-@router.post("/v1/chat/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ChatCompletionRequest))
-@router.post("/s/{session_id}/v1/chat/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ChatCompletionRequest))
+@proxy_route("POST", "/v1/chat/completions", body=ChatCompletionRequest)
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, WireFormat.CHAT, session_id)
 
 
-@router.post("/v1/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CompletionRequest))
-@router.post("/s/{session_id}/v1/completions", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(CompletionRequest))
+@proxy_route("POST", "/v1/completions", body=CompletionRequest)
 async def completions(request: Request, session_id: str | None = None) -> Response:
     return await _proxy(request, WireFormat.COMPLETIONS, session_id)
 
 
-@router.post("/v1/responses", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ResponsesRequest))
-@router.post("/s/{session_id}/v1/responses", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(ResponsesRequest))
+@proxy_route("POST", "/v1/responses", body=ResponsesRequest)
 async def responses(request: Request, session_id: str | None = None) -> Response:
     """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
     return await _in_dialect(_proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
 
 
-@router.post("/v1/messages", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(MessagesRequest))
-@router.post("/s/{session_id}/v1/messages", dependencies=[Depends(require_api_key)],
-             openapi_extra=body_schema(MessagesRequest))
+@proxy_route("POST", "/v1/messages", body=MessagesRequest)
 async def messages(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
     return await _in_dialect(_proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
 
 
-@router.get("/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
-@router.get("/s/{session_id}/v1/responses/{response_id}", dependencies=[Depends(require_api_key)])
+@proxy_route("GET", "/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str, session_id: str | None = None) -> dict[str, Any]:
     """A stored Response, read back from the pool (any replica answers it)."""
     gw = gateway_of(request)
@@ -162,8 +169,7 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
                             int(usage.get("completion_tokens") or 0), int(t.created_at.timestamp()))
 
 
-@router.post("/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
-@router.post("/s/{session_id}/v1/messages/count_tokens", openapi_extra=body_schema(CountTokensRequest))
+@proxy_route("POST", "/v1/messages/count_tokens", keyed=False, body=CountTokensRequest)
 async def count_tokens(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
     LiteLLM's estimate for other providers. Nothing is stored."""
@@ -174,25 +180,21 @@ async def _count_tokens(request: Request) -> Response:
     await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
     gw = gateway_of(request)
     body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
-    chat = messages_to_chat({**body, "max_tokens": 1})
+    chat = await _sent_arguments(gw, messages_to_chat({**body, "max_tokens": 1}))
     target = await gw.upstreams.resolve(body["model"])
     if not target.white_box:
         return JSONResponse({"input_tokens": litellm.token_counter(model=target.served_name,
                                                                    messages=chat["messages"])})
-    payload = {"model": target.served_name, "messages": chat["messages"], "add_generation_prompt": True}
-    if chat.get("tools"):
-        payload["tools"] = chat["tools"]
-    root = (target.api_base or "").removesuffix("/v1")
-    auth = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
     try:
-        async with gw.http.post(f"{root}/tokenize", json=payload, headers=auth) as resp:
-            found = await resp.json(content_type=None)
-            if resp.status >= 400:
-                raise OpenAIError(resp.status if resp.status < 500 else 502,
-                                  str((found.get("error") or {}).get("message") or found)[:2000])
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc).__name__}") from exc
-    return JSONResponse({"input_tokens": int(found["count"])})
+        found = await vllm_admin.tokenize(gw.http, target.api_base or "", target.served_name,
+                                          messages=chat["messages"], tools=chat.get("tools"), api_key=target.api_key)
+    except vllm_admin.CallError as exc:
+        if exc.status_code is None and exc.__cause__ is not None:
+            raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
+        if exc.status_code is None:
+            raise OpenAIError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
+        raise OpenAIError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
+    return JSONResponse({"input_tokens": found.count})
 
 
 def _error_response(exc: OpenAIError, fmt: str) -> Response:
@@ -268,6 +270,22 @@ async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]
     return found
 
 
+async def _sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
+    """*chat* (a translated Messages request) with the model's own arguments text of each tool
+    call this replica did not answer itself, from the pool (gateway.formats._SentArguments).
+    With the pool down the call is served all the same, with LiteLLM's rendering."""
+    missing = SENT_ARGUMENTS.unknown(chat["messages"])
+    if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
+        try:
+            found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
+        except OpenAIError:  # the pool went down just now
+            found = {}
+        if found:
+            SENT_ARGUMENTS.learn(found)
+            SENT_ARGUMENTS.restore(chat["messages"])
+    return chat
+
+
 async def _proxy(request: Request, fmt: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
@@ -279,7 +297,7 @@ async def _proxy(request: Request, fmt: str, path_session: str | None) -> Respon
         reply = ResponsesReply(asked["model"], asked)
     elif fmt == WireFormat.MESSAGES:
         asked = parse_body(raw, MessagesRequest)
-        body = messages_to_chat(asked)
+        body = await _sent_arguments(gw, messages_to_chat(asked))
         reply = MessagesReply(asked["model"], asked)
     else:
         body = parse_body(raw, _SCHEMAS[fmt])

@@ -20,9 +20,9 @@ def mount(app: FastAPI) -> None:
     """Add the UI's routes, static files and its two exception handlers to the gateway."""
     @app.exception_handler(LoginRequired)
     async def _login(request: Request, _: LoginRequired) -> Response:
-        # the whole URL, query included: a shared link to a filtered view opens that view after login
-        wanted = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        target = "/admin/login?" + urlencode({"next": wanted})
+        # the whole URL, query included: a shared link to a filtered view opens that view after the login
+        here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        target = "/admin/login?" + urlencode({"next": here})
         if request.headers.get("hx-request") == "true":
             return Response(status_code=401, headers={"HX-Redirect": target})
         if request.method != "GET":

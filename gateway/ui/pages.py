@@ -19,7 +19,7 @@ from gateway.auth import Admin, require_ui
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
-from gateway.ui import plots, tokens
+from gateway.ui import facts, markup, plots, tokens
 
 HERE = Path(__file__).parent
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
@@ -34,11 +34,24 @@ def _reward(value: Any) -> str:
     return f"{value:+.2f}"
 
 
+def _num(value: Any) -> str:
+    """A metric as the UI prints it: four significant digits without an exponent (``nan``,
+    ``inf`` as such); "–" for None; anything else as text."""
+    if value is None:
+        return "–"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return plots.value_label(float(value))
+    return str(value)
+
+
 env.filters["reward"] = _reward
+env.filters["num"] = _num
 env.filters["when"] = lambda v: "" if v is None else (v.strftime("%Y-%m-%d %H:%M:%S") if hasattr(v, "strftime")
                                                          else str(v)[:19].replace("T", " "))
 env.globals["content_text"] = browse.content_text
 env.globals["urlencode"] = urlencode
+env.globals.update(markdown=markup.markdown, plain=markup.plain, turn_facts=facts.turn_facts,
+                   question=facts.question, prob_legend=tokens.PROB_LEGEND, gap_legend=tokens.GAP_LEGEND)
 
 public = APIRouter(prefix="/admin", include_in_schema=False)
 router = APIRouter(prefix="/admin", include_in_schema=False, dependencies=[Depends(require_ui)])
@@ -278,7 +291,9 @@ async def label_turn(request: Request, turn_id: str) -> Response:
     if not _is_htmx(request):
         return _back(request, "/admin/sessions")
     found = await in_pool(gateway_of(request).engine, labels.for_turns, [turn_id])
-    return render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
+    response = render(request, "_labels.html", turn_id=turn_id, lab=found.get(turn_id), error=error)
+    response.headers["HX-Trigger"] = "labels-changed"  # the queue page's count listens for it
+    return response
 
 
 @router.post("/sessions/{session_id}/labels")
@@ -290,17 +305,27 @@ async def label_session(request: Request, session_id: str) -> Response:
     return render(request, "_session_labels.html", session_id=session_id, slab=found, error=error)
 
 
+QUEUE_PAGE = 30  # turns the queue page shows at once
+
+
 @router.get("/queue")
 async def queue_page(request: Request) -> HTMLResponse:
     gw = gateway_of(request)
 
     def run(db: OrmSession) -> dict[str, Any]:
-        items = browse.queue(db, limit=30)
+        items = browse.queue(db, limit=QUEUE_PAGE)
         ids = [i["turn_id"] for i in items]
         views = {t["id"]: t for t in (queries.get_turn(db, tid) for tid in ids) if t}
-        return {"items": items, "views": views, "labels": labels.for_turns(db, ids)}
+        return {"items": items, "views": views, "labels": labels.for_turns(db, ids),
+                "remaining": browse.queue_size(db)}
 
-    return render(request, "queue.html", **await in_pool(gw.engine, run))
+    return render(request, "queue.html", shown=QUEUE_PAGE, **await in_pool(gw.engine, run))
+
+
+@router.get("/queue/count")
+async def queue_count(request: Request) -> HTMLResponse:
+    """The queue's size as a bare number: the queue page refreshes its count after each label."""
+    return HTMLResponse(str(await in_pool(gateway_of(request).engine, browse.queue_size)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,19 +339,65 @@ async def training_page(request: Request) -> HTMLResponse:
     def run(db: OrmSession) -> dict[str, Any]:
         active = queries.active_policy_version(db)
         return {"versions": training_view.versions(db), "runs": training_view.runs(db),
-                "events": training_view.recent_events(db), "curves": training_view.curves(db),
-                "active": active.name if active else None}
+                "events": training_view.recent_events(db), "curves": training_view.step_curves(db),
+                "by_version": training_view.by_version(db), "active": active.name if active else None}
 
     data = await in_pool(gw.engine, run)
-    c = data["curves"]
+    c, bv = data["curves"], data["by_version"]
+    runs = plots.palette(list(c["labels"].values()))
     data["charts"] = [
-        plots.line_chart("Reward of judged turns (hourly mean)", c["reward"], time_axis=True),
-        plots.line_chart("Loss per optimizer step", c["loss"], time_axis=True),
-        plots.line_chart("KL to the base policy", c["kl"], time_axis=True),
-        plots.line_chart("Learning latency: capture → trained (median s)", c["latency"], time_axis=True),
-        plots.line_chart("Mean advantage", c["advantage"], time_axis=True),
+        plots.line_chart("Loss per optimizer step", c["loss"], testid="chart-loss", colors=runs),
+        plots.line_chart("KL to the base policy", c["kl"], testid="chart-kl", colors=runs),
+        plots.line_chart("Mean advantage", c["advantage"], testid="chart-advantage", colors=runs),
+        plots.line_chart("Learning latency: capture → trained (median s)", c["latency"], testid="chart-latency",
+                         colors=runs),
+        plots.line_chart("Held-out score of each candidate", c["eval"], testid="chart-eval", colors=runs),
+        plots.line_chart(f"Reward of judged turns by policy version ({'hourly' if bv['bucket'] == 3600 else 'daily'}"
+                         " mean)", bv["series"], time_axis=True, testid="chart-reward-by-version"),
     ]
     return render(request, "training.html", **data, message=request.query_params.get("msg"))
+
+
+def _not_found(request: Request, message: str) -> HTMLResponse:
+    return render(request, "error.html", status=404, message=message, title="Not found")
+
+
+@router.get("/training/runs/{run_id}")
+async def training_run_page(request: Request, run_id: str) -> HTMLResponse:
+    data = await in_pool(gateway_of(request).engine, training_view.run_detail, run_id)
+    if data is None:
+        return _not_found(request, f"No training run {run_id!r}.")
+    label = data["run"]["label"]
+    data["charts"] = [plots.line_chart(key, data["series"][key], testid=f"chart-{key}")
+                      for key in data["metric_keys"][:16]]
+    data["charts"].append(plots.line_chart("Learning latency: capture → trained (median s)", data["latency"],
+                                           testid="chart-latency"))
+    evals_by_step = {label: sorted((float(v["step"]), float(v["eval"]["score"])) for v in data["versions"]
+                                   if v["step"] is not None and v["eval"]
+                                   and training_view.number(v["eval"].get("score")) is not None)}
+    data["charts"].append(plots.line_chart("Held-out score of each candidate", evals_by_step, testid="chart-eval"))
+    return render(request, "training_run.html", **data)
+
+
+@router.get("/training/compare")
+async def training_compare_page(request: Request) -> Response:
+    """Two versions side by side (``?a=&b=``): eval results and replies to the same held-out
+    prompts. Without both names, the page to pick them; an unknown name is a 404."""
+    a = (request.query_params.get("a") or "").strip()
+    b = (request.query_params.get("b") or "").strip()
+
+    def run(db: OrmSession) -> dict[str, Any]:
+        names = training_view.version_names(db)
+        return {"names": names, "cmp": training_view.compare(db, a, b) if a and b else None}
+
+    data = await in_pool(gateway_of(request).engine, run)
+    if a and b and data["cmp"] is None:
+        missing = [n for n in (a, b) if n not in data["names"]]
+        return _fragment(_not_found(request, f"No policy version {', '.join(repr(n) for n in missing)}: "
+                                             "nothing to compare."))
+    template = "_compare.html" if _is_htmx(request) and request.headers.get("hx-target") == "compare" \
+        else "training_compare.html"
+    return _fragment(render(request, template, a=a, b=b, **data))
 
 
 async def _confirmed(request: Request) -> tuple[dict[str, str], bool]:

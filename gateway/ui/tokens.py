@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import aiohttp
 
-from datapool.vllm_admin import server_root
+from datapool.vllm_admin import CallError, tokenize
 
 
 @lru_cache(maxsize=1)
@@ -56,37 +55,41 @@ class Token:
 
     @property
     def student_style(self) -> str:
-        # low probability: strong red; near-certain tokens stay unshaded
-        p = self.prob
-        return "" if p is None else f"background: rgba(220, 38, 38, {min(1.0, (1 - p)) * 0.75:.2f})"
+        return prob_style(self.prob)
 
     @property
     def gap_style(self) -> str:
-        g = self.gap
-        if g is None:
-            return ""
-        color = "22, 163, 74" if g > 0 else "220, 38, 38"
-        return f"background: rgba({color}, {min(1.0, abs(g) / 3) * 0.8:.2f})"
+        return gap_style(self.gap)
+
+
+def prob_style(p: float | None) -> str:
+    """The heat map's shade for a token of probability *p*: low probability strong red,
+    near-certain tokens unshaded."""
+    return "" if p is None else f"background: rgba(220, 38, 38, {min(1.0, (1 - p)) * 0.75:.2f})"
+
+
+def gap_style(g: float | None) -> str:
+    """The shade for teacher − student logprob *g*: green where the teacher prefers the token,
+    red where it does not, full strength from |g| = 3."""
+    if g is None:
+        return ""
+    color = "22, 163, 74" if g > 0 else "220, 38, 38"
+    return f"background: rgba({color}, {min(1.0, abs(g) / 3) * 0.8:.2f})"
+
+
+# the token view's legends: (label, style) per swatch, with the same functions as the tokens
+PROB_LEGEND = [(f"p {p:g}", prob_style(p)) for p in (0.99, 0.9, 0.5, 0.2, 0.01)]
+GAP_LEGEND = [(f"{g:+g}", gap_style(g)) for g in (-3.0, -1.0, 0.0, 1.0, 3.0)]
 
 
 async def token_texts(http: aiohttp.ClientSession, api_base: str, model: str | None, text: str,
                       token_ids: list[int]) -> list[str] | None:
     """The text of each captured token, or None when vLLM cannot give them exactly."""
-    root = server_root(api_base)
-    payload: dict[str, Any] = {"prompt": text, "add_special_tokens": False, "return_token_strs": True}
-    if model:
-        payload["model"] = model
     try:
-        async with http.post(f"{root}/tokenize", json=payload,
-                             timeout=aiohttp.ClientTimeout(total=3.0)) as resp:
-            body = await resp.json(content_type=None) if resp.status == 200 else {}
-    except (TimeoutError, aiohttp.ClientError, ValueError):
+        found = await tokenize(http, api_base, model, prompt=text, return_token_strs=True, timeout_s=3.0)
+    except CallError:
         return None
-    if not isinstance(body, dict):
-        return None
-    ids, strs = body.get("tokens"), body.get("token_strs")
-    if not isinstance(ids, list) or not isinstance(strs, list) or len(ids) != len(strs):
-        return None
+    ids, strs = found.tokens, found.token_strs or []
     if ids != token_ids[: len(ids)] or len(token_ids) - len(ids) > 2:  # only special tokens may follow
         return None
     return [readable(s) for s in strs] + [f"⟨{t}⟩" for t in token_ids[len(ids):]]

@@ -16,16 +16,16 @@ Existing rows are backfilled with the same expression. Indexes serve the turns v
 SQLite: a batch migration that recreates ``turns``, ``judgements`` or ``labels`` drops their
 triggers; such a migration must create them again (see ``_sqlite_triggers``).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0010
+Revises: 0009
 Create Date: 2026-11-27
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0008'
-down_revision = '0007'
+revision = '0010'
+down_revision = '0009'
 branch_labels = None
 depends_on = None
 
