@@ -261,3 +261,23 @@ def test_queue_count_goes_down_as_turns_are_labelled(browser: Any, gateway: Gate
     first.locator(".badge.pos").wait_for()
     page.wait_for_function(f"document.querySelector('[data-testid=queue-remaining]').innerText === '{before - 1}'")
     assert not page.js_errors
+
+
+VIEWS = {"sessions": "/admin/sessions", "turns": "/admin/turns?reward=negative",
+         "judgements": "/admin/judgements?status=dead", "queue": "/admin/queue", "training": "/admin/training"}
+
+
+@pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])
+@pytest.mark.parametrize("view", sorted(VIEWS))
+def test_each_view_fits_its_screen(browser: Any, gateway: GatewayProcess, view: str,
+                                   viewport: dict[str, int]) -> None:
+    """Each list view at a desktop and a phone width: the first screen shows the view's rows, nothing scrolls sideways, no script error. The docs' screenshots of the
+    views (docs/ui/VIEW-WIDTH.png) are these: `cp tests/artifacts/view-*.png docs/ui/` after
+    `pytest tests/test_ui_layout.py -k each_view` (then strip the `view-` prefix)."""
+    page = tab(browser, gateway, viewport)
+    page.goto(VIEWS[view])
+    page.wait_for_load_state("networkidle")
+    assert page.locator("main tr, main article, main svg").first.is_visible(), f"{view}: nothing listed"
+    assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+    shot(page, f"view-{view}-{viewport['width']}", full_page=False)
+    assert not page.js_errors
