@@ -54,8 +54,10 @@ def _grads(trainer: LocalTrainer, samples: list[Sample], weights: torch.Tensor, 
 
 def _assert_grads_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys() and a
-    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert worst <= TOL, f"largest gradient difference {worst:.2e}"
+    # to 1e-3 of each tensor's scale (absolute where it is below 1): fp32 gradients of ~100 (the
+    # norms', the first layer's) differ by ~1e-2 absolute between two summation orders alone
+    worst, name = max((float((a[k] - b[k]).abs().max()) / max(1.0, float(a[k].abs().max())), k) for k in a)
+    assert worst <= TOL, f"largest gradient difference {worst:.2e} of the scale of {name}"
     assert any(float(g.abs().max()) > 10 * TOL for g in a.values()), "gradients too small to compare"
 
 
