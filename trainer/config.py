@@ -126,6 +126,10 @@ class LocalConfig:
     #: keeps bf16 states (half the memory, a faster step), and an update smaller than half a
     #: weight's bf16 spacing (2⁻⁹ of its magnitude) is lost. LoRA adapters always get fp32 masters.
     fp32_master: bool = False
+    #: with ``compile``: the share (0 … 1) of a compiled layer's activations that backward may keep;
+    #: under 1, torch.compile's partitioner recomputes the cheapest ops instead of saving their
+    #: outputs (``torch._functorch.config.activation_memory_budget``, a process-wide setting)
+    activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -134,6 +138,8 @@ class LocalConfig:
             raise ValueError(f"packing must be auto, on or off, got {self.packing!r}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 or None, got {self.logprob_chunk}")
+        if self.activation_memory_budget is not None and not 0.0 <= self.activation_memory_budget <= 1.0:
+            raise ValueError(f"activation_memory_budget must be in [0, 1], got {self.activation_memory_budget}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 

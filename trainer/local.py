@@ -70,6 +70,10 @@ class LocalTrainer:
         self.model = model.to(self.device)
         self.model.train()
         if cfg.compile and not cfg.legacy:
+            if cfg.activation_memory_budget is not None:
+                import torch._functorch.config as functorch_config
+
+                functorch_config.activation_memory_budget = cfg.activation_memory_budget
             for layer in self._causal_lm().model.layers:
                 layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
