@@ -86,3 +86,42 @@ def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path) -> None:  # 
             proc.wait()
     assert log.read_text().count("nothing to train on") >= 2, log.read_text()
     assert CliRunner().invoke(main, ["train", "--objective", "rl", "--repeat-every", "5", "--online"]).exit_code == 2
+
+
+def _captured_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path, flags: list[str]):  # type: ignore[no-untyped-def]
+    """Run `nextstate train` with ``flags`` up to the local backend and return its LocalConfig."""
+    import importlib
+
+    train_cli = importlib.import_module("nextstate.cli.train")  # the module, not the command it exports
+    seen = {}
+
+    def fake_offline(p, settings, engine, cfg, local, *rest) -> None:  # type: ignore[no-untyped-def]
+        seen["local"] = local
+
+    monkeypatch.setattr(train_cli, "_train_offline", fake_offline)
+    result = CliRunner().invoke(main, ["train", "--objective", "rl", "--model-dir", str(tmp_path),
+                                       "--database-url", f"sqlite:///{tmp_path}/pool.db", *flags])
+    assert result.exit_code == 0, result.output
+    return seen["local"]
+
+
+def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from trainer.config import LocalConfig
+
+    local = _captured_local_config(monkeypatch, tmp_path, [
+        "--full", "--micro-batch-size", "8", "--compile", "--compile-mode", "reduce-overhead", "--packing", "on",
+        "--logprob-chunk", "512", "--fp32-master", "--activation-memory-budget", "0.5"])
+    assert (local.lora, local.micro_batch_size, local.compile, local.compile_mode, local.packing,
+            local.logprob_chunk, local.fp32_master, local.activation_memory_budget) == (
+        False, 8, True, "reduce-overhead", "on", 512, True, 0.5)
+    defaults = _captured_local_config(monkeypatch, tmp_path, [])
+    reference = LocalConfig(model_dir=tmp_path)
+    for name in ("lora", "micro_batch_size", "compile", "compile_mode", "packing", "logprob_chunk", "fp32_master",
+                 "activation_memory_budget"):
+        assert getattr(defaults, name) == getattr(reference, name), name
+    help_text = CliRunner().invoke(main, ["train", "--help"]).output
+    for flag in ("--compile / --no-compile", "--compile-mode", "--micro-batch-size", "--packing", "--logprob-chunk",
+                 "--fp32-master", "--activation-memory-budget"):
+        assert flag in help_text, flag
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--micro-batch-size", "0"])
+    assert bad.exit_code == 2 and "micro-batch-size" in bad.output

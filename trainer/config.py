@@ -90,6 +90,11 @@ class ObjectiveConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
 
+#: torch.compile modes LocalConfig.compile_mode takes (None: torch's default)
+COMPILE_MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "max-autotune",
+                                         "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class LocalConfig:
     model_dir: Path
@@ -110,10 +115,33 @@ class LocalConfig:
     #: pack each micro-batch into one row with position ids instead of padding: "auto" packs
     #: when padding would be at least a quarter of the micro-batch's tokens, "on" always, "off" never
     packing: str = "auto"
-    logprob_chunk: int = 1024  # tokens per chunk of the LM head in the chunked log-prob path
+    #: tokens per chunk of the LM head in the chunked log-prob path; None: as many as make
+    #: 256 MiB of fp32 logits (441 for a 151,936-token vocabulary, 1,365 for 49,152)
+    logprob_chunk: int | None = None
     compile: bool = False  # torch.compile each decoder layer
     #: torch.compile mode when ``compile``: None (default fusion) or "reduce-overhead" (CUDA graphs)
     compile_mode: str | None = None
+    #: full fine-tuning of a bf16 model: keep fp32 master weights and fp32 AdamW states (as veRL
+    #: does), copied to the bf16 weights after each step. Off: AdamW updates the bf16 weights and
+    #: keeps bf16 states (half the memory, a faster step), and an update smaller than half a
+    #: weight's bf16 spacing (2⁻⁹ of its magnitude) is lost. bf16 LoRA adapters always get fp32 masters.
+    fp32_master: bool = False
+    #: with ``compile``: the share (0 … 1) of a compiled layer's activations that backward may keep;
+    #: under 1, torch.compile's partitioner recomputes the cheapest ops instead of saving their
+    #: outputs (``torch._functorch.config.activation_memory_budget``, a process-wide setting)
+    activation_memory_budget: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.packing not in ("auto", "on", "off"):
+            raise ValueError(f"packing must be auto, on or off, got {self.packing!r}")
+        if self.logprob_chunk is not None and self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1 or None, got {self.logprob_chunk}")
+        if self.activation_memory_budget is not None and not 0.0 <= self.activation_memory_budget <= 1.0:
+            raise ValueError(f"activation_memory_budget must be in [0, 1], got {self.activation_memory_budget}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
 
 
 @dataclass

@@ -14,6 +14,13 @@ master copies of them; AdamW is fused on CUDA; and the no-grad pass over the bat
 when the objective needs the current policy's log-probs before the step (OPD, stale-sample
 correction) — otherwise samples without captured log-probs take the same values from the
 step's own forward (detached), where the no-grad pass would have produced them.
+
+Host syncs: a step waits for the GPU once, at its end (the metrics). Everything the step needs
+before its first forward (masks, behaviour log-probs, advantages for ``rl``) is built on the CPU
+and sent with non-blocking copies from pinned memory, and the loss metrics stay on the GPU
+until then (veRL's vanilla policy loss calls ``.item()`` three times per call; the local path
+uses ``objectives.compute_loss(..., tensor_metrics=True)``, the same arithmetic without them).
+Full fine-tuning may keep fp32 master weights and AdamW states (``LocalConfig.fp32_master``).
 """
 
 from __future__ import annotations
@@ -63,14 +70,19 @@ class LocalTrainer:
         self.model = model.to(self.device)
         self.model.train()
         if cfg.compile and not cfg.legacy:
+            if cfg.activation_memory_budget is not None:
+                import torch._functorch.config as functorch_config
+
+                functorch_config.activation_memory_budget = cfg.activation_memory_budget
             for layer in self._causal_lm().model.layers:
                 layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
-        # fine-tuning keeps main's bf16 weights and AdamW states (a 1.7 B model's fp32 masters
-        # and states would add 20 GB)
+        # fine-tuning keeps main's bf16 weights and AdamW states unless ``fp32_master`` (a 1.7 B
+        # model's fp32 masters and states add 20 GB)
         self._master: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        if cfg.lora and not cfg.legacy and any(p.dtype != torch.float32 for p in params):
+        want_master = (cfg.lora or cfg.fp32_master) and not cfg.legacy
+        if want_master and any(p.dtype != torch.float32 for p in params):
             self._master = [(p, p.detach().float().clone().requires_grad_(True)) for p in params]
             params = [m for _, m in self._master]
         fused = self.device.type == "cuda" and not cfg.legacy
@@ -96,7 +108,8 @@ class LocalTrainer:
         mask = torch.zeros((len(seqs), resp_len))
         for i, s in enumerate(samples):
             mask[i, : len(s.response_ids)] = 1
-        return ids.to(self.device), attn.to(self.device), mask.to(self.device), resp_len
+        return (chunked.to_device(ids, self.device), chunked.to_device(attn, self.device),
+                chunked.to_device(mask, self.device), resp_len)
 
     def response_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(a_t | prefix) for each response token, response mask), both (batch, resp_len).
@@ -138,8 +151,8 @@ class LocalTrainer:
             # one row, position ids restarting at 0 per sequence and no attention mask:
             # transformers builds the block-diagonal causal mask (varlen with FlashAttention)
             seqs = [s.prompt_ids + s.response_ids for s in samples]
-            ids = torch.tensor([[t for seq in seqs for t in seq]], device=self.device)
-            pos = torch.cat([torch.arange(len(seq)) for seq in seqs])[None].to(self.device)
+            ids = chunked.to_device(torch.tensor([[t for seq in seqs for t in seq]]), self.device)
+            pos = chunked.to_device(torch.cat([torch.arange(len(seq)) for seq in seqs])[None], self.device)
             offsets = [sum(len(x) for x in seqs[:i]) for i in range(len(seqs))]
             hidden = lm.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
             h, valid = chunked.select_response_hidden(hidden, [o + st for o, st in zip(offsets, starts, strict=True)],
@@ -153,8 +166,9 @@ class LocalTrainer:
         for i, s in enumerate(samples):
             targets[i, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
         head = lm.get_output_embeddings()
-        logp = chunked.token_logprobs(h, head.weight, targets.to(self.device), head.bias,
-                                      chunk_size=self.cfg.logprob_chunk)
+        chunk = self.cfg.logprob_chunk or chunked.auto_chunk(head.weight.shape[0])
+        logp = chunked.token_logprobs(h, head.weight, chunked.to_device(targets, self.device), head.bias,
+                                      chunk_size=chunk)
         mask = valid.to(torch.float32)
         return logp * mask, mask
 
@@ -179,11 +193,18 @@ class LocalTrainer:
 
     @staticmethod
     def _padded(values: Sequence[Sequence[float] | None], fallback: torch.Tensor) -> torch.Tensor:
-        out = fallback.detach().clone()
+        """``values`` (per row, right-padded) where given, else ``fallback``; built on the CPU and
+        sent in one copy."""
+        if all(v is None for v in values):
+            return fallback.detach().clone()
+        rows = torch.zeros(fallback.shape, dtype=fallback.dtype)
+        given = torch.zeros(fallback.shape, dtype=torch.bool)
         for i, v in enumerate(values):
             if v is not None:
-                out[i, : len(v)] = torch.tensor(v, dtype=out.dtype)
-        return out
+                rows[i, : len(v)] = torch.tensor(v, dtype=rows.dtype)
+                given[i, : len(v)] = True
+        dev = fallback.device
+        return torch.where(chunked.to_device(given, dev), chunked.to_device(rows, dev), fallback.detach())
 
     # -- one optimizer step ---------------------------------------------------------------------
 
@@ -223,8 +244,10 @@ class LocalTrainer:
             student, mask = self._no_grad_logprobs(samples)
             student, mask = student.to(self.device), mask.to(self.device)
         else:
+            # nothing here needs the GPU yet: mask, behaviour log-probs and advantages are built
+            # on the CPU and sent over once (below), so the step does not wait on the GPU
             width = max(len(s.response_ids) for s in samples)
-            mask = torch.zeros((len(samples), width), device=self.device)
+            mask = torch.zeros((len(samples), width))
             for i, s in enumerate(samples):
                 mask[i, : len(s.response_ids)] = 1
             student = torch.zeros_like(mask)
@@ -241,19 +264,20 @@ class LocalTrainer:
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
-            teacher_mask = torch.tensor([[1.0] if s.teacher_logprobs is not None else [0.0] for s in samples],
-                                        device=self.device) * mask
-        token_rewards = objectives.scores_to_token_rewards(objectives.sample_rewards(samples).to(self.device), mask)
+            teacher_mask = chunked.to_device(torch.tensor(
+                [[1.0] if s.teacher_logprobs is not None else [0.0] for s in samples]), mask.device) * mask
+        token_rewards = objectives.scores_to_token_rewards(objectives.sample_rewards(samples).to(mask.device), mask)
         groups = [s.group_id for s in samples]
         adv = objectives.compute_advantages(
             cfg, response_mask=mask, token_level_rewards=token_rewards,
             index=groups if cfg.grpo and any(g is not None for g in groups) else None,
             teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
+        old, adv, mask = (chunked.to_device(t, self.device) for t in (old, adv, mask))
 
         self.optimizer.zero_grad(set_to_none=True)
         for p, _ in self._master:
             p.grad = None
-        totals: dict[str, float] = {}
+        totals: dict[str, torch.Tensor] = {}  # on the device until the step's one sync
         n, mb = len(samples), self.cfg.micro_batch_size
         for lo in range(0, n, mb):
             part = samples[lo: lo + mb]
@@ -267,10 +291,11 @@ class LocalTrainer:
                    if cfg.kl_coef > 0 and self.cfg.lora else None)
             loss, metrics = objectives.compute_loss(
                 cfg, log_prob, old[lo: lo + mb, :w], adv[lo: lo + mb, :w], part_mask, ref_log_prob=ref,
-                rollout_is_weights=is_weights[lo: lo + mb, :w] if is_weights is not None else None)
+                rollout_is_weights=is_weights[lo: lo + mb, :w] if is_weights is not None else None,
+                tensor_metrics=True)
             (loss * len(part) / n).backward()
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + float(value) * len(part) / n
+                totals[key] = totals.get(key, 0.0) + value * (len(part) / n)
         if self._master:
             for p, master in self._master:
                 master.grad = None if p.grad is None else p.grad.float()
@@ -280,10 +305,15 @@ class LocalTrainer:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])
         self.step_count += 1
+        keys = list(totals)
+        adv_mean = (adv * mask).sum() / mask.sum()
+        # the step's one wait for the GPU: all metrics in one transfer
+        values = torch.stack([totals[k].float() for k in keys] + [adv_mean.float()]).tolist()
         elapsed = time.perf_counter() - started
-        tokens = float(mask.sum())
-        return totals | {"advantage_mean": float((adv * mask).sum() / mask.sum()), "tokens": tokens,
-                         "tokens_per_s": tokens / elapsed, "samples": float(n), "seconds": elapsed}
+        tokens = float(sum(len(s.response_ids) for s in samples))
+        return dict(zip(keys, values[:-1], strict=True)) | {
+            "advantage_mean": values[-1], "tokens": tokens, "tokens_per_s": tokens / elapsed, "samples": float(n),
+            "seconds": elapsed}
 
     def save(self, out_dir: Path) -> Path:
         """The adapter (LoRA) or the full model, with the tokenizer, in ``out_dir``."""

@@ -9,9 +9,11 @@ g · (onehot − softmax) in fp32 before casting it to the matmul dtype, so grad
 states and, for full fine-tuning, to the (tied) LM-head weight equal those of
 ``log_softmax(logits.float()).gather(target)`` up to the matmul's rounding.
 
-Peak extra memory is one chunk of ``chunk_size × vocab`` fp32 values (a few hundred MiB for a
-151,936-token vocabulary at the default 1,024), where the full path holds bf16 logits, their
-fp32 copy and the fp32 log-softmax for every position of the micro-batch.
+Peak extra memory is about one chunk of ``chunk_size × vocab`` fp32 values plus its bf16
+logits (:func:`auto_chunk` sizes the chunk to 256 MiB of fp32 logits: 441 tokens for a
+151,936-token vocabulary), where the full path holds bf16 logits, their fp32 copy and the fp32
+log-softmax for every position of the micro-batch. The backward pass turns the recomputed logits
+into the gradient in place (one fp32 buffer per chunk).
 
 :func:`select_response_hidden` picks the hidden states that predict the response tokens
 (position p predicts token p + 1), so the LM head runs on response positions only.
@@ -22,6 +24,22 @@ from __future__ import annotations
 import torch
 
 DEFAULT_CHUNK = 1024
+#: fp32 logits per chunk that :func:`auto_chunk` aims at
+CHUNK_BYTES = 256 << 20
+
+
+def auto_chunk(vocab: int, budget_bytes: int = CHUNK_BYTES) -> int:
+    """Tokens per chunk so that one chunk's fp32 logits take about ``budget_bytes`` (64 … 4,096)."""
+    return max(64, min(4096, budget_bytes // (4 * max(1, vocab))))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``; to a GPU through pinned memory without blocking, so that
+    building a micro-batch's indices does not wait for the GPU work queued before it (a plain
+    ``.to("cuda")`` from pageable memory synchronises the stream)."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,9 +80,10 @@ class _TokenLogprobs(torch.autograd.Function):
         for lo in range(0, n, ctx.chunk_size):
             hi = min(n, lo + ctx.chunk_size)
             g = grad_out[lo:hi]
-            # d logp / d logits = onehot(target) − softmax; times the upstream gradient, in fp32
-            grad_logits = torch.exp(_chunk_logits(hidden[lo:hi], weight, bias).float() - lse[lo:hi, None])
-            grad_logits.mul_(-g[:, None])
+            # d logp / d logits = onehot(target) − softmax; times the upstream gradient, in fp32,
+            # in place in one buffer (the bf16 logits are freed once copied)
+            grad_logits = _chunk_logits(hidden[lo:hi], weight, bias).float()
+            grad_logits.sub_(lse[lo:hi, None]).exp_().mul_(-g[:, None])
             grad_logits.scatter_add_(-1, targets[lo:hi, None], g[:, None])
             if grad_b is not None:
                 grad_b += grad_logits.sum(0)
@@ -112,4 +131,4 @@ def select_response_hidden(hidden: torch.Tensor, starts: list[int], lengths: lis
     pos = torch.where(valid, pos, torch.tensor(starts)[:, None] - 1).clamp_min(0)
     row_idx = torch.tensor(rows)[:, None].expand(n, width)
     dev = hidden.device
-    return hidden[row_idx.to(dev), pos.to(dev)], valid.to(dev)
+    return hidden[to_device(row_idx.contiguous(), dev), to_device(pos, dev)], to_device(valid, dev)

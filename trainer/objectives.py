@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 from verl.trainer.ppo import core_algos as ca
+from verl.utils import torch_functional as verl_F
 
 from trainer.config import (  # the objectives' names and their configuration
     ADV_BINARY,
@@ -415,6 +416,42 @@ def kl_to_base(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str 
     return ca.kl_penalty(log_prob, ref_log_prob, kl_type)
 
 
+def policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """veRL's ``compute_policy_loss_vanilla`` (0.9.1) step by step, with its three metrics
+    returned as detached tensors instead of ``.item()`` floats: each ``.item()`` makes the host
+    wait for the GPU, three times per micro-batch. Same arithmetic (``tests/test_objectives.py``
+    compares the two)."""
+    clip_ratio_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
+    clip_ratio_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_F.masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = verl_F.masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(),
+                                           response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = ca.agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                          **config.global_batch_info)
+    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach(), "actor/ppo_kl": ppo_kl.detach(),
+                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach()}
+
+
 def compute_loss(
     cfg: ObjectiveConfig,
     log_prob: torch.Tensor,
@@ -425,7 +462,8 @@ def compute_loss(
     *,
     global_batch_info: dict[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    tensor_metrics: bool = False,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """PPO clipped surrogate (+ optional KL to the base policy), aggregated by ``cfg.loss_agg_mode``.
 
     Per token, with ratio ρ = exp(log_prob − old_log_prob) (old_log_prob: the behaviour
@@ -444,6 +482,9 @@ def compute_loss(
             reported as the ``kl`` metric.
         global_batch_info: see :func:`actor_config`.
         rollout_is_weights: optional per-token importance weights (veRL rollout correction).
+        tensor_metrics: return the metrics as detached 0-dim tensors on the loss's device, so
+            that nothing here waits for the GPU (the vanilla loss then runs as
+            :func:`policy_loss_vanilla`); the local trainer reads them once per step.
 
     Returns:
         ``(loss, metrics)``; metrics are floats: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share
@@ -456,6 +497,8 @@ def compute_loss(
     actor_cfg = actor_config(cfg, global_batch_info)
     mask = response_mask.to(torch.bool)
     policy_loss_fn = ca.get_policy_loss_fn(cfg.policy_loss)
+    if tensor_metrics and cfg.policy_loss == "vanilla":
+        policy_loss_fn = policy_loss_vanilla
     pg_loss, pg_metrics = policy_loss_fn(
         old_log_prob=old_log_prob.detach(),
         log_prob=log_prob,
@@ -466,16 +509,22 @@ def compute_loss(
         rollout_is_weights=rollout_is_weights,
     )
     loss = pg_loss
-    metrics: dict[str, float] = {k.removeprefix("actor/"): float(v) for k, v in pg_metrics.items()}
-    metrics["pg_loss"] = float(pg_loss.detach())
-    metrics["adv_mean"] = float(masked_mean(advantages.detach().to(torch.float32), mask))
+    if tensor_metrics:
+        def out(v: Any) -> Any:
+            return v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=log_prob.device)
+    else:
+        def out(v: Any) -> Any:
+            return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+    metrics: dict[str, Any] = {k.removeprefix("actor/"): out(v) for k, v in pg_metrics.items()}
+    metrics["pg_loss"] = out(pg_loss)
+    metrics["adv_mean"] = out(masked_mean(advantages.detach().to(torch.float32), mask))
     if ref_log_prob is not None:
         kld = kl_to_base(log_prob, ref_log_prob.detach(), cfg.kl_type)
         kl_loss = ca.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode,
                               **actor_cfg.global_batch_info)
-        metrics["kl"] = float(masked_mean(kld.detach(), mask))
-        metrics["kl_loss"] = float(kl_loss.detach())
+        metrics["kl"] = out(masked_mean(kld.detach(), mask))
+        metrics["kl_loss"] = out(kl_loss)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
-    metrics["loss"] = float(loss.detach())
+    metrics["loss"] = out(loss)
     return loss, metrics

@@ -256,7 +256,11 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
     cfg = LocalConfig(model_dir=Path(args.model_dir), lora=(mode == "lora"), lora_rank=args.lora_rank,
                       micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed,
                       legacy=args.path == "main", compile=args.path.startswith("compile"),
-                      compile_mode="reduce-overhead" if args.path == "compile-cg" else None)
+                      compile_mode="reduce-overhead" if args.path == "compile-cg" else None,
+                      **({"fp32_master": True} if args.fp32_master and mode == "full" else {}),
+                      **({"logprob_chunk": args.logprob_chunk} if args.logprob_chunk else {}),
+                      **({"activation_memory_budget": args.activation_memory_budget}
+                         if args.activation_memory_budget is not None else {}))
     cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
     t0 = time.perf_counter()
     trainer = LocalTrainer(cfg, objectives.ObjectiveConfig(objective="rl"))
@@ -322,6 +326,11 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         "last_loss": metrics.get("loss"), "torch": torch.__version__,
     }
     result["path"] = args.path
+    result["fp32_master"] = mode == "full" and bool(getattr(trainer, "_master", None))
+    if args.logprob_chunk:
+        result["logprob_chunk"] = args.logprob_chunk
+    if args.activation_memory_budget is not None:
+        result["activation_memory_budget"] = args.activation_memory_budget
     result["no_grad_pass"] = trainer.last_step_no_grad_pass
     if profile_text is not None:
         result["profile"] = profile_text
@@ -365,6 +374,8 @@ def table(results: list[dict], model_label: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         mode = r["mode"] + {"main": " (main)", "compile": " +compile", "compile-cg": " +compile+CUDA graphs"}.get(r.get("path", ""), "") + (
+            " +fp32 master" if r.get("fp32_master") and r["mode"] == "full" else "") + (
+            f" +act. budget {r['activation_memory_budget']}" if "activation_memory_budget" in r else "") + (
             f" (round {r['round']})" if "round" in r else "")
         row = [model_label, mode, f"{_params(r['n_params'])} ({_params(r['n_trainable'])})", r["dtype"],
                f"{r['batch']} × ({r['prompt_len']}+{r['response_len']}), mb {r['micro_batch']}",
@@ -416,6 +427,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reduce-overhead) (default: %(default)s)")
     p.add_argument("--path", default="new", help=argparse.SUPPRESS)
     p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--fp32-master", action="store_true",
+                   help="full mode: LocalConfig.fp32_master (fp32 master weights and AdamW states)")
+    p.add_argument("--activation-memory-budget", type=float, default=None,
+                   help="LocalConfig.activation_memory_budget (with a compile path)")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="LocalConfig.logprob_chunk (default 0: the trainer's own choice)")
     p.add_argument("--device", default=None, help="LocalConfig.device (default: cuda if available, else cpu)")
     p.add_argument("--bf16", choices=["auto", "on", "off"], default="auto",
                    help="auto: LocalTrainer's default (bf16 on CUDA, fp32 on the CPU)")
@@ -442,7 +459,10 @@ def worker_argv(args: argparse.Namespace, model_dir: str, mode: str, result: str
             "--result", result, "--batch-size", str(args.batch_size), "--prompt-len", str(args.prompt_len),
             "--response-len", str(args.response_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--micro-batch-size", str(args.micro_batch_size), "--lora-rank", str(args.lora_rank),
-            "--bf16", args.bf16, "--threads", str(args.threads), "--seed", str(args.seed), "--path", args.path]
+            "--bf16", args.bf16, "--threads", str(args.threads), "--seed", str(args.seed), "--path", args.path,
+            "--logprob-chunk", str(args.logprob_chunk)] + (["--fp32-master"] if args.fp32_master else []) + (
+                ["--activation-memory-budget", str(args.activation_memory_budget)]
+                if args.activation_memory_budget is not None else [])
     if args.device:
         argv += ["--device", args.device]
     if args.peak_tflops:
@@ -486,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_worker(args, mode)
             else:
                 out = Path(tmp) / f"result-{mode}.json"
+                out.unlink(missing_ok=True)
                 subprocess.run(worker_argv(args, str(model_dir), mode, str(out)), check=True)
                 r = json.loads(out.read_text())
             if args.rounds > 1:
