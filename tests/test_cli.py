@@ -110,10 +110,10 @@ def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatc
 
     local = _captured_local_config(monkeypatch, tmp_path, [
         "--full", "--micro-batch-size", "8", "--compile", "--compile-mode", "reduce-overhead", "--packing", "on",
-        "--logprob-chunk", "512", "--fp32-master", "--activation-memory-budget", "0.5"])
+        "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5"])
     assert (local.lora, local.micro_batch_size, local.compile, local.compile_mode, local.packing,
             local.logprob_chunk, local.fp32_master, local.activation_memory_budget) == (
-        False, 8, True, "reduce-overhead", "on", 512, True, 0.5)
+        False, 8, True, "reduce-overhead", "on", 512, False, 0.5)
     defaults = _captured_local_config(monkeypatch, tmp_path, [])
     reference = LocalConfig(model_dir=tmp_path)
     for name in ("lora", "micro_batch_size", "compile", "compile_mode", "packing", "logprob_chunk", "fp32_master",
@@ -121,7 +121,7 @@ def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatc
         assert getattr(defaults, name) == getattr(reference, name), name
     help_text = CliRunner().invoke(main, ["train", "--help"]).output
     for flag in ("--compile / --no-compile", "--compile-mode", "--micro-batch-size", "--packing", "--logprob-chunk",
-                 "--fp32-master", "--activation-memory-budget"):
+                 "--fp32-master / --bf16-master", "--activation-memory-budget"):
         assert flag in help_text, flag
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--micro-batch-size", "0"])
     assert bad.exit_code == 2 and "micro-batch-size" in bad.output

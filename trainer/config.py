@@ -123,9 +123,10 @@ class LocalConfig:
     compile_mode: str | None = None
     #: full fine-tuning of a bf16 model: keep fp32 master weights and fp32 AdamW states (as veRL
     #: does), copied to the bf16 weights after each step. Off: AdamW updates the bf16 weights and
-    #: keeps bf16 states (half the memory, a faster step), and an update smaller than half a
-    #: weight's bf16 spacing (2⁻⁹ of its magnitude) is lost. bf16 LoRA adapters always get fp32 masters.
-    fp32_master: bool = False
+    #: keeps bf16 states (12 bytes a parameter less, a ~15 % faster step), but an update smaller
+    #: than half a weight's bf16 spacing (2⁻⁹ of its magnitude) is lost, which at lr 2e-5 is most
+    #: of them: on by default. bf16 LoRA adapters always get fp32 masters.
+    fp32_master: bool = True
     #: with ``compile``: the share (0 … 1) of a compiled layer's activations that backward may keep;
     #: under 1, torch.compile's partitioner recomputes the cheapest ops instead of saving their
     #: outputs (``torch._functorch.config.activation_memory_budget``, a process-wide setting)

@@ -78,7 +78,7 @@ class LocalTrainer:
                 layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
         # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
-        # fine-tuning keeps main's bf16 weights and AdamW states unless ``fp32_master`` (a 1.7 B
+        # fine-tuning too unless ``fp32_master`` is off (then bf16 weights and AdamW states; a 1.7 B
         # model's fp32 masters and states add 20 GB)
         self._master: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         want_master = (cfg.lora or cfg.fp32_master) and not cfg.legacy

@@ -257,7 +257,7 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
                       micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed,
                       legacy=args.path == "main", compile=args.path.startswith("compile"),
                       compile_mode="reduce-overhead" if args.path == "compile-cg" else None,
-                      **({"fp32_master": True} if args.fp32_master and mode == "full" else {}),
+                      fp32_master=args.fp32_master if mode == "full" else True,
                       **({"logprob_chunk": args.logprob_chunk} if args.logprob_chunk else {}),
                       **({"activation_memory_budget": args.activation_memory_budget}
                          if args.activation_memory_budget is not None else {}))
@@ -427,8 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "reduce-overhead) (default: %(default)s)")
     p.add_argument("--path", default="new", help=argparse.SUPPRESS)
     p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--fp32-master", action="store_true",
-                   help="full mode: LocalConfig.fp32_master (fp32 master weights and AdamW states)")
+    p.add_argument("--fp32-master", action=argparse.BooleanOptionalAction, default=True,
+                   help="full mode: LocalConfig.fp32_master (fp32 master weights and AdamW states; the default); "
+                        "--no-fp32-master: bf16 weights and AdamW states, as the rows before 2026-11-27 ran")
     p.add_argument("--activation-memory-budget", type=float, default=None,
                    help="LocalConfig.activation_memory_budget (with a compile path)")
     p.add_argument("--logprob-chunk", type=int, default=0,
@@ -460,7 +461,7 @@ def worker_argv(args: argparse.Namespace, model_dir: str, mode: str, result: str
             "--response-len", str(args.response_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--micro-batch-size", str(args.micro_batch_size), "--lora-rank", str(args.lora_rank),
             "--bf16", args.bf16, "--threads", str(args.threads), "--seed", str(args.seed), "--path", args.path,
-            "--logprob-chunk", str(args.logprob_chunk)] + (["--fp32-master"] if args.fp32_master else []) + (
+            "--logprob-chunk", str(args.logprob_chunk)] + (["--fp32-master" if args.fp32_master else "--no-fp32-master"]) + (
                 ["--activation-memory-budget", str(args.activation_memory_budget)]
                 if args.activation_memory_budget is not None else [])
     if args.device:

@@ -74,9 +74,10 @@ def local_speed_options() -> Any:
         click.option("--logprob-chunk", type=click.IntRange(min=1),
                      help="Local backend: tokens per chunk of the LM head when computing the replies' log-probs "
                           "(memory against launches). Default: 256 MiB of fp32 logits per chunk."),
-        click.option("--fp32-master", is_flag=True,
+        click.option("--fp32-master/--bf16-master", default=True, show_default=True,
                      help="Local backend, --full on a bf16 GPU: keep fp32 master weights and AdamW states (+12 bytes "
-                          "a parameter). Without it updates smaller than a weight's bf16 spacing are lost."),
+                          "a parameter, a ~15 % slower step). --bf16-master updates the bf16 weights directly: "
+                          "updates smaller than a weight's bf16 spacing are then lost."),
         click.option("--activation-memory-budget", type=click.FloatRange(0.0, 1.0),
                      help="Local backend, with --compile: the share of activations backward may keep; under 1, "
                           "cheap ops are recomputed instead (less memory, a slower step)."),
