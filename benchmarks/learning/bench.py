@@ -491,13 +491,15 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, min
     seeds = sorted({r["seed"] for r in results})
     title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
              f"{args.heldout} held-out × {args.samples_per_prompt}, {len(seeds)} seeds")
-    text = report(results, args.k)
+    text = report(results, args.k) if results else "no results: every job failed"
     print(f"\n{title} ({minutes:.1f} min)\n\n{text}")
     # the JSON first: a missing plotting library must not lose the run
     (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
                                                                  if k not in ("out", "merge", "job")}
                                                       | {"minutes": minutes, "seeds_run": seeds} | (extra or {}),
                                                       "results": results, "table": text}, indent=1, default=str))
+    if not results:
+        return
     try:
         plot(results, args.k, args.out / f"{tag}.png", title)
     except ImportError as exc:  # e.g. a GPU machine without it: plot later with --merge
