@@ -148,3 +148,12 @@ def redis_url() -> Iterator[str]:
         pytest.fail(f"Redis is needed: {reason}")
     with ThrowawayRedis() as server:
         yield server.url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Debian chromium per browser-test module (tests/browser.py)."""
+    from tests.browser import chromium
+
+    with chromium() as b:
+        yield b

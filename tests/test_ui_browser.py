@@ -23,18 +23,15 @@ from datapool.db import make_engine, upgrade
 from datapool.models import PolicyEvent
 from tests.conftest import RunningVLLM
 from tests.pg import fresh_database
+from tests.browser import require_chromium
 from tests.processes import GatewayProcess, alias_root, wait_for
 from tests.ui_seed import TOOL_WORD, XSS_USER, seed
 from datapool import leases as lease
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
 TOKEN, PASSWORD = "ui-test-token-" + uuid.uuid4().hex[:6], "ui-test-password"
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-if not CHROMIUM.exists():  # pragma: no cover - CI installs it (.ci/run)
-    pytest.skip("needs Debian's chromium package at /usr/bin/chromium (apt-get install -y chromium)",
-                allow_module_level=True)
+require_chromium()  # skips this module, saying why, without Playwright or chromium
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +79,6 @@ def gateway(pool: str, ids: dict[str, str], vllm_server: RunningVLLM, teacher_se
     with GatewayProcess(tmp_path_factory.mktemp("ui-gw"), database_url=pool, upstream_url=vllm_server.base_url,
                         env=env) as gw:
         yield gw
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

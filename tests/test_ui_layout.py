@@ -24,18 +24,15 @@ from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, Session, Turn, Vote
 from datapool.vocab import CaptureKind, JudgementStatus
 from tests.pg import fresh_database
+from tests.browser import require_chromium
 from tests.processes import GatewayProcess
 from tests.ui_fill import CONTENTS, TurnSpec, every_state, write_session
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
 PHONE = {"width": 390, "height": 844}
 WIDE = {"width": 1280, "height": 900}
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-if not CHROMIUM.exists():  # pragma: no cover - CI installs it (.ci/run)
-    pytest.skip("needs Debian's chromium package at /usr/bin/chromium (apt-get install -y chromium)",
-                allow_module_level=True)
+require_chromium()  # skips this module, saying why, without Playwright or chromium
 
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -122,15 +119,6 @@ def gateway(pool: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> I
     with GatewayProcess(tmp_path_factory.mktemp("layout-gw"), database_url=pool["url"],
                         upstream_url="http://127.0.0.1:9/v1") as gw:
         yield gw
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 def tab(browser: Any, gateway: GatewayProcess, viewport: dict[str, int], scheme: str = "light") -> Any:

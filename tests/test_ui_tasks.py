@@ -17,7 +17,6 @@ import sqlite3
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -29,16 +28,13 @@ from datapool import judgements
 from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, Label, Session, Turn
 from tests.pg import fresh_database
+from tests.browser import require_chromium
 from tests.processes import GatewayProcess
 
-CHROMIUM = Path("/usr/bin/chromium")
 TOKEN = "tasks-token-" + uuid.uuid4().hex[:6]
 DEAD_ERROR = "judge timed out after 60 s (attempt 3 of 3)"
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-if not CHROMIUM.exists():  # pragma: no cover - CI installs it (.ci/run)
-    pytest.skip("needs Debian's chromium package at /usr/bin/chromium (apt-get install -y chromium)",
-                allow_module_level=True)
+require_chromium()  # skips this module, saying why, without Playwright or chromium
 
 
 def seed(engine: Any) -> dict[str, Any]:
@@ -107,15 +103,6 @@ def gateway(pool: str, data: dict[str, Any], tmp_path_factory: pytest.TempPathFa
     with GatewayProcess(tmp_path_factory.mktemp("tasks-gw"), database_url=pool, upstream_url="http://127.0.0.1:9/v1",
                         env={"NEXTSTATE_ADMIN_TOKEN": TOKEN}) as gw:
         yield gw
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 def logged_in(browser: Any, gateway: GatewayProcess, who: str, url: str = "/admin/turns") -> tuple[Any, Any]:

@@ -22,19 +22,16 @@ from datapool import evals, leases
 from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn
 from tests.pg import fresh_database
+from tests.browser import require_chromium
 from tests.processes import GatewayProcess
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parent / "artifacts"
 TOKEN = "ui-train-token-" + uuid.uuid4().hex[:6]
 PROMPTS = [[{"role": "user", "content": "Name a tree."}], [{"role": "user", "content": "Name a river."}],
            [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Name a bird."}]]
 REPLIES = {"rl-a1": ["Oak.", "The Nile.", "Robin."], "rl-a2": ["A birch tree.", "Danube", "Owl <img src=x onerror=\"window.__xss=1\">"]}
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-if not CHROMIUM.exists():  # pragma: no cover - CI installs it (.ci/run)
-    pytest.skip("needs Debian's chromium package at /usr/bin/chromium (apt-get install -y chromium)",
-                allow_module_level=True)
+require_chromium()  # skips this module, saying why, without Playwright or chromium
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +77,6 @@ def gateway(pg_admin_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
                         env={"NEXTSTATE_ADMIN_TOKEN": TOKEN}) as gw:
         yield gw
     drop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])
-        yield b
-        b.close()
 
 
 def _tab(browser: Any, gateway: GatewayProcess, width: int = 1280) -> Any:
