@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from datapool.models import (
 )
 from datapool.settings import Settings
 from datapool.training_view import series_by_run
+from tests.conftest import RunningVLLM
 from gateway.app import create_app
 from gateway.ui import plots
 
@@ -253,13 +253,13 @@ def test_compare_shows_scores_and_both_replies_to_the_same_prompts(client: tuple
     assert 'data-testid="compare-empty"' in c.get("/admin/training/compare", params={"a": "va"}).text
 
 
-def test_the_eval_gate_stores_each_reply_to_the_held_out_prompts(sqlite_engine: Any) -> None:
-    """The real gate against the shared vLLM: the base model's greedy replies and their scores
+def test_the_eval_gate_stores_each_reply_to_the_held_out_prompts(sqlite_engine: Any,
+                                                                 vllm_server: RunningVLLM) -> None:
+    """The real gate against the suite's vLLM: the base model's greedy replies and their scores
     land in eval_replies, keyed so a second version's replies line up with them."""
-    url = os.environ.get("NEXTSTATE_TEST_VLLM_URL")
-    if not url:
-        pytest.skip("needs the shared vLLM (NEXTSTATE_TEST_VLLM_URL; tests/conftest.py starts one for the suite)")
     from trainer.eval_gate import EvalGate
+
+    url = vllm_server.base_url
 
     prompts = [[{"role": "user", "content": "Name a tree."}], [{"role": "user", "content": "Name a river."}]]
     gate = EvalGate(sqlite_engine, [url], "smollm2", prompts=prompts, sessions=0,
