@@ -20,7 +20,10 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any
+
+from cachetools import TTLCache
 
 import litellm
 from litellm.llms.anthropic.messages.adapters.transformation import LiteLLMAnthropicMessagesAdapter
@@ -74,25 +77,38 @@ class _SentArguments:
     so any replica, before or after a restart, finds it: the gateway asks the pool for the ids
     this map does not hold (:meth:`unknown`, :meth:`learn`). The map is a bounded cache in front
     of it that also covers a call whose turn is not written yet.
+
+    Ids the pool did not hold either (history from another provider, a pool emptied since) are
+    remembered as absent for ``absent_ttl_s``, so a long conversation of such calls costs one
+    lookup per id and interval rather than one per request. The entry expires because "not in
+    the pool" can be momentary: another replica may answer a call and write its turn a moment
+    after this replica looked.
     """
 
-    def __init__(self, size: int = 65536):
+    def __init__(self, size: int = 65536, absent_ttl_s: float = 30.0,
+                 timer: Callable[[], float] = time.monotonic):
         self.size = size
         self.by_id: OrderedDict[str, str] = OrderedDict()
+        self.absent: TTLCache[str, bool] = TTLCache(maxsize=size, ttl=absent_ttl_s, timer=timer)
 
     def remember(self, call_id: str, arguments: str) -> None:
         self.by_id[call_id] = arguments
         if len(self.by_id) > self.size:
             self.by_id.popitem(last=False)
 
-    def learn(self, found: dict[str, str]) -> None:
+    def learn(self, found: dict[str, str], asked: Iterable[str] = ()) -> None:
+        """Remember what the pool *found*; the ids *asked* for that it did not hold are absent."""
         for call_id, arguments in found.items():
             self.remember(call_id, arguments)
+        for call_id in asked:
+            if call_id not in found:
+                self.absent[call_id] = True
 
     def unknown(self, messages: list[dict[str, Any]]) -> list[str]:
-        """The ids of the assistant tool calls in *messages* this map does not hold."""
+        """The ids of the assistant tool calls in *messages* this map does not hold and the pool
+        was not just asked for in vain."""
         return [call["id"] for m in messages if m.get("role") == "assistant" for call in m.get("tool_calls") or ()
-                if isinstance(call.get("id"), str) and call["id"] not in self.by_id]
+                if isinstance(call.get("id"), str) and call["id"] not in self.by_id and call["id"] not in self.absent]
 
     def restore(self, messages: list[dict[str, Any]]) -> None:
         for m in messages:

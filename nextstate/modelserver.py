@@ -313,6 +313,12 @@ def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) 
     a fixed 1 GiB (``VLLM_CPU_KVCACHE_SPACE``, ~46k tokens of this model) unless *base*
     sets it: the automatic size is 15 % of the NUMA node's RAM minus the worker's RSS,
     only ~0.26 GiB here, and start-up fails when the node has less than 15 % free.
+
+    Named and ``required`` ``tool_choice`` are constrained by a JSON schema of the tools
+    (``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``, unless *base* sets it). With vLLM's default, the
+    hermes parser hands them to xgrammar's structural tags instead, and a fresh vllm-cpu 0.32
+    install (transformers 5.19) left a named call to SmolLM2 unconstrained: it came back as
+    free text, not a tool call (2026-11-27; tests/test_wire_formats.py found it).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -324,6 +330,7 @@ def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) 
         }
     )
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     else:

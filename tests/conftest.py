@@ -102,6 +102,26 @@ def pg_url(pg_admin_dsn: str) -> Iterator[str]:
     drop()
 
 
+@pytest.fixture(scope="module")
+def module_db_url(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database shared by one module's tests (a seeded pool that a
+    module's gateway and browser tests read)."""
+    url, drop = fresh_database(pg_admin_dsn)
+    upgrade(url)
+    yield url
+    drop()
+
+
+@pytest.fixture(scope="module")
+def module_engine(module_db_url: str) -> Iterator[Any]:
+    """An engine on :func:`module_db_url`."""
+    from datapool.db import make_engine
+
+    engine = make_engine(module_db_url)
+    yield engine
+    engine.dispose()
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     url = f"sqlite:///{tmp_path / 'pool.db'}"

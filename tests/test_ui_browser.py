@@ -19,10 +19,8 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import make_engine, upgrade
 from datapool.models import PolicyEvent
 from tests.conftest import RunningVLLM
-from tests.pg import fresh_database
 from tests.browser import require_chromium
 from tests.processes import GatewayProcess, alias_root, wait_for
 from tests.ui_seed import TOOL_WORD, XSS_USER, seed
@@ -35,22 +33,7 @@ require_chromium()  # skips this module, saying why, without Playwright or chrom
 
 
 @pytest.fixture(scope="module")
-def pool(pg_admin_dsn: str) -> Iterator[str]:
-    url, drop = fresh_database(pg_admin_dsn)
-    upgrade(url)
-    yield url
-    drop()
-
-
-@pytest.fixture(scope="module")
-def engine(pool: str) -> Iterator[Any]:
-    eng = make_engine(pool)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture(scope="module")
-def ids(engine: Any, vllm_server: RunningVLLM) -> dict[str, str]:
+def ids(module_engine: Any, vllm_server: RunningVLLM) -> dict[str, str]:
     root = vllm_server.base_url.removesuffix("/v1")
 
     def tokenize(text: str) -> list[int]:  # real token ids, so the token view can show texts
@@ -58,25 +41,25 @@ def ids(engine: Any, vllm_server: RunningVLLM) -> dict[str, str]:
                                                  "add_special_tokens": False}, timeout=30)
         return r.json()["tokens"]
 
-    found = seed(engine, tokenize)
+    found = seed(module_engine, tokenize)
     # a finished training run, so the curves have points
-    run = lease.start_run(engine, objective="rl", backend="local", config={}, base_version=None)
-    turns = lease.lease(engine, run, limit=100)
+    run = lease.start_run(module_engine, objective="rl", backend="local", config={}, base_version=None)
+    turns = lease.lease(module_engine, run, limit=100)
     for step in range(1, 6):
-        lease.record_step(engine, run, step, turns[step - 1: step], {
+        lease.record_step(module_engine, run, step, turns[step - 1: step], {
             "pg_loss": 0.5 / step, "kl": 0.01 * step, "advantage_mean": 0.2 - 0.05 * step,
             "tokens_per_s": 900.0 + step, "samples": 1.0})
         time.sleep(0.05)
-    lease.finish_run(engine, run, status="done")
+    lease.finish_run(module_engine, run, status="done")
     return found
 
 
 @pytest.fixture(scope="module")
-def gateway(pool: str, ids: dict[str, str], vllm_server: RunningVLLM, teacher_server: RunningVLLM,
+def gateway(module_db_url: str, ids: dict[str, str], vllm_server: RunningVLLM, teacher_server: RunningVLLM,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     env = {"NEXTSTATE_ADMIN_TOKEN": TOKEN, "NEXTSTATE_ADMIN_PASSWORD": PASSWORD,
            "NEXTSTATE_TEACHER_URL": teacher_server.base_url}
-    with GatewayProcess(tmp_path_factory.mktemp("ui-gw"), database_url=pool, upstream_url=vllm_server.base_url,
+    with GatewayProcess(tmp_path_factory.mktemp("ui-gw"), database_url=module_db_url, upstream_url=vllm_server.base_url,
                         env=env) as gw:
         yield gw
 
@@ -100,10 +83,10 @@ def shot(page: Any, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
-def leased(engine: Any) -> set[str]:
+def leased(module_engine: Any) -> set[str]:
     """What a new training run's batch query would hand out now."""
-    run = lease.start_run(engine, objective="rl", backend="local", config={}, base_version=None)
-    return set(lease.lease(engine, run, limit=1000))
+    run = lease.start_run(module_engine, objective="rl", backend="local", config={}, base_version=None)
+    return set(lease.lease(module_engine, run, limit=1000))
 
 
 # ------------------------------------------------------------------------------------------
@@ -162,15 +145,15 @@ def test_a_filter_narrows_the_list(page: Any, ids: dict[str, str]) -> None:
     assert page.locator("tr.session-row").count() == 3
 
 
-def test_exclude_label_changes_what_the_trainer_leases(page: Any, engine: Any, ids: dict[str, str],
+def test_exclude_label_changes_what_the_trainer_leases(page: Any, module_engine: Any, ids: dict[str, str],
                                                        gateway: GatewayProcess) -> None:
     target = ids["weather_call"]
-    assert target in leased(engine)
+    assert target in leased(module_engine)
     page.goto(f"/admin/sessions/{ids['weather']}")
     card = page.locator(f"#turn-{target}")
     card.get_by_test_id("exclude-button").click()
     card.get_by_test_id("excluded").wait_for()
-    assert target not in leased(engine)
+    assert target not in leased(module_engine)
     # keyboard: on a fresh page j focuses the first turn, u thumbs it up — recorded with who and when
     page.reload()
     page.keyboard.press("j")
@@ -193,7 +176,7 @@ def test_exclude_label_changes_what_the_trainer_leases(page: Any, engine: Any, i
     # include again: the trainer sees it again
     card.get_by_test_id("exclude-button").click()
     card.get_by_test_id("excluded").wait_for(state="detached")
-    assert target in leased(engine)
+    assert target in leased(module_engine)
 
 
 def test_script_in_a_message_is_inert(page: Any, ids: dict[str, str]) -> None:
@@ -236,7 +219,7 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, gateway: GatewayProcess,
+def test_promote_and_rollback_change_the_policy_alias(page: Any, module_engine: Any, gateway: GatewayProcess,
                                                       adapter: Path, vllm_server: RunningVLLM,
                                                       teacher_server: RunningVLLM, tmp_path: Path) -> None:
     from datapool.vocab import VersionKind
@@ -245,7 +228,7 @@ def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, ga
     servers = [vllm_server.base_url, teacher_server.base_url]
     name = f"ui-{uuid.uuid4().hex[:8]}"
     try:
-        publish(engine, PublishRequest(adapter, kind=VersionKind.LORA, name=name, base_model="smollm2",
+        publish(module_engine, PublishRequest(adapter, kind=VersionKind.LORA, name=name, base_model="smollm2",
                                        vllm_urls=servers, parent=None, stats={"run_id": "seeded", "steps": 5},
                                        store=tmp_path / "store", activate=False))
         assert alias_root(gateway) == "smollm2"
@@ -268,7 +251,7 @@ def test_promote_and_rollback_change_the_policy_alias(page: Any, engine: Any, ga
         wait_for(lambda: alias_root(gateway) == "smollm2", 10)
         assert page.get_by_test_id("active-version").inner_text() == "the base model"
         shot(page, "09-training-after")
-        with OrmSession(engine) as db:
+        with OrmSession(module_engine) as db:
             events = [(e.action, e.actor) for e in db.query(PolicyEvent).order_by(PolicyEvent.id)
                       if e.action != "publish"]  # the seeded adapter's publish, by trainer.publish
         assert events == [("promote", "admin:alice"), ("rollback", "admin:alice")]

@@ -25,9 +25,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import judgements
-from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, Label, Session, Turn
-from tests.pg import fresh_database
 from tests.browser import require_chromium
 from tests.processes import GatewayProcess
 
@@ -37,14 +35,14 @@ DEAD_ERROR = "judge timed out after 60 s (attempt 3 of 3)"
 require_chromium()  # skips this module, saying why, without Playwright or chromium
 
 
-def seed(engine: Any) -> dict[str, Any]:
+def seed(module_engine: Any) -> dict[str, Any]:
     """200 sessions of two main turns over the last six days: judged +1, unjudged, seven −1
     turns (three of them today), and one judgement dead-lettered by the scorer's own calls."""
     now = datetime.now(UTC).replace(microsecond=0)
     today = now.replace(hour=0, minute=0, second=0)
     span = now - today  # today so far: today's sessions are spread over it
     out: dict[str, Any] = {"today_bad": [], "old_bad": [], "today": today}
-    with OrmSession(engine) as db, db.begin():
+    with OrmSession(module_engine) as db, db.begin():
         for s in range(200):
             # sessions 0-19 today, the rest one to six days back
             at = today + span * (s + 1) / 22 if s < 20 else now - timedelta(days=1 + (s % 6), minutes=s)
@@ -70,37 +68,22 @@ def seed(engine: Any) -> dict[str, Any]:
                 elif s == 51 and j == 0:
                     out["dead"], out["dead_session"] = tid, sid
     # the scorer's path to a dead letter: pending, a transient failure, then out of retries
-    with OrmSession(engine) as db, db.begin():
+    with OrmSession(module_engine) as db, db.begin():
         judgements.mark_pending(db, [out["dead"]])
-    judgements.record_failure(engine, out["dead"], "judge timed out after 60 s (attempt 2 of 3)")
-    judgements.mark_dead(engine, out["dead"], DEAD_ERROR, reason="retries_exhausted")
+    judgements.record_failure(module_engine, out["dead"], "judge timed out after 60 s (attempt 2 of 3)")
+    judgements.mark_dead(module_engine, out["dead"], DEAD_ERROR, reason="retries_exhausted")
     return out
 
 
 @pytest.fixture(scope="module")
-def pool(pg_admin_dsn: str) -> Iterator[str]:
-    url, drop = fresh_database(pg_admin_dsn)
-    upgrade(url)
-    yield url
-    drop()
+def data(module_engine: Any) -> dict[str, Any]:
+    return seed(module_engine)
 
 
 @pytest.fixture(scope="module")
-def engine(pool: str) -> Iterator[Any]:
-    eng = make_engine(pool)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture(scope="module")
-def data(engine: Any) -> dict[str, Any]:
-    return seed(engine)
-
-
-@pytest.fixture(scope="module")
-def gateway(pool: str, data: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def gateway(module_db_url: str, data: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
     # no model is called: the upstream is a closed port
-    with GatewayProcess(tmp_path_factory.mktemp("tasks-gw"), database_url=pool, upstream_url="http://127.0.0.1:9/v1",
+    with GatewayProcess(tmp_path_factory.mktemp("tasks-gw"), database_url=module_db_url, upstream_url="http://127.0.0.1:9/v1",
                         env={"NEXTSTATE_ADMIN_TOKEN": TOKEN}) as gw:
         yield gw
 
@@ -140,7 +123,7 @@ def wait_rows(page: Any, n: int) -> None:
 
 
 def test_find_todays_three_negative_turns_among_200_sessions_and_label_one(
-        page: Any, engine: Any, data: dict[str, Any]) -> None:
+        page: Any, module_engine: Any, data: dict[str, Any]) -> None:
     page.goto("/admin/turns")
     assert len(turn_rows(page)) == 50  # 400 turns: a page of them
     page.select_option("select[name=reward]", "negative")
@@ -161,7 +144,7 @@ def test_find_todays_three_negative_turns_among_200_sessions_and_label_one(
     assert "focused" in (card.get_attribute("class") or "")
     page.keyboard.press("d")
     card.locator(".badge.neg").first.wait_for()
-    with OrmSession(engine) as db:
+    with OrmSession(module_engine) as db:
         stored = [(r.kind, r.value, r.author) for r in db.scalars(
             select(Label).where(Label.turn_id == target).order_by(Label.id))]
     assert stored == [("thumb", -1, "alice")]
@@ -172,7 +155,7 @@ def test_find_todays_three_negative_turns_among_200_sessions_and_label_one(
     assert not page.js_errors
 
 
-def test_open_a_dead_judgement_read_why_and_retry_it(page: Any, engine: Any, data: dict[str, Any],
+def test_open_a_dead_judgement_read_why_and_retry_it(page: Any, module_engine: Any, data: dict[str, Any],
                                                      gateway: GatewayProcess) -> None:
     dead = data["dead"]
     before = datetime.now(UTC)
@@ -190,7 +173,7 @@ def test_open_a_dead_judgement_read_why_and_retry_it(page: Any, engine: Any, dat
     page.wait_for_load_state("networkidle")  # the nav's count has loaded: none dead now
     assert page.locator("#dead-count .badge").count() == 0
     # the pool: pending again, no dead reason, enqueued now — what the sweep's mark_pending writes
-    with OrmSession(engine) as db:
+    with OrmSession(module_engine) as db:
         j = db.get(Judgement, dead)
         assert (j.status, j.dead_reason) == ("pending", None)
         assert j.enqueued_at is not None and j.enqueued_at.replace(tzinfo=UTC) >= before - timedelta(seconds=1)
@@ -202,7 +185,7 @@ def test_open_a_dead_judgement_read_why_and_retry_it(page: Any, engine: Any, dat
     # the pending judgements page lists it; the sweep would send it again if no worker took it
     page.goto("/admin/judgements?status=pending")
     assert page.locator(f"#judgement-{dead}").count() == 1
-    assert dead in judgements.sweep(engine, idle_timeout_s=10**9, requeue_after_s=0).requeue
+    assert dead in judgements.sweep(module_engine, idle_timeout_s=10**9, requeue_after_s=0).requeue
 
 
 def test_a_shared_filtered_url_opens_the_same_rows_in_a_fresh_context(page: Any, browser: Any,

@@ -188,3 +188,30 @@ def test_errors_in_anthropics_dialect() -> None:
     other = from_upstream(400, {"error": {"message": "temperature must be >= 0"}}, "fallback")
     assert anthropic_error(other) == (400, {"type": "error", "error": {
         "type": "invalid_request_error", "message": "temperature must be >= 0"}})
+
+
+def test_tool_call_ids_the_pool_lacks_are_not_asked_for_again_until_they_expire() -> None:
+    """History from another provider carries tool-call ids no replica answered: the pool is asked
+    for each once, then not again while the absence is remembered, and again once it expires
+    (another replica may have written the turn since). What the pool holds is restored."""
+    from gateway.formats import _SentArguments
+
+    now = [0.0]
+    sent = _SentArguments(absent_ttl_s=30.0, timer=lambda: now[0])
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "toolu_a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+            {"id": "toolu_b", "type": "function", "function": {"name": "f", "arguments": '{"x": 2}'}}]}]
+    asked = sent.unknown(messages)
+    assert asked == ["toolu_a", "toolu_b"]
+    sent.learn({"toolu_a": '{"x":1}'}, asked=asked)  # the pool holds a (the model's own spacing), not b
+    sent.restore(messages)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"x":1}'
+    assert messages[1]["tool_calls"][1]["function"]["arguments"] == '{"x": 2}'
+    now[0] = 29.0
+    assert sent.unknown(messages) == []  # a known, b remembered as absent
+    now[0] = 31.0
+    assert sent.unknown(messages) == ["toolu_b"]  # b's absence expired: ask again
+    sent.learn({"toolu_b": '{"x":2}'}, asked=["toolu_b"])
+    assert sent.unknown(messages) == []

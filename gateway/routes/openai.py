@@ -278,10 +278,10 @@ async def _sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
         try:
             found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
-        except OpenAIError:  # the pool went down just now
-            found = {}
+        except OpenAIError:  # the pool went down just now: nothing learnt, not even absence
+            return chat
+        SENT_ARGUMENTS.learn(found, asked=missing)
         if found:
-            SENT_ARGUMENTS.learn(found)
             SENT_ARGUMENTS.restore(chat["messages"])
     return chat
 
