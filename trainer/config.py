@@ -165,14 +165,27 @@ class VerlConfig:
     optimizer_offload: bool = False
     strategy: str = "fsdp2"  # veRL's actor strategy: fsdp (FSDP1) or fsdp2
     clip_grad: float = 1.0  # veRL's gradient-norm clip (the local backend does not clip)
-    # None: flash_attention_2 with veRL's padding-free packing where flash-attn is installed,
-    # else sdpa on padded micro-batches (packing without flash-attn would let sequences attend
-    # to each other)
+    # None: flash_attention_2 where flash-attn is installed, else sdpa
     attn_implementation: str | None = None
-    #: veRL's fused log-prob kernels (``model.use_fused_kernels``, torch backend): the log-probs of
-    #: the sampled tokens from the hidden states and the LM head in chunks, as the local backend's
-    #: ``trainer.logprobs`` does (issue #20); off until measured on the GPU
+    #: veRL's padding-free packing (``model.use_remove_padding``): a micro-batch's sequences in one
+    #: row with position ids restarting per sequence. None: on with flash-attn (varlen kernels),
+    #: off otherwise. True with sdpa is exact too — transformers (>= 4.53) builds a block-diagonal
+    #: causal mask from the restarting position ids when the attention mask is None (checked in
+    #: tests/test_verl_backend.py) — but sdpa then runs with an explicit mask over the whole packed
+    #: row (no flash/cuDNN causal path, attention cost ∝ (micro-batch tokens)²): worth it only where
+    #: much of a micro-batch would be padding.
+    remove_padding: bool | None = None
+    #: veRL's fused log-prob kernels (``model.use_fused_kernels``, torch backend): the log-probs (and
+    #: the entropy veRL always computes in its log-prob pass) of the sampled tokens from the hidden
+    #: states and the LM head in chunks of 512 tokens, fp32 log-sum-exp, as the local backend's
+    #: ``trainer.logprobs`` does (issue #20). Without it veRL materialises the logits of every token
+    #: and, with neither flash-attn nor an NPU, takes ``logprobs_from_logits_v2``: a Python loop of
+    #: one log_softmax per *token* (bf16), forward and backward — see benchmarks/trainer/README.md,
+    #: "Where a veRL step's time goes". Off until measured on the GPU.
     fused_kernels: bool = False
+    #: veRL's dynamic micro-batches (``use_dynamic_bsz``): micro-batches packed up to this many
+    #: tokens per GPU (prompt + response) instead of ``micro_batch_size`` samples; 0: off
+    max_tokens_per_gpu: int = 0
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0

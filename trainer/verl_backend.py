@@ -180,6 +180,8 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
     dtype = "bfloat16" if cfg.bf16 else "float32"
     attn = cfg.attn_implementation or (
         "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa")
+    remove_padding = attn.startswith("flash_attention") if cfg.remove_padding is None else cfg.remove_padding
+    dynamic = cfg.max_tokens_per_gpu > 0
     lora = {
         "actor_rollout_ref.model.lora_rank": cfg.lora_rank if cfg.lora else 0,
         "actor_rollout_ref.model.lora_alpha": cfg.lora_alpha,
@@ -188,7 +190,7 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
     values: dict[str, Any] = {
         "actor_rollout_ref.model.path": str(cfg.model_dir),
         "actor_rollout_ref.model.enable_gradient_checkpointing": cfg.gradient_checkpointing,
-        "actor_rollout_ref.model.use_remove_padding": attn.startswith("flash_attention"),
+        "actor_rollout_ref.model.use_remove_padding": remove_padding,
         "actor_rollout_ref.model.override_config.attn_implementation": attn,
         "actor_rollout_ref.model.use_fused_kernels": cfg.fused_kernels,
         "actor_rollout_ref.model.fused_kernel_options.impl_backend": "torch",
@@ -201,7 +203,7 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": micro,
         "actor_rollout_ref.actor.ppo_epochs": 1,
         "actor_rollout_ref.actor.shuffle": False,
-        "actor_rollout_ref.actor.use_dynamic_bsz": False,
+        "actor_rollout_ref.actor.use_dynamic_bsz": dynamic,
         "actor_rollout_ref.actor.clip_ratio": objective.clip_low,
         "actor_rollout_ref.actor.clip_ratio_low": objective.clip_low,
         "actor_rollout_ref.actor.clip_ratio_high": objective.clip_high,
@@ -217,7 +219,7 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
         "actor_rollout_ref.actor.fsdp_config.seed": cfg.seed,
         "actor_rollout_ref.rollout.n": 1,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro,
-        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": False,
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": dynamic,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": BACKEND,
         "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": __name__,
         "actor_rollout_ref.rollout.checkpoint_manager_class": f"{__name__}.PoolCheckpointManager",
@@ -243,6 +245,9 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
     with initialize_config_dir(config_dir=str(Path(verl_config.__file__).parent), version_base=None):
         conf = compose(config_name="ppo_trainer")
     OmegaConf.set_struct(conf, False)
+    if dynamic:  # the token budget per GPU, for the update and the log-prob pass alike
+        values["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = cfg.max_tokens_per_gpu
+        values["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = cfg.max_tokens_per_gpu
     for key, value in values.items():
         OmegaConf.update(conf, key, value, force_add=True)
     OmegaConf.update(conf, f"actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.{BACKEND}",

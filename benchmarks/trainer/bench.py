@@ -102,6 +102,40 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def matmul_params(model) -> tuple[int, int, bool]:
+    """(all base-model parameters, N for MFU, tied embeddings) of a (PEFT-wrapped) causal LM: N =
+    the parameters taking part in matrix products — all but LoRA's, less the input embedding when
+    it is not tied to the LM head (a lookup, no FLOPs). Works on a meta-device model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    n_total = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
+    emb = base.get_input_embeddings().weight
+    out_emb = base.get_output_embeddings()
+    tied = out_emb is not None and (out_emb.weight is emb or (
+        emb.device.type != "meta" and out_emb.weight.data_ptr() == emb.data_ptr()))
+    return n_total, n_total - (0 if tied else emb.numel()), tied
+
+
+def matmul_params_of_dir(model_dir: Path) -> tuple[int, int, bool]:
+    """:func:`matmul_params` of the model saved in ``model_dir``, built on the meta device (no
+    weights read, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return matmul_params(model)
+
+
+def mfu(n_matmul: int, tokens_per_s: float, peak: float | None, flops_per_token: int = 6) -> float | None:
+    """Model-FLOPs utilisation: ``flops_per_token`` · N · tokens/s ÷ the peak dense bf16 rate
+    (TFLOP/s, :func:`peak_tflops`) of one card; None without a peak. 6N: forward + backward; 8N:
+    with a no-grad forward over the batch too. On several GPUs pass one GPU's tokens/s."""
+    if not peak:
+        return None
+    return flops_per_token * n_matmul * tokens_per_s / (peak * 1e12)
+
+
 # ----------------------------------------------------------------------------- model sources
 
 
@@ -267,13 +301,9 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
     load_s = time.perf_counter() - t0
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    n_total = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
+    n_total, n_matmul, tied = matmul_params(model)
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    emb = base.get_input_embeddings().weight
-    out_emb = base.get_output_embeddings()
-    tied = out_emb is not None and out_emb.weight.data_ptr() == emb.data_ptr()
-    n_matmul = n_total - (0 if tied else emb.numel())
-    vocab = emb.shape[0]
+    vocab = base.get_input_embeddings().weight.shape[0]
     samples = synthetic_samples(args.batch_size, args.prompt_len, args.response_len, vocab, args.seed)
 
     def sync() -> None:
@@ -342,10 +372,10 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         peak = args.peak_tflops or peak_tflops(device_name)
         result["peak_tflops"] = peak
         if peak:
-            result["mfu_6n"] = 6 * n_matmul * result["tokens_per_s"] / (peak * 1e12)
+            result["mfu_6n"] = mfu(n_matmul, result["tokens_per_s"], peak)
             # with the step's no-grad forward (2N more per token) where it ran
             extra = 2 if trainer.last_step_no_grad_pass else 0
-            result["hfu_8n"] = (6 + extra) * n_matmul * result["tokens_per_s"] / (peak * 1e12)
+            result["hfu_8n"] = mfu(n_matmul, result["tokens_per_s"], peak, 6 + extra)
     return result
 
 

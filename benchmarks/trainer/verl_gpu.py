@@ -1,6 +1,8 @@
 """The veRL backend on 1, 2 and 4 GPUs beside the local backend on 1 GPU: the same job.
 
     python benchmarks/trainer/verl_gpu.py all --out DIR [--models smollm2 qwen3-1.5b] [--gpus 1 2 4]
+    python benchmarks/trainer/verl_gpu.py all --out DIR --models qwen3-1.5b --scaling weak \
+        --per-gpu-batch 64 --micro-batch-size 8 --verl fused=1,2 --verl plain=1
     python benchmarks/trainer/verl_gpu.py table DIR/results.json
 
 ``all`` runs, each in a fresh process (a fresh Ray cluster for veRL), one after another:
@@ -12,17 +14,32 @@
    and moves as the policy moves, like turns captured from the version being trained).
 2. ``run --backend local`` (``trainer.local.LocalTrainer``, 1 GPU) and ``run --backend verl
    --gpus N`` (``trainer.verl_backend.VerlTrainer``: veRL's Ray trainer, FSDP2 over N GPUs) for
-   each mode (full fine-tuning; LoRA with ``--lora``). Each run does ``--warmup`` + ``--steps``
-   optimizer steps over the same batch (the same job: one batch, one step each) and records per
-   step the wall time, pg_loss, and the mean per-token logprob of the +1 and of the −1 replies
-   under the policy before that step (and after the last).
+   each mode (full fine-tuning; LoRA with ``--lora``) and each veRL variant (``--verl
+   NAME=GPUS``; :data:`VARIANTS`: ``plain`` = veRL's default log-prob path, ``fused`` = its fused
+   log-prob kernels, ``fused-rmpad`` = also padding-free packing). Each run does ``--warmup`` +
+   ``--steps`` optimizer steps over the same batch (the same job: one batch, one step each) and
+   records per step the wall time, veRL's own phase timings (``timing_s/*``: the log-prob pass,
+   the update ...), pg_loss, and the mean per-token logprob of the +1 and of the −1 replies under
+   the policy before that step (and after the last).
+
+Scaling (``--scaling``): **strong** (default) = one batch of ``--batch-size`` samples, split over
+the N GPUs; **weak** = ``--per-gpu-batch`` samples per GPU, so N GPUs train on N × that many
+(the first N × per-GPU samples of one prepared set; the local backend on its 1 GPU takes the
+per-GPU batch) — what issue #20's target asks: the 2-GPU throughput at a per-GPU batch that fills
+the card against twice one GPU's.
 
 Columns: tok/s = batch × (prompt + response) tokens ÷ mean timed step seconds; per GPU =
-that ÷ GPUs; scaling efficiency = (tok/s on N GPUs) ÷ (N × tok/s of veRL on 1 GPU); peak memory:
-``torch.cuda.max_memory_allocated()`` of the local process, veRL's ``perf/max_memory_allocated_gb``
-(rank 0's actor worker) for veRL. veRL's gradient clip is disabled (``--clip-grad``, default
-1e9) so both backends take the same optimizer step; veRL keeps fp32 master weights (FSDP mixed
-precision, bf16 compute), the local backend bf16 weights.
+that ÷ GPUs; scaling = (tok/s on N GPUs) ÷ (N × tok/s of the same backend, mode and variant on 1
+GPU); MFU (6N) = bench.py's definition (``bench.mfu``: 6 · N · tok/s per GPU ÷ the card's peak
+dense bf16 rate, N = matrix-product parameters, ``bench.matmul_params``); "MFU + no-grad fwd" =
+8N where the step also ran a no-grad forward over the batch (veRL always recomputes the current
+policy's log-probs before the update; the local backend does for ``rl`` only with stale turns);
+log-prob pass / update / other = veRL's ``timing_s/old_log_prob``, ``timing_s/update_actor`` and
+the rest of the step's wall time (driver: batch building, advantages, Ray round trips); peak
+memory: ``torch.cuda.max_memory_allocated()`` of the local process, veRL's
+``perf/max_memory_allocated_gb`` (rank 0's actor worker) for veRL. veRL's gradient clip is
+disabled (``--clip-grad``, default 1e9) so both backends take the same optimizer step; both keep
+fp32 master weights (veRL: FSDP mixed precision, bf16 compute; local: ``fp32_master``).
 """
 
 from __future__ import annotations
@@ -86,21 +103,47 @@ def _direction(lp, mask, rewards) -> tuple[float, float]:  # noqa: ANN001
     return float(per[r > 0].mean()), float(per[r < 0].mean())
 
 
+#: veRL variants ``all --verl NAME=GPUS`` runs: the ``run`` options of each
+VARIANTS: dict[str, list[str]] = {
+    "plain": ["--no-fused-kernels", "--remove-padding", "off"],
+    "fused": ["--fused-kernels", "--remove-padding", "off"],
+    "fused-rmpad": ["--fused-kernels", "--remove-padding", "on"],
+}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "verl", "ray", "peft"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    import bench
     from trainer.objectives import ObjectiveConfig
 
     samples = _samples(Path(args.samples))
+    if args.batch_size:
+        if args.batch_size > len(samples):
+            raise SystemExit(f"--batch-size {args.batch_size}: only {len(samples)} samples prepared")
+        samples = samples[: args.batch_size]
     rewards = [s.reward for s in samples]
     objective = ObjectiveConfig(objective="rl", grpo=False)
     model_dir = Path(args.model_dir)
     lora = args.mode == "lora"
     started = time.perf_counter()
+    no_grad_pass = args.backend == "verl"  # veRL recomputes the current policy's log-probs every step
     if args.backend == "local":
         from trainer.local import LocalConfig, LocalTrainer
 
-        trainer = LocalTrainer(LocalConfig(model_dir=model_dir, lora=lora, lr=args.lr,
+        trainer = LocalTrainer(LocalConfig(model_dir=model_dir, lora=lora, lr=args.lr, compile=args.local_compile,
                                            micro_batch_size=args.micro_batch_size), objective)
 
         def logprobs():  # noqa: ANN202
@@ -111,15 +154,21 @@ def run(args: argparse.Namespace) -> None:
         from trainer.verl_backend import VerlConfig, VerlTrainer
 
         gpus = args.gpus
+        remove_padding = {"auto": None, "on": True, "off": False}[args.remove_padding]
         cfg = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, lora=lora, lr=args.lr,
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
-                         gradient_checkpointing=args.gradient_checkpointing,
-                         output_dir=Path(args.json).parent / f"verl-{args.mode}-{gpus}", ray_address=None)
+                         gradient_checkpointing=args.gradient_checkpointing, fused_kernels=args.fused_kernels,
+                         remove_padding=remove_padding, max_tokens_per_gpu=args.max_tokens_per_gpu,
+                         overrides=tuple(args.override),
+                         output_dir=Path(args.json).parent / f"verl-{args.mode}-{args.variant or 'x'}-{gpus}",
+                         ray_address=None)
         trainer = VerlTrainer(cfg, objective, batch_size=len(samples), total_steps=args.warmup + args.steps)
 
         def logprobs():  # noqa: ANN202
             return trainer.response_logprobs(samples)
     setup_s = time.perf_counter() - started
+    print(f"# {args.backend} {args.mode} {args.variant} gpus={gpus}: {len(samples)} samples, set up in "
+          f"{setup_s:.1f}s", flush=True)
     steps = []
     for i in range(args.warmup + args.steps):
         lp, mask = logprobs() if args.backend == "local" else (None, None)
@@ -133,12 +182,17 @@ def run(args: argparse.Namespace) -> None:
             order = {tid: k for k, tid in enumerate(done.non_tensor_batch["turn_id"])}
             idx = torch.tensor([order[s.turn_id] for s in samples])
             lp, mask = done.batch["current_log_probs"][idx], done.batch["response_mask"][idx]
+        else:
+            no_grad_pass = bool(getattr(trainer, "last_step_no_grad_pass", False))
         pos, neg = _direction(lp, mask, rewards)
+        timing = {k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
         steps.append({"step": i, "seconds": seconds, "pg_loss": m["pg_loss"], "lp_pos": pos, "lp_neg": neg,
-                      "clipfrac": m.get("pg_clipfrac", 0.0), "warmup": i < args.warmup,
+                      "clipfrac": m.get("pg_clipfrac", 0.0), "warmup": i < args.warmup, "timing": timing,
+                      "verl_mfu": {k: v for k, v in m.items() if k.startswith("perf/mfu/")},
                       "mem_gb": max((v for k, v in m.items() if "max_memory_allocated" in k), default=None)})
-        print(f"# {args.backend} {args.mode} gpus={gpus} step {i}: {seconds:.3f}s loss {m['pg_loss']:+.5f} "
-              f"lp+ {pos:.5f} lp- {neg:.5f}", flush=True)
+        phases = " ".join(f"{k} {timing[k]:.2f}s" for k in ("old_log_prob", "update_actor") if k in timing)
+        print(f"# {time.strftime('%H:%M:%S')} {args.backend} {args.mode} {args.variant} gpus={gpus} step {i}: "
+              f"{seconds:.3f}s {phases} loss {m['pg_loss']:+.5f} lp+ {pos:.5f} lp- {neg:.5f}", flush=True)
     pos, neg = _direction(*logprobs(), rewards)
     peak = (torch.cuda.max_memory_allocated() / 2**30 if args.backend == "local"
             else max(s["mem_gb"] or 0.0 for s in steps))
@@ -148,13 +202,22 @@ def run(args: argparse.Namespace) -> None:
         print(f"# wrote {written['kind']} weights: {written['path']} ({written['tensors']} tensors, "
               f"{written['bytes'] / 2**20:.1f} MiB) in {written['seconds']:.2f}s", flush=True)
     cfg_json = json.loads((model_dir / "config.json").read_text())
+    n_total, n_matmul, tied = bench.matmul_params_of_dir(model_dir)
+    device = torch.cuda.get_device_name(0)
     result = {
         "backend": args.backend, "mode": args.mode, "gpus": gpus, "model": args.model,
+        "variant": args.variant if args.backend == "verl" else ("compile" if args.local_compile else ""),
+        "scaling": args.scaling, "micro_batch": args.micro_batch_size,
         "architecture": cfg_json["architectures"][0], "batch": len(samples),
         "prompt_len": len(samples[0].prompt_ids), "response_len": len(samples[0].response_ids),
         "setup_s": setup_s, "steps": steps, "final_lp_pos": pos, "final_lp_neg": neg, "peak_gb": peak,
-        "device": torch.cuda.get_device_name(0), "written": written,
+        "device": device, "written": written, "n_params": n_total, "n_matmul": n_matmul, "tied": tied,
+        "peak_tflops": bench.peak_tflops(device), "no_grad_pass": no_grad_pass, "versions": _versions(),
     }
+    if args.backend == "verl":
+        result["verl_options"] = {"fused_kernels": args.fused_kernels, "remove_padding": args.remove_padding,
+                                  "max_tokens_per_gpu": args.max_tokens_per_gpu, "override": list(args.override),
+                                  "gradient_checkpointing": args.gradient_checkpointing}
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.backend == "verl":
         trainer.shutdown()
@@ -164,13 +227,14 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _sub(argv: list[str], env: dict[str, str], timeout: float, log) -> int:  # noqa: ANN001
-    print("$ " + " ".join(argv), flush=True)
+    print(f"$ [{time.strftime('%H:%M:%S')}] " + " ".join(argv), flush=True)
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env=env, timeout=timeout,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         log.write(out)
+        log.flush()
         print(f"# timed out after {timeout:.0f}s; last lines:\n" + "\n".join(out.splitlines()[-15:]), flush=True)
         return 124
     log.write(proc.stdout)
@@ -178,81 +242,176 @@ def _sub(argv: list[str], env: dict[str, str], timeout: float, log) -> int:  # n
     keep = [ln for ln in proc.stdout.splitlines() if ln.startswith("#") or "Error" in ln or "error" in ln]
     print("\n".join(keep[-40:]), flush=True)
     if proc.returncode:
-        print("\n".join(proc.stdout.splitlines()[-30:]), flush=True)
+        print(f"# exit status {proc.returncode}; last lines:\n" + "\n".join(proc.stdout.splitlines()[-30:]),
+              flush=True)
     return proc.returncode
+
+
+def parse_variants(specs: list[str], default_gpus: list[int]) -> list[tuple[str, list[int]]]:
+    """``["fused=1,2", "plain=1", "fused"]`` → ``[("fused", [1, 2]), ("plain", [1]), ("fused", default)]``."""
+    out = []
+    for spec in specs:
+        name, _, gpus = spec.partition("=")
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown veRL variant {name!r}; known: {', '.join(VARIANTS)}")
+        out.append((name, [int(g) for g in gpus.split(",")] if gpus else list(default_gpus)))
+    return out
+
+
+def plan_runs(args: argparse.Namespace, model: str) -> list[tuple[str, str, int, str, int]]:
+    """(backend, mode, GPUs, variant, batch) of each run of ``all``, in order."""
+    variants = parse_variants(args.verl or ["fused"], args.gpus)
+
+    def batch(gpus: int) -> int:
+        return args.per_gpu_batch * gpus if args.scaling == "weak" else args.batch_size
+
+    plan = []
+    for name, gpus_list in variants:
+        plan += [("verl", "full", g, name, batch(g)) for g in gpus_list]
+    if args.local:  # last: the reference, where a time budget cuts the plan short
+        plan.append(("local", "full", 1, "", batch(1)))
+    if args.lora and model == args.models[0]:
+        plan += [("verl", "lora", 1, variants[0][0], batch(1))]
+        if args.local_lora:
+            plan += [("local", "lora", 1, "", batch(1))]
+    return plan
 
 
 def run_all(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    common = ["--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
-              "--batch-size", str(args.batch_size)]
     results = []
     deadline = time.monotonic() + args.budget_s
     with open(out / "runs.log", "a") as log:
         for model in args.models:
             mdir = out / model
-            if _sub(["prepare", "--model", model, "--out", str(mdir), "--tokenizer-dir", args.tokenizer_dir, *common],
-                    env, 300, log):
+            plan = plan_runs(args, model)
+            prepared = max(b for *_, b in plan)
+            if _sub(["prepare", "--model", model, "--out", str(mdir), "--tokenizer-dir", args.tokenizer_dir,
+                     "--prompt-len", str(args.prompt_len), "--response-len", str(args.response_len),
+                     "--batch-size", str(prepared)], env, args.prepare_timeout, log):
                 continue
-            plan = [("local", "full", 1)] + [("verl", "full", g) for g in args.gpus]
-            if args.lora and model == args.models[0]:
-                plan += [("verl", "lora", 1)] + ([("local", "lora", 1)] if args.local_lora else [])
-            for backend, mode, gpus in plan:
+            for backend, mode, gpus, variant, batch in plan:
                 left = deadline - time.monotonic()
                 if left < 30:
-                    print(f"# out of time budget: skipping {model} {backend} {mode} {gpus}", flush=True)
+                    print(f"# out of time budget: skipping {model} {backend} {mode} {variant} {gpus}", flush=True)
                     continue
                 lr = args.lr_lora if mode == "lora" else args.lr
-                res = out / f"{model}-{backend}-{mode}-{gpus}.json"
+                res = out / f"{model}-{backend}-{mode}{'-' + variant if variant else ''}-{gpus}.json"
                 run_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
                 argv = ["run", "--backend", backend, "--mode", mode, "--gpus", str(gpus), "--model", model,
                         "--model-dir", str(mdir / "model"), "--samples", str(mdir / "samples.json"),
+                        "--batch-size", str(batch), "--scaling", args.scaling,
                         "--steps", str(args.steps), "--warmup", str(args.warmup), "--lr", str(lr),
                         "--micro-batch-size", str(args.micro_batch_size), "--clip-grad", str(args.clip_grad),
-                        "--json", str(res)] + (["--push"] if backend == "verl" and (gpus == max(args.gpus) or mode == "lora")
-                                               else [])
+                        "--json", str(res)]
+                if backend == "verl":
+                    argv += ["--variant", variant, *VARIANTS[variant], *(f"--override={o}" for o in args.override)]
+                    if args.max_tokens_per_gpu:
+                        argv += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
+                    if args.push and (mode == "lora" or gpus == max(args.gpus)):
+                        argv += ["--push"]
+                elif args.local_compile:
+                    argv += ["--local-compile"]
                 if _sub(argv, run_env, min(args.run_timeout, left), log) == 0 and res.is_file():
                     results.append(json.loads(res.read_text()))
                     (out / "results.json").write_text(json.dumps(results, indent=1))
+                    (out / "results.md").write_text(tables(results) + "\n")
     print(tables(results), flush=True)
 
 
 # -------------------------------------------------------------------------------------- tables
 
 
+def _timed(r: dict) -> list[dict]:
+    return [s for s in r["steps"] if not s["warmup"]]
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """Per run: s/step (mean, min, max), tok/s, tok/s per GPU, scaling efficiency against the same backend,
+    mode and variant on 1 GPU (``efficiency``; None where there is none, and for the local backend), MFU (6N per
+    GPU, ``bench.mfu``), "hfu" (8N where the step ran a no-grad forward too, else = MFU) and veRL's
+    mean phase seconds (log-prob pass, update, the rest)."""
+    import bench
+
+    def key(r: dict) -> tuple:
+        return (r["model"], r["backend"], r["mode"], r.get("variant", ""), r.get("scaling", "strong"))
+
+    rows = []
+    for r in results:
+        timed = [s["seconds"] for s in _timed(r)]
+        mean = _mean(timed)
+        tok_s = r["batch"] * (r["prompt_len"] + r["response_len"]) / mean
+        rows.append({**r, "s_mean": mean, "s_min": min(timed), "s_max": max(timed), "tok_s": tok_s,
+                     "tok_s_gpu": tok_s / r["gpus"]})
+    base = {key(r): r for r in rows if r["gpus"] == 1}
+    for r in rows:
+        b = base.get(key(r))
+        r["efficiency"] = (r["tok_s"] / (r["gpus"] * b["tok_s"])
+                           if r["backend"] == "verl" and b is not None else None)
+        n, peak = r.get("n_matmul"), r.get("peak_tflops")
+        r["mfu"] = bench.mfu(n, r["tok_s_gpu"], peak) if n else None
+        r["hfu"] = bench.mfu(n, r["tok_s_gpu"], peak, 8 if r.get("no_grad_pass") else 6) if n else None
+        phases = [s.get("timing", {}) for s in _timed(r)]
+        for name in ("old_log_prob", "update_actor"):
+            vals = [p[name] for p in phases if name in p]
+            r[f"t_{name}"] = _mean(vals) if vals else None
+        known = [r[f"t_{n}"] for n in ("old_log_prob", "update_actor") if r[f"t_{n}"] is not None]
+        r["t_other"] = r["s_mean"] - sum(known) if known else None
+    return rows
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.0f} %"
+
+
+def _pct1(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _sec(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
 def tables(results: list[dict]) -> str:
     lines = []
-    for model in dict.fromkeys(r["model"] for r in results):
-        rows = [r for r in results if r["model"] == model]
-        base = {r["mode"]: r for r in rows if r["backend"] == "verl" and r["gpus"] == 1}
-        r0 = rows[0]
-        lines += [f"\n{model} (random init, {r0['architecture']}), batch {r0['batch']} × "
-                  f"({r0['prompt_len']}+{r0['response_len']}) tokens, device {r0['device']}\n",
-                  "| backend | mode | GPUs | s/step (min–max) | tok/s | tok/s per GPU | scaling vs veRL 1 GPU "
-                  "| peak mem GiB | setup s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            timed = [s["seconds"] for s in r["steps"] if not s["warmup"]]
-            mean = sum(timed) / len(timed)
-            tok_s = r["batch"] * (r["prompt_len"] + r["response_len"]) / mean
-            b = base.get(r["mode"])
-            eff = ""
-            if r["backend"] == "verl" and b is not None:
-                bt = [s["seconds"] for s in b["steps"] if not s["warmup"]]
-                b_tok = b["batch"] * (b["prompt_len"] + b["response_len"]) / (sum(bt) / len(bt))
-                eff = f"{tok_s / (r['gpus'] * b_tok) * 100:.0f} %"
-            lines.append(f"| {r['backend']} | {r['mode']} | {r['gpus']} | {mean:.3f} ({min(timed):.3f}–{max(timed):.3f}) "
-                         f"| {tok_s:,.0f} | {tok_s / r['gpus']:,.0f} | {eff} | {r['peak_gb']:.2f} | {r['setup_s']:.0f} |")
-        lines += ["", "Learning direction (same samples, same initial weights): mean per-token logprob of the "
-                  "+1 replies (lp+) and −1 replies (lp−) before each step and after the last; pg_loss per step.", "",
-                  "| backend | mode | GPUs | pg_loss per step | lp+ before → after | lp− before → after |",
+    rows = summarise(results)
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        r0 = mrows[0]
+        scaling = r0.get("scaling", "strong")
+        per = ("the same batch split over the GPUs" if scaling == "strong"
+               else "the same batch per GPU: N GPUs train on N × the 1-GPU batch")
+        lines += [f"\n{model} (random init, {r0['architecture']}), {scaling} scaling ({per}), "
+                  f"sequences of {r0['prompt_len']}+{r0['response_len']} tokens, device {r0['device']}"
+                  + (f", micro-batch {r0['micro_batch']} per GPU" if "micro_batch" in r0 else "") + "\n",
+                  ("| backend | mode, variant | GPUs | s/step (min–max) | tok/s | tok/s per GPU | scaling vs 1 GPU "
+                   "| batch | MFU (6N) | MFU + no-grad fwd | peak mem GiB | log-prob pass s | update s | other s "
+                   "| setup s |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mrows:
+            label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
+            hfu = _pct1(r["hfu"]) + (" (8N)" if r.get("no_grad_pass") and r["hfu"] is not None else "")
+            lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {r['s_mean']:.3f} ({r['s_min']:.3f}–"
+                         f"{r['s_max']:.3f}) | {r['tok_s']:,.0f} | {r['tok_s_gpu']:,.0f} | {_pct(r['efficiency'])} | "
+                         f"{r['batch']} | {_pct1(r['mfu'])} | {hfu} | {r['peak_gb']:.2f} | "
+                         f"{_sec(r['t_old_log_prob'])} | {_sec(r['t_update_actor'])} | {_sec(r['t_other'])} | "
+                         f"{r['setup_s']:.0f} |")
+        lines += ["", ("Learning direction (same samples, same initial weights): mean per-token logprob of the "
+                       "+1 replies (lp+) and −1 replies (lp−) before each step and after the last; pg_loss per step."),
+                  "",
+                  "| backend | mode, variant | GPUs | pg_loss per step | lp+ before → after | lp− before → after |",
                   "|---|---|---|---|---|---|"]
-        for r in rows:
+        for r in mrows:
+            label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
             losses = " ".join(f"{s['pg_loss']:+.4f}" for s in r["steps"])
             s0 = r["steps"][0]
-            lines.append(f"| {r['backend']} | {r['mode']} | {r['gpus']} | {losses} | {s0['lp_pos']:.4f} → "
+            lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {losses} | {s0['lp_pos']:.4f} → "
                          f"{r['final_lp_pos']:.4f} ({r['final_lp_pos'] - s0['lp_pos']:+.4f}) | {s0['lp_neg']:.4f} → "
                          f"{r['final_lp_neg']:.4f} ({r['final_lp_neg'] - s0['lp_neg']:+.4f}) |")
     return "\n".join(lines)
@@ -279,28 +438,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--samples", required=True)
+    p.add_argument("--batch-size", type=int, default=0, help="train on the first this many samples (0: all)")
+    p.add_argument("--scaling", default="strong", choices=["strong", "weak"], help="recorded for the table")
+    p.add_argument("--variant", default="", help="a label for the table (all: the VARIANTS name)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--clip-grad", type=float, default=1e9)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=False,
+                   help="veRL: VerlConfig.fused_kernels (log-probs from hidden states in chunks)")
+    p.add_argument("--remove-padding", default="auto", choices=["auto", "on", "off"],
+                   help="veRL: VerlConfig.remove_padding (auto: with flash-attn only)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=0, help="veRL: dynamic micro-batches of this many tokens")
+    p.add_argument("--override", action="append", default=[], help="veRL: a Hydra key=value (VerlConfig.overrides)")
+    p.add_argument("--local-compile", action="store_true", help="local: LocalConfig.compile")
     p.add_argument("--push", action="store_true", help="veRL: write the weights through the checkpoint engine")
     p.add_argument("--json", required=True)
     p = sub.add_parser("all")
     p.add_argument("--out", required=True)
     p.add_argument("--models", nargs="+", default=["smollm2", "qwen3-1.5b"])
-    p.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--gpus", nargs="+", type=int, default=[1, 2, 4], help="GPU counts of a --verl NAME without =")
+    p.add_argument("--verl", action="append", default=[],
+                   help=f"veRL runs: VARIANT=GPUS,... (repeatable; default fused on --gpus); variants: "
+                        f"{', '.join(VARIANTS)}")
+    p.add_argument("--scaling", default="strong", choices=["strong", "weak"])
+    p.add_argument("--per-gpu-batch", type=int, default=64, help="weak scaling: samples per GPU")
+    p.add_argument("--local", action=argparse.BooleanOptionalAction, default=True,
+                   help="the local backend on 1 GPU (weak: at the per-GPU batch)")
+    p.add_argument("--local-compile", action="store_true")
     p.add_argument("--tokenizer-dir", default=str(HERE / "smollm2-tokenizer"))
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--lr-lora", type=float, default=2e-4)
     p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--max-tokens-per-gpu", type=int, default=0)
+    p.add_argument("--override", action="append", default=[])
     p.add_argument("--clip-grad", type=float, default=1e9)
     p.add_argument("--lora", action="store_true", help="also LoRA (veRL, 1 GPU, weights pushed) for the first model")
     p.add_argument("--local-lora", action="store_true", help="with --lora: the local backend's LoRA run too")
+    p.add_argument("--push", action=argparse.BooleanOptionalAction, default=True,
+                   help="veRL: write the weights after the LoRA run and the largest GPU count's run")
     p.add_argument("--run-timeout", type=float, default=240)
+    p.add_argument("--prepare-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
     job(p)
     p = sub.add_parser("table")
