@@ -291,6 +291,9 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
            "PYTHONUNBUFFERED": "1"}
     env.pop("NEXTSTATE_TEACHER_URL", None)
+    # no network on the GPU machine; one GPU per process, so no NVLink multicast (KINDS.md)
+    for k, v in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("NCCL_NVLS_ENABLE", "0")):
+        env.setdefault(k, v)
     if args.trainer_gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = args.trainer_gpu
     cmd = trainer_command(args, mode, pool)
@@ -411,7 +414,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         load = Load(gateways, args.concurrency, args.max_tokens)
         load_task = asyncio.create_task(load.run())
-        watcher = Watcher(gateways)
+        watcher = Watcher(gateways, interval=args.poll_s)
         watch_task = asyncio.create_task(watcher.run())
         live = user.live(args.live_users) if args.live_users else None
         load_started = time.time()
@@ -501,7 +504,8 @@ def stats_row(values: list[float | None]) -> str:
 
 def table(res: dict[str, Any]) -> str:
     c = res["config"]
-    lines = [f"shape2: trainer backend {c['backend']} (CUDA_VISIBLE_DEVICES={c['trainer_gpu']}) → vLLM "
+    gpu = f"CUDA_VISIBLE_DEVICES={c['trainer_gpu']}" if c.get("trainer_gpu") is not None else "its default device"
+    lines = [f"shape2: trainer backend {c['backend']} ({gpu}) → vLLM "
              f"{c['upstream']}, {c['gateways']} gateways on one SQLite pool, {c['concurrency']} concurrent streams "
              f"on `policy` ({c['max_tokens']} tokens), {c['steps']} steps × {c['batch_size']} turns per run"
              + (f", push every {c['push_every']} step(s)" if c["backend"] == "verl" else ", one publish at the end"),
@@ -572,11 +576,12 @@ def main() -> None:
     p.add_argument("--lr-lora", type=float, default=1e-4)
     p.add_argument("--lr-full", type=float, default=1e-5)
     p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--poll-s", type=float, default=0.02, help="how often the watcher asks each gateway")
     p.add_argument("--run-timeout", type=float, default=200.0, help="seconds one trainer run may take")
     p.add_argument("--min-run-s", type=float, default=60.0, help="skip a trainer run with less budget left")
     p.add_argument("--full-publishes", type=int, default=5, help="publish_load.py --kind full rounds (0: off)")
     p.add_argument("--full-publish-s", type=float, default=60.0, help="skip it with less budget left")
-    p.add_argument("--budget-s", type=float, default=400.0, help="this script's wall-clock budget")
+    p.add_argument("--budget-s", type=float, default=380.0, help="this script's wall-clock budget")
     p.add_argument("--reserve-s", type=float, default=30.0, help="budget kept for cleanup and the report")
     p.add_argument("--out", type=Path, default=Path("benchmarks/gpu/results"))
     args = p.parse_args()
