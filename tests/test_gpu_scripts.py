@@ -45,6 +45,7 @@ def test_tables_render() -> None:
         "fill": {"scored": 64, "seconds": 3.2}, "live_user": {"scored": 10},
         "runs": [
             {"mode": "lora", "rc": 0, "seconds": 50.0, "failed_during_run": 0, "requests_during_run": 900,
+             "steps": [{"seconds": 1.5}, {"seconds": 2.0}],
              "turns_per_version": {"lora-a": 40},
              "proof": {"ok": True, "policy_version": "lora-a", "expected": "lora-a"},
              "pushes": [{"active_in_pool_s": 0.2, "all_serving_s": 0.3, "lora_load_s": 0.03, "failed_during": 0,
@@ -59,7 +60,8 @@ def test_tables_render() -> None:
         "skipped": [],
     }
     text = shape2.table(res)
-    assert "| lora (exit 0, 50 s) | 2 | weights written → active in the pool s | 0.200 |" in text
+    assert "| lora (exit 0, 50 s) | 2 | optimizer step s (veRL: before each push) | 1.500 | 2.000 | 2.000 |" in text
+    assert "|  |  | weights written → active in the pool s | 0.200 |" in text
     assert "requests failed during the pushes **0** (of 80" in text and "**OK**" in text and "**NOT OK**" in text
     assert "vLLM pause + reload_weights + resume s | – | – | – |" in text
     assert "full-weight publish under load" in text and "0.500, –" in text

@@ -29,7 +29,8 @@ if [ "$what" = shape2 ]; then
   dev() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/is_paused" >/dev/null 2>&1; }
   if up && ! dev; then
     log "vLLM on $url has no dev mode: restarting it"
-    kill "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null; sleep 5
+    kill "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null
+    for _ in $(seq 60); do up || break; sleep 1; done; sleep 3
   fi
 fi
 if ! up; then
@@ -48,6 +49,7 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
+rc=0
 if [ "$what" = shape2 ]; then
   log "shape2 $*"
   python3 benchmarks/gpu/shape2.py --upstream $url --model-dir $model --out "$out" --trainer-gpu ${TRAINER_GPU:-1} "$@" \
@@ -68,3 +70,4 @@ if [ "$what" = learn ] || [ "$what" = all ]; then
     2>&1 | tee "$out/learn${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
+exit ${rc:-0}

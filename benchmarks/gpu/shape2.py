@@ -75,7 +75,7 @@ from benchmarks.learning import preference  # noqa: E402
 from benchmarks.learning.bench import TRAIN  # noqa: E402
 from datapool import versions, vllm_admin  # noqa: E402
 from datapool.db import make_engine, upgrade  # noqa: E402
-from datapool.models import Judgement, PolicyEvent, PolicyVersion, Turn  # noqa: E402
+from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingRun, TrainingStep, Turn  # noqa: E402
 from datapool.scoring.judge import PythonJudge  # noqa: E402
 from datapool.scoring.score import score_turn  # noqa: E402
 from tests.processes import GatewayProcess, wait_for  # noqa: E402
@@ -252,6 +252,17 @@ def turns_per_version(engine: Any, since: float) -> dict[str, int]:
     return {str(v): int(n) for v, n in rows}
 
 
+def train_steps(engine: Any, since: float) -> list[dict[str, Any]]:
+    """The optimizer steps of the runs started since *since*: seconds, loss, turns, tokens/s."""
+    keys = ("seconds", "pg_loss", "samples", "tokens_per_s", "advantage_mean")
+    with OrmSession(engine) as db:
+        runs = list(db.scalars(select(TrainingRun.id).where(
+            TrainingRun.created_at >= datetime.fromtimestamp(since, UTC))))
+        rows = db.scalars(select(TrainingStep).where(TrainingStep.run_id.in_(runs))
+                          .order_by(TrainingStep.created_at, TrainingStep.id)).all()
+        return [{"step": r.step, **{k: (r.metrics or {}).get(k) for k in keys}} for r in rows]
+
+
 def policy_turn(gateway: GatewayProcess) -> dict[str, Any]:
     """One chat on `policy` through *gateway*: the version its recorded turn names."""
     r = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
@@ -370,8 +381,12 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
         log(f"proof ({mode}): a chat on `policy` was recorded under {proof.get('policy_version')} "
             f"(last published {last}): {'OK' if proof.get('ok') else 'NOT OK'}")
     served = turns_per_version(engine, started)
+    steps = train_steps(engine, started)
+    if steps:
+        log(f"trainer {mode}: {len(steps)} steps, s/step " + " ".join(f3(x.get("seconds")) for x in steps)
+            + ", pg_loss " + " ".join(f3(x.get("pg_loss")) for x in steps))
     return {"mode": mode, "backend": args.backend, "command": " ".join(cmd[2:]), "rc": rc,
-            "seconds": ended - started, "pushes": pushes, "proof": proof,
+            "seconds": ended - started, "steps": steps, "pushes": pushes, "proof": proof,
             "turns_per_version": {k: n for k, n in served.items() if k in {v["name"] for v in new}},
             "turns_total_during_run": sum(served.values()),
             "requests_during_run": len(load.started_at) - requests_before,
@@ -518,7 +533,8 @@ def table(res: dict[str, Any]) -> str:
     for run in res["runs"]:
         p = run["pushes"]
         name = f"{run['mode']} (exit {run['rc']}, {run['seconds']:.0f} s)"
-        rows = [("weights written → active in the pool s", [x.get("active_in_pool_s") for x in p]),
+        rows = [("optimizer step s (veRL: before each push)", [x.get("seconds") for x in run.get("steps", [])]),
+                ("weights written → active in the pool s", [x.get("active_in_pool_s") for x in p]),
                 ("weights written → every gateway serving it s", [x.get("all_serving_s") for x in p])]
         if run["mode"] == "lora":
             rows.append(("vLLM load_lora_adapter s", [x.get("lora_load_s") for x in p]))
@@ -606,6 +622,13 @@ def main() -> None:
     text = table(res)
     (args.out / "shape2.md").write_text(text + "\n")
     print("\n" + text, flush=True)
+    bad = [f"{r['mode']}: exit {r['rc']}" for r in res["runs"] if r["rc"] != 0]
+    bad += [f"{r['mode']}: proof not OK" for r in res["runs"] if r["rc"] == 0 and not r["proof"].get("ok")]
+    if (res.get("full_publish") or {}).get("rc", 0) != 0:
+        bad.append(f"full publish under load: exit {res['full_publish']['rc']}")
+    if bad:
+        log("FAILED: " + "; ".join(bad) + " (trainer logs in shape2-logs.tgz)")
+        sys.exit(1)
 
 
 if __name__ == "__main__":
