@@ -24,11 +24,11 @@ Phases:
 3. **a trainer run per mode** (``lora``, ``full``): ``nextstate train --objective rl --steps N
    --publish`` (veRL: ``--push-every 1``: every step writes the weights through the checkpoint
    engine and publishes them). Meanwhile a watcher polls every gateway's ``GET /v1/models``
-   (which version ``policy`` serves) and the trainer's weights directory. Per push: weights
-   written (the written files' mtime) → vLLM loaded and the version active in the pool (the
-   publish event) → each gateway serving it; vLLM's own load / reload time (the event's
-   metrics); requests of the load that failed between weights written and every gateway
-   serving it (+1 s).
+   (which version ``policy`` serves). Per push: weights written (the mtime of the weight files
+   in the directory the trainer wrote, found by the version's step or run) → vLLM loaded and
+   the version active in the pool (the publish event) → each gateway serving it; vLLM's own
+   load / reload time (the event's metrics); requests of the load that failed between weights
+   written and every gateway serving it (+1 s).
 4. **proof** — after each run a chat on `policy` through a gateway: its recorded turn names the
    version the trainer published last (the pool's ``policy_version``), and the load's turns are
    counted per version; for full weights vLLM's ``/weight_info`` label names it as well.
@@ -165,14 +165,12 @@ class User:
 
 
 class Watcher:
-    """Polls every gateway's ``/v1/models`` (which version `policy` serves) and the trainer's
-    run directory (new weight directories), recording when each was first seen (time.time())."""
+    """Polls every gateway's ``/v1/models``, recording when each gateway first served each
+    version as `policy` (time.time())."""
 
     def __init__(self, gateways: list[str], interval: float = 0.01):
         self.gateways, self.interval = gateways, interval
         self.seen: list[dict[str, float]] = [{} for _ in gateways]  # per gateway: root → first seen
-        self.dirs: dict[str, float] = {}
-        self.runs_dir: Path | None = None
         self.polls = 0
         self.stop = asyncio.Event()
 
@@ -190,21 +188,9 @@ class Watcher:
                 pass
             await asyncio.sleep(self.interval)
 
-    async def poll_dirs(self) -> None:
-        while not self.stop.is_set():
-            d = self.runs_dir
-            if d is not None:
-                now = time.time()
-                for sub in (d / "runs" / "weights", d / "runs"):
-                    if sub.is_dir():
-                        for p in sub.iterdir():
-                            if p.name.startswith(("step-", "run-")):
-                                self.dirs.setdefault(str(p.resolve()), now)
-            await asyncio.sleep(self.interval)
-
     async def run(self) -> None:
         async with httpx.AsyncClient(timeout=10) as http:
-            await asyncio.gather(self.poll_dirs(), *(self.poll_gateway(http, k) for k in range(len(self.gateways))))
+            await asyncio.gather(*(self.poll_gateway(http, k) for k in range(len(self.gateways))))
 
 
 def written_at(directory: Path) -> float | None:
@@ -312,7 +298,6 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
     log_path = work / f"trainer-{mode}.log"
     log(f"trainer {mode}: {' '.join(cmd[2:])} (CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '')}, "
         f"log {log_path})")
-    watcher.runs_dir = data
     started = time.time()
     failed_before = len(load.failed)
     requests_before = len(load.started_at)
@@ -345,9 +330,9 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
         step = (v.get("stats") or {}).get("step")
         run_id = (v.get("stats") or {}).get("run_id")
         # the directory the trainer wrote (the version's own path is the publish's copy of it)
-        cands = [Path(p) for p in watcher.dirs if
-                 (step is not None and Path(p).name.startswith(f"step-{int(step):06d}-")) or
-                 (run_id is not None and Path(p).name == f"run-{run_id}")]
+        cands = ([*(data / "runs" / "weights").glob(f"step-{int(step):06d}-*")] if step is not None else []) + \
+            ([data / "runs" / f"run-{run_id}"] if run_id is not None and (data / "runs" / f"run-{run_id}").is_dir()
+             else [])
         src = cands[0] if cands else None
         t_written = written_at(src) if src is not None else None
         seen = [s.get(v["name"]) for s in watcher.seen]
