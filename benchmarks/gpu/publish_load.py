@@ -2,7 +2,7 @@
 --concurrency streaming chats run through the gateways' `policy` alias.
 
     python benchmarks/gpu/publish_load.py --upstream http://127.0.0.1:8501/v1 --model-dir DIR \
-        [--gateways 2] [--concurrency 200] [--publishes 10] [--out DIR]
+        [--gateways 2] [--concurrency 200] [--publishes 10] [--kind lora|full] [--out DIR]
 
 Real parts: `nextstate gateway` processes on one SQLite pool (the switch reaches them through
 ``datapool.policy_signal``: the file's data_version), vLLM with runtime LoRA loading, the
@@ -13,6 +13,11 @@ until its ``policy`` alias points at the new version. Reported per publish: load
 pool (activation committed), all gateways serving (end to end from the adapter written);
 and for the load: requests, failed, time to first token and total p50/p99. Writes
 publish_load.json to --out and prints a table.
+
+``--kind full``: each round writes a whole checkpoint instead (the base's weights with fixed
+noise on the attention's q projections) and publishes it as a full version: every server
+pauses (``--pause-mode``), reloads the weights in place and resumes (vLLM needs
+``VLLM_SERVER_DEV_MODE=1``); the load is the reload column. Files get ``-full`` (``--tag``).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from datapool import versions, vllm_admin  # noqa: E402
 from datapool.db import make_engine, upgrade  # noqa: E402
+from datapool.vocab import PauseMode, VersionKind  # noqa: E402
 from tests.processes import GatewayProcess  # noqa: E402
 from trainer.publish import PublishRequest, publish  # noqa: E402
 
@@ -66,6 +71,26 @@ def write_adapter(model_dir: Path, out: Path, seed: int) -> None:
     model.save_pretrained(out)
 
 
+def write_checkpoint(model_dir: Path, out: Path, seed: int) -> None:
+    """A whole checkpoint of the base model whose q projections carry fixed noise: other weights
+    of the same architecture, as full fine-tuning would write (tests/test_publish_full.py)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("q_proj.weight"):
+                p.add_(torch.randn_like(p) * p.std() * 0.1)
+    model.save_pretrained(out)
+    for f in model_dir.iterdir():  # the tokenizer and chat template travel with the weights
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            shutil.copy2(f, out / f.name)
+
+
 class Load:
     """--concurrency workers, each streaming chats through the gateways in turn until stopped."""
 
@@ -74,18 +99,25 @@ class Load:
         self.ttft: list[float] = []
         self.total: list[float] = []
         self.failed: list[str] = []
+        self.failed_at: list[float] = []  # time.time() of each failure
+        self.started_at: list[float] = []  # time.time() each request started (successes and failures)
         self.stop = asyncio.Event()
+
+    def fail(self, what: str) -> None:
+        self.failed.append(what)
+        self.failed_at.append(time.time())
 
     async def one(self, http: httpx.AsyncClient, worker: int, i: int) -> None:
         url = f"{self.gateways[(worker + i) % len(self.gateways)]}/chat/completions"
         body = {"model": "policy", "stream": True, "max_tokens": self.max_tokens, "temperature": 0.7,
                 "messages": [{"role": "user", "content": QUESTIONS[(worker + i) % len(QUESTIONS)]}]}
         t0 = time.perf_counter()
+        self.started_at.append(time.time())
         first = None
         try:
             async with http.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
-                    self.failed.append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    self.fail(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                     return
                 done = False
                 async for line in r.aiter_lines():
@@ -95,13 +127,13 @@ class Load:
                         if line == "data: [DONE]":
                             done = True
                         elif '"error"' in line[:20]:
-                            self.failed.append(line[:200])
+                            self.fail(line[:200])
                             return
                 if not done:
-                    self.failed.append("stream ended without [DONE]")
+                    self.fail("stream ended without [DONE]")
                     return
         except httpx.HTTPError as exc:
-            self.failed.append(f"{type(exc).__name__}: {exc}")
+            self.fail(f"{type(exc).__name__}: {exc}")
             return
         self.ttft.append(first or 0.0)
         self.total.append(time.perf_counter() - t0)
@@ -119,7 +151,8 @@ class Load:
 
 
 def load_seconds(engine: Any, name: str) -> float | None:
-    """vLLM's adapter load time, as the publish event recorded it."""
+    """vLLM's adapter load time (a full version: pause + reload + resume), as the publish event
+    recorded it; the slowest server's."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session as OrmSession
 
@@ -128,7 +161,10 @@ def load_seconds(engine: Any, name: str) -> float | None:
     with OrmSession(engine) as db:
         ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
                         .where(PolicyVersion.name == name)).first()
-        seconds = (ev.metrics or {}).get("lora_load_s") if ev is not None else None
+        metrics = (ev.metrics or {}) if ev is not None else {}
+        seconds = metrics.get("lora_load_s")
+        if seconds is None and metrics.get("reloads"):
+            seconds = {r.get("url", str(i)): r.get("total_s") for i, r in enumerate(metrics["reloads"])}
     # one number per server: the slowest is what the switch waited for
     return max(seconds.values()) if isinstance(seconds, dict) and seconds else seconds
 
@@ -158,38 +194,49 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         await asyncio.sleep(args.warmup_s)  # the load reaches its steady state first
         async with httpx.AsyncClient(timeout=30) as http:
             for k in range(args.publishes):
-                directory = work / f"adapter-{k}"
-                await asyncio.to_thread(write_adapter, Path(args.model_dir), directory, k)
-                name = f"gpu-load-{k}-{os.getpid()}"
+                directory = work / f"{args.kind}-{k}"
+                write = write_adapter if args.kind == VersionKind.LORA else write_checkpoint
+                await asyncio.to_thread(write, Path(args.model_dir), directory, k)
+                name = f"gpu-load-{args.kind}-{k}-{os.getpid()}"
                 t0 = time.perf_counter()  # the adapter is written
+                written_at = time.time()
                 watchers = [asyncio.create_task(serving(http, g, name)) for g in gateways]
                 await asyncio.to_thread(publish, engine, PublishRequest(
                     directory=directory, base_model=args.model, vllm_urls=[args.upstream], name=name,
+                    kind=VersionKind(args.kind), pause_mode=PauseMode(args.pause_mode),
                     activate=True, copy=False, actor="bench", reason="publish under load"))
                 t_pool = time.perf_counter()
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), 60)
-                rounds.append({"name": name, "load_s": load_seconds(engine, name),
+                rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(engine, name),
                                "pool_s": t_pool - t0, "gateways_s": [s - t0 for s in seen],
                                "all_serving_s": max(seen) - t0})
                 print(f"publish {k}: {rounds[-1]}", flush=True)
                 await asyncio.sleep(args.gap_s)
         load.stop.set()
         await task
-        # leave the server as it was: the base serves, the adapters are unloaded
+        # leave the server as it was: the base serves (its own weights), the adapters are unloaded
         await asyncio.to_thread(versions.activate, engine, versions.BASE, [args.upstream])
-        with httpx.Client(timeout=30) as sync:
-            for r in rounds:
-                vllm_admin.unload(sync, [args.upstream], r["name"])
+        if args.kind == VersionKind.LORA:
+            with httpx.Client(timeout=30) as sync:
+                for r in rounds:
+                    vllm_admin.unload(sync, [args.upstream], r["name"])
     finally:
         for gw in with_gws:
             gw.__exit__(None, None, None)
         engine.dispose()
     ends = [r["all_serving_s"] for r in rounds]
+    windows = [(r["written_at"], r["written_at"] + r["all_serving_s"] + 1.0) for r in rounds]
     return {"config": {k: v for k, v in vars(args).items() if k != "out"}, "rounds": rounds,
             "switch_p50_s": pct(ends, 0.5), "switch_p99_s": pct(ends, 0.99), "switch_max_s": max(ends),
             "requests": len(load.total) + len(load.failed), "failed": len(load.failed),
+            "failed_during_publishes": failed_in(load.failed_at, windows),
             "failures": load.failed[:20], "ttft_p50_s": pct(load.ttft, 0.5), "ttft_p99_s": pct(load.ttft, 0.99),
             "total_p50_s": pct(load.total, 0.5), "total_p99_s": pct(load.total, 0.99)}
+
+
+def failed_in(failed_at: list[float], windows: list[tuple[float, float]]) -> int:
+    """Failures that happened inside any of the (start, end) windows (time.time())."""
+    return sum(any(a <= t <= b for a, b in windows) for t in failed_at)
 
 
 def table(res: dict[str, Any]) -> str:
@@ -198,21 +245,26 @@ def table(res: dict[str, Any]) -> str:
 
     loads = [r["load_s"] for r in res["rounds"] if r["load_s"] is not None]
     c = res["config"]
+    kind = c.get("kind", "lora")
+    what = ("vLLM load_lora_adapter s" if kind == "lora"
+            else f"vLLM pause ({c.get('pause_mode')}) + reload_weights + resume s")
+    thing = "adapter" if kind == "lora" else "checkpoint"
     return "\n".join([
-        f"publish under load: {c['publishes']} publishes, {c['gateways']} gateways, {c['concurrency']} concurrent "
-        f"streams ({c['max_tokens']} tokens each)",
+        f"publish under load ({kind}): {c['publishes']} publishes, {c['gateways']} gateways, {c['concurrency']} "
+        f"concurrent streams ({c['max_tokens']} tokens each)",
         "",
         "| what | p50 | p99 | max |",
         "|---|---|---|---|",
-        f"| vLLM load_lora_adapter s | {f(pct(loads, .5))} | {f(pct(loads, .99))} | {f(max(loads) if loads else None)} |",
-        f"| adapter written → active in the pool s | {f(pct([r['pool_s'] for r in res['rounds']], .5))} | "
+        f"| {what} | {f(pct(loads, .5))} | {f(pct(loads, .99))} | {f(max(loads) if loads else None)} |",
+        f"| {thing} written → active in the pool s | {f(pct([r['pool_s'] for r in res['rounds']], .5))} | "
         f"{f(pct([r['pool_s'] for r in res['rounds']], .99))} | {f(max(r['pool_s'] for r in res['rounds']))} |",
-        f"| adapter written → every gateway serving it s | {f(res['switch_p50_s'])} | {f(res['switch_p99_s'])} | "
+        f"| {thing} written → every gateway serving it s | {f(res['switch_p50_s'])} | {f(res['switch_p99_s'])} | "
         f"{f(res['switch_max_s'])} |",
         f"| load: time to first token s | {f(res['ttft_p50_s'])} | {f(res['ttft_p99_s'])} | |",
         f"| load: whole stream s | {f(res['total_p50_s'])} | {f(res['total_p99_s'])} | |",
         "",
-        f"requests during the run: {res['requests']}, failed: {res['failed']}",
+        f"requests during the run: {res['requests']}, failed: {res['failed']} "
+        f"({res.get('failed_during_publishes', '–')} of them between a {kind} written and every gateway serving it)",
     ])
 
 
@@ -227,14 +279,21 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--warmup-s", type=float, default=5.0)
     p.add_argument("--gap-s", type=float, default=1.0, help="pause between publishes")
+    p.add_argument("--kind", choices=[VersionKind.LORA, VersionKind.FULL], default=VersionKind.LORA,
+                   help="publish LoRA adapters, or whole checkpoints (vLLM needs VLLM_SERVER_DEV_MODE=1)")
+    p.add_argument("--pause-mode", choices=[m.value for m in PauseMode], default=PauseMode.WAIT,
+                   help="full: what requests in flight do during a reload (datapool.vocab.PauseMode)")
+    p.add_argument("--tag", help="file name suffix (default: the kind, for full)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/gpu/results"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="publish-load-"))
     res = asyncio.run(main_async(args, work))
-    (args.out / "publish_load.json").write_text(json.dumps(res, indent=1))
+    tag = args.tag or ("" if args.kind == VersionKind.LORA else args.kind)
+    stem = f"publish_load-{tag}" if tag else "publish_load"
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     text = table(res)
-    (args.out / "publish_load.md").write_text(text + "\n")
+    (args.out / f"{stem}.md").write_text(text + "\n")
     print("\n" + text)
 
 

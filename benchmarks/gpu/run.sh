@@ -4,6 +4,8 @@
 # cuda), then the publish-under-load check and/or the learning benchmark.
 #
 #   benchmarks/gpu/run.sh publish|learn|all|up [bench.py args...]     (up: only start vLLM)
+#   benchmarks/gpu/run.sh shape2 [shape2.py args...]   (2 GPUs: vLLM on GPU 0 in dev mode, the
+#                                                      veRL trainer on GPU 1; benchmarks/gpu/shape2.py)
 #
 # Runs on the GPU machine after the staged vLLM is unpacked (benchmarks/gpu/README.md: the
 # `gpu-stage` chunks with the project's runtime wheels as an EXTRA dir, then
@@ -20,10 +22,21 @@ port=8501; url=http://127.0.0.1:$port/v1; model=/tmp/smollm2
 log() { echo "[gpu $(date -u +%H:%M:%S)] $*"; }
 
 up() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url/models" >/dev/null 2>&1; }
+# shape2: vLLM on its own GPU, with the development endpoints (full weights are reloaded in place)
+vllm_env=()
+if [ "$what" = shape2 ]; then
+  vllm_env=(CUDA_VISIBLE_DEVICES=${VLLM_GPU:-0} VLLM_SERVER_DEV_MODE=1)
+  dev() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/is_paused" >/dev/null 2>&1; }
+  if up && ! dev; then
+    log "vLLM on $url has no dev mode: restarting it"
+    kill "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null
+    for _ in $(seq 60); do up || break; sleep 1; done; sleep 3
+  fi
+fi
 if ! up; then
   log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log /tmp/vllm.log)"
   t0=$(date +%s)
-  setsid nohup python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
+  setsid nohup env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
     --enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64} \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} \
     --enforce-eager --port $port >/tmp/vllm.log 2>&1 &
@@ -35,6 +48,15 @@ else
   log "vLLM already up on $url"
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+rc=0
+if [ "$what" = shape2 ]; then
+  log "shape2 $*"
+  python3 benchmarks/gpu/shape2.py --upstream $url --model-dir $model --out "$out" --trainer-gpu ${TRAINER_GPU:-1} "$@" \
+    2>&1 | tee "$out/shape2.log" | grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" | tail -120
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { log "shape2 failed ($rc); vLLM log tail:"; tail -30 /tmp/vllm.log; }
+fi
 
 if [ "$what" = publish ] || [ "$what" = all ]; then
   log "publish under load"
@@ -48,3 +70,4 @@ if [ "$what" = learn ] || [ "$what" = all ]; then
     2>&1 | tee "$out/learn${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
+exit ${rc:-0}

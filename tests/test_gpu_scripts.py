@@ -1,0 +1,76 @@
+"""The GPU benchmarks' own logic, without a GPU: benchmarks/gpu/shape2.py builds a trainer command
+`nextstate train` accepts and reports what it measured; publish_load.py counts failures inside
+the publish windows and tables both kinds. (The benchmarks themselves run on the device.)"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the benchmarks import the trainer")
+
+from benchmarks.gpu import publish_load, shape2  # noqa: E402
+from nextstate.cli.train import train  # noqa: E402
+
+
+def args(**kw: object) -> argparse.Namespace:
+    base = {"backend": "verl", "steps": 6, "batch_size": 8, "micro_batch_size": 8, "lr_full": 1e-5, "lr_lora": 1e-4,
+            "model_dir": Path("/tmp/smollm2"), "upstream": "http://127.0.0.1:8501/v1", "push_every": 1}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("verl", "lora"), ("verl", "full"), ("local", "lora")])
+def test_trainer_command_parses(backend: str, mode: str, tmp_path: Path) -> None:
+    cmd = shape2.trainer_command(args(backend=backend, model_dir=tmp_path), mode, "sqlite:////tmp/pool.db")
+    assert cmd[1:4] == ["-m", "nextstate.cli", "train"]
+    ctx = train.make_context("train", cmd[4:])
+    p = ctx.params
+    assert p["backend"] == backend and p["publish"] and p["full"] == (mode == "full")
+    assert p["vllm_urls"] == ("http://127.0.0.1:8501/v1",) and p["steps"] == 6
+    if backend == "verl":
+        assert p["push_every"] == 1 and p["gpus"] == 1
+
+
+def test_failed_in_windows() -> None:
+    assert publish_load.failed_in([1.0, 5.0, 9.5, 20.0], [(0.5, 2.0), (9.0, 10.0)]) == 2
+    assert publish_load.failed_in([], [(0.0, 1.0)]) == 0
+
+
+def test_tables_render() -> None:
+    res = {
+        "config": {"backend": "verl", "trainer_gpu": "1", "upstream": "u", "gateways": 2, "concurrency": 200,
+                   "max_tokens": 64, "steps": 2, "batch_size": 8, "push_every": 1},
+        "fill": {"scored": 64, "seconds": 3.2}, "live_user": {"scored": 10},
+        "runs": [
+            {"mode": "lora", "rc": 0, "seconds": 50.0, "failed_during_run": 0, "requests_during_run": 900,
+             "steps": [{"seconds": 1.5}, {"seconds": 2.0}],
+             "turns_per_version": {"lora-a": 40},
+             "proof": {"ok": True, "policy_version": "lora-a", "expected": "lora-a"},
+             "pushes": [{"active_in_pool_s": 0.2, "all_serving_s": 0.3, "lora_load_s": 0.03, "failed_during": 0,
+                         "requests_during": 80},
+                        {"active_in_pool_s": None, "all_serving_s": None, "lora_load_s": None}]},
+            {"mode": "full", "rc": 1, "seconds": 20.0, "failed_during_run": 2, "requests_during_run": 300,
+             "turns_per_version": {}, "proof": {}, "pushes": []},
+        ],
+        "load": {"requests": 1200, "seconds": 80.0, "failed": 2, "ttft_p50_s": 0.05, "total_p50_s": 0.4},
+        "full_publish": {"rc": 0, "switch_p50_s": 0.9, "reload_s": [0.5, None], "requests": 500, "failed": 0,
+                         "failed_during_publishes": 0},
+        "skipped": [],
+    }
+    text = shape2.table(res)
+    assert "| lora (exit 0, 50 s) | 2 | optimizer step s (veRL: before each push) | 1.500 | 2.000 | 2.000 |" in text
+    assert "|  |  | weights written → active in the pool s | 0.200 |" in text
+    assert "requests failed during the pushes **0** (of 80" in text and "**OK**" in text and "**NOT OK**" in text
+    assert "vLLM pause + reload_weights + resume s | – | – | – |" in text
+    assert "full-weight publish under load" in text and "0.500, –" in text
+
+    rounds = [{"name": "v", "written_at": 0.0, "load_s": 0.4, "pool_s": 0.5, "gateways_s": [0.6], "all_serving_s": 0.6}]
+    full = {"config": {"kind": "full", "pause_mode": "wait", "publishes": 1, "gateways": 1, "concurrency": 4,
+                       "max_tokens": 8}, "rounds": rounds, "switch_p50_s": 0.6, "switch_p99_s": 0.6,
+            "switch_max_s": 0.6, "requests": 10, "failed": 0, "failed_during_publishes": 0, "ttft_p50_s": 0.1,
+            "ttft_p99_s": 0.2, "total_p50_s": 0.3, "total_p99_s": 0.4}
+    text = publish_load.table(full)
+    assert "publish under load (full)" in text and "vLLM pause (wait) + reload_weights + resume s | 0.400" in text
+    assert "checkpoint written → every gateway serving it s | 0.600" in text
