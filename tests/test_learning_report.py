@@ -54,7 +54,10 @@ def test_arms_name_the_rl_baseline():
     old = arm_objective("combined:none", "batch")  # the arm's own wins
     assert (old.objective, old.rl_baseline) == ("combined", "none")
     assert arm_objective("opd").objective == "opd"
+    weighted = arm_objective("combined:batch:0.5")
+    assert (weighted.rl_baseline, weighted.w_rl, weighted.w_opd) == ("batch", 0.5, 1.0)
+    assert arm_objective("combined::0.25", "none").rl_baseline == "none"
     assert arm_slug("combined:none") == "combined-none"
-    for bad in ("sft", "rl:ema"):
+    for bad in ("sft", "rl:ema", "combined:batch:x", "combined:batch:1:2"):
         with pytest.raises(ValueError):
             arm_objective(bad)

@@ -27,7 +27,8 @@ preference is the curve's next point.
 Arms: none (no trainer: the base policy), rl (binary reward), opd (hindsight OPD on the
 corrected turns), combined; each over --seeds seeds. An rl or combined arm may name the RL
 baseline after a colon (``rl:none``, ``combined:batch``: ``ObjectiveConfig.rl_baseline``; without
-one, --rl-baseline's), so both variants run side by side as arms of their own (seed: the order of training questions,
+one, --rl-baseline's), and a combined arm w_rl after another (``combined:batch:0.5``), so the
+variants run side by side as arms of their own (seed: the order of training questions,
 sampling seeds, LoRA init). Every arm and seed is its own process with its own pool, gateway
 and trainer (its adapters carry its own names), --jobs of them at a time against the shared
 vLLM(s). The base policy's held-out answers use the same per-request seeds at every checkpoint,
@@ -286,7 +287,8 @@ class Job:
         trainer.finish()
         rewards = [t["reward"] or 0.0 for t in turns]
         return {"arm": arm, "seed": seed, "objective": self.objective.objective,
-                "rl_baseline": self.objective.rl_baseline, **curves, "latencies_s": latencies,
+                "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl, **curves,
+                "latencies_s": latencies,
                 "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
 
     def unload(self) -> None:
@@ -297,12 +299,17 @@ class Job:
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
-    """A trained arm's objective: ``OBJECTIVE[:BASELINE]`` (``combined:none``); an arm without a
-    baseline takes *rl_baseline*, else ``ObjectiveConfig``'s default. Raises ValueError for an
-    unknown objective or baseline."""
-    objective, _, baseline = arm.partition(":")
-    baseline = baseline or rl_baseline
-    return ObjectiveConfig(objective=objective, **({"rl_baseline": baseline} if baseline else {}))
+    """A trained arm's objective: ``OBJECTIVE[:BASELINE[:W_RL]]`` (``combined:none``,
+    ``combined:batch:0.5``); an arm without a baseline takes *rl_baseline*, else
+    ``ObjectiveConfig``'s default. Raises ValueError for an unknown objective or baseline."""
+    objective, *rest = arm.split(":")
+    if len(rest) > 2:
+        raise ValueError(f"an arm is OBJECTIVE[:BASELINE[:W_RL]], not {arm!r}")
+    baseline = (rest[0] if rest else "") or rl_baseline
+    kw: dict[str, Any] = {"rl_baseline": baseline} if baseline else {}
+    if len(rest) == 2:
+        kw["w_rl"] = float(rest[1])
+    return ObjectiveConfig(objective=objective, **kw)
 
 
 def arm_slug(arm: str) -> str:
@@ -384,7 +391,8 @@ def main() -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--arms", default="none,rl,opd,combined",
                    help="comma-separated: none, rl, opd, combined; rl and combined may name the RL baseline "
-                        "after a colon (rl:none, combined:batch) to run both variants side by side")
+                        "after a colon (rl:none, combined:batch), combined also w_rl after another "
+                        "(combined:batch:0.5), to run the variants side by side")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")
