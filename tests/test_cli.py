@@ -89,7 +89,7 @@ def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path) -> None:  # 
 
 
 def _captured_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path, flags: list[str]):  # type: ignore[no-untyped-def]
-    """Run `nextstate train` with ``flags`` up to the local backend and return its LocalConfig."""
+    """Run `nextstate train` with ``flags`` up to the local backend; its LocalConfig and ObjectiveConfig."""
     import importlib
 
     train_cli = importlib.import_module("nextstate.cli.train")  # the module, not the command it exports
@@ -97,24 +97,25 @@ def _captured_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path, flags: lis
 
     def fake_offline(p, settings, engine, cfg, local, *rest) -> None:  # type: ignore[no-untyped-def]
         seen["local"] = local
+        seen["objective"] = cfg
 
     monkeypatch.setattr(train_cli, "_train_offline", fake_offline)
     result = CliRunner().invoke(main, ["train", "--objective", "rl", "--model-dir", str(tmp_path),
                                        "--database-url", f"sqlite:///{tmp_path}/pool.db", *flags])
     assert result.exit_code == 0, result.output
-    return seen["local"]
+    return seen["local"], seen["objective"]
 
 
 def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from trainer.config import LocalConfig
 
-    local = _captured_local_config(monkeypatch, tmp_path, [
+    local, _ = _captured_local_config(monkeypatch, tmp_path, [
         "--full", "--micro-batch-size", "8", "--compile", "--compile-mode", "reduce-overhead", "--packing", "on",
         "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5"])
     assert (local.lora, local.micro_batch_size, local.compile, local.compile_mode, local.packing,
             local.logprob_chunk, local.fp32_master, local.activation_memory_budget) == (
         False, 8, True, "reduce-overhead", "on", 512, False, 0.5)
-    defaults = _captured_local_config(monkeypatch, tmp_path, [])
+    defaults, _ = _captured_local_config(monkeypatch, tmp_path, [])
     reference = LocalConfig(model_dir=tmp_path)
     for name in ("lora", "micro_batch_size", "compile", "compile_mode", "packing", "logprob_chunk", "fp32_master",
                  "activation_memory_budget"):
@@ -125,3 +126,14 @@ def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatc
         assert flag in help_text, flag
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--micro-batch-size", "0"])
     assert bad.exit_code == 2 and "micro-batch-size" in bad.output
+
+
+def test_train_rl_baseline_flag_reaches_the_objective(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from trainer.config import ObjectiveConfig
+
+    _, default = _captured_local_config(monkeypatch, tmp_path, [])
+    assert default.rl_baseline == ObjectiveConfig().rl_baseline == "batch"
+    _, old = _captured_local_config(monkeypatch, tmp_path, ["--rl-baseline", "none"])
+    assert old.rl_baseline == "none"
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--rl-baseline", "ema"])
+    assert bad.exit_code == 2 and "rl-baseline" in bad.output

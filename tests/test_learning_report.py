@@ -3,7 +3,16 @@ against the simulated user's preference, and where a job's time went (benchmarks
 
 from __future__ import annotations
 
-from benchmarks.learning.bench import agreement, phase_table, stability, stable_from
+import pytest
+
+from benchmarks.learning.bench import (
+    agreement,
+    arm_objective,
+    arm_slug,
+    phase_table,
+    stability,
+    stable_from,
+)
 
 
 def test_stable_from_needs_three_checkpoints_in_a_row():
@@ -37,3 +46,18 @@ def test_phase_table_means_per_arm():
             for s, w, i, t in ((0, 100.0, 10.0, 50.0), (1, 200.0, 30.0, 150.0))]
     line = phase_table(rows + [{"arm": "none", "seed": 0}]).splitlines()[-1]
     assert line == "| rl | 2 | 150.0 | 0.0 | 20.0 | 0.0 | 100.0 | 0.0 | 0.0 |"
+
+
+def test_arms_name_the_rl_baseline():
+    assert arm_objective("combined").rl_baseline == "batch"  # ObjectiveConfig's default
+    assert arm_objective("rl", "none").rl_baseline == "none"  # --rl-baseline
+    old = arm_objective("combined:none", "batch")  # the arm's own wins
+    assert (old.objective, old.rl_baseline) == ("combined", "none")
+    assert arm_objective("opd").objective == "opd"
+    weighted = arm_objective("combined:batch:0.5")
+    assert (weighted.rl_baseline, weighted.w_rl, weighted.w_opd) == ("batch", 0.5, 1.0)
+    assert arm_objective("combined::0.25", "none").rl_baseline == "none"
+    assert arm_slug("combined:none") == "combined-none"
+    for bad in ("sft", "rl:ema", "combined:batch:x", "combined:batch:1:2"):
+        with pytest.raises(ValueError):
+            arm_objective(bad)

@@ -8,6 +8,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 ca = pytest.importorskip("verl.trainer.ppo.core_algos")
@@ -44,8 +47,9 @@ def test_config_defaults_and_validation() -> None:
     assert (cfg.objective, cfg.w_rl, cfg.w_opd) == ("rl", 1.0, 1.0)
     assert (cfg.clip_low, cfg.clip_high) == (0.2, 0.28)
     assert cfg.kl_coef == 0.0 and cfg.kl_type == "low_var_kl" and cfg.loss_agg_mode == "token-mean"
+    assert cfg.rl_baseline == "batch"
     for bad in ({"objective": "sft"}, {"loss_agg_mode": "mean"}, {"clip_ratio_c": 1.0},
-                {"opd_clip": 0.0}, {"kl_coef": -1.0}, {"clip_low": 1.0}):
+                {"opd_clip": 0.0}, {"kl_coef": -1.0}, {"clip_low": 1.0}, {"rl_baseline": "ema"}):
         with pytest.raises(ValueError):
             ObjectiveConfig(**bad)
 
@@ -102,19 +106,59 @@ def test_rewards_for_batch_binary_and_integrated() -> None:
 # --------------------------------------------------------------------------- advantages
 
 
-def test_binary_advantage_is_r_on_masked_tokens() -> None:
+NO_BASELINE = ObjectiveConfig(rl_baseline="none")
+
+
+def standardized(r: torch.Tensor) -> torch.Tensor:
+    """GRPO's (r − mean) / (std + 1e-6), unbiased std."""
+    return (r - r.mean()) / (r.std() + 1e-6)
+
+
+def test_binary_advantage_without_baseline_is_r_on_masked_tokens() -> None:
     r = torch.tensor([1.0, -1.0, 0.5, 0.0])
-    adv, ret = compute_binary_advantage(scores_to_token_rewards(r, MASK), MASK)
+    adv, ret = compute_binary_advantage(scores_to_token_rewards(r, MASK), MASK, config=NO_BASELINE)
     assert close(adv, r[:, None] * MASK)
     assert close(ret, adv)
     assert (adv[MASK == 0] == 0).all()
-    # a batch without group ids, even with grpo on, is plain r; so is grpo off with ids
+    # without group ids, even with grpo on, it is plain r; so is grpo off with ids
     adv_off, _ = compute_binary_advantage(scores_to_token_rewards(r, MASK), MASK,
                                           index=np.array(["a", "a", "b", "b"], dtype=object),
-                                          config=ObjectiveConfig(grpo=False))
+                                          config=ObjectiveConfig(grpo=False, rl_baseline="none"))
     assert close(adv_off, r[:, None] * MASK)
-    adv_none, _ = compute_binary_advantage(scores_to_token_rewards(r, MASK), MASK, index=[None] * 4)
+    adv_none, _ = compute_binary_advantage(scores_to_token_rewards(r, MASK), MASK, index=[None] * 4,
+                                           config=NO_BASELINE)
     assert close(adv_none, r[:, None] * MASK)
+
+
+def test_batch_baseline_standardizes_within_the_batch_like_verl() -> None:
+    """The default: samples without a group (online: all) are one GRPO group, the batch."""
+    r = torch.tensor([1.0, -1.0, -1.0, -1.0])
+    tlr = scores_to_token_rewards(r, MASK)
+    adv, ret = compute_binary_advantage(tlr, MASK)
+    assert close(adv, standardized(r)[:, None] * MASK, atol=1e-5)
+    assert close(ret, adv)
+    assert (adv[MASK == 0] == 0).all()
+    # exactly veRL's GRPO with one index for the whole batch
+    verl_adv, _ = ca.compute_grpo_outcome_advantage(tlr, MASK, np.array(["batch"] * 4, dtype=object))
+    assert close(adv, verl_adv)
+    # no ids, all-None ids, or grpo off: the same batch group
+    for kw in ({"index": [None] * 4}, {"index": ["a", "a", "b", "b"], "config": ObjectiveConfig(grpo=False)}):
+        assert close(compute_binary_advantage(tlr, MASK, **kw)[0], adv)
+    # Dr. GRPO's centring when the std is off: (1, -1, -1, -1) - (-0.5)
+    centred, _ = compute_binary_advantage(tlr, MASK, config=ObjectiveConfig(grpo_norm_by_std=False))
+    assert close(centred, torch.tensor([1.5, -0.5, -0.5, -0.5])[:, None] * MASK)
+
+
+def test_batch_baseline_all_failed_gives_no_rl_signal() -> None:
+    """Every reply of the round failed: A = 0 (without a baseline every token got −1)."""
+    r = -torch.ones(4)
+    tlr = scores_to_token_rewards(r, MASK)
+    adv, _ = compute_binary_advantage(tlr, MASK)
+    assert (adv == 0).all()
+    assert close(compute_binary_advantage(tlr, MASK, config=NO_BASELINE)[0], -MASK)
+    # a lone sample has no batch to compare with: it keeps A = r (veRL's rule for a group of one)
+    lone, _ = compute_binary_advantage(scores_to_token_rewards(r[:1], MASK[:1]), MASK[:1])
+    assert close(lone, -MASK[:1])
 
 
 def test_grpo_advantage_matches_formula_and_verl() -> None:
@@ -141,14 +185,64 @@ def test_grpo_advantage_matches_formula_and_verl() -> None:
     assert close(adv_c, verl_c)
 
 
-def test_grpo_mixed_batch_singletons_keep_r() -> None:
-    mask = torch.ones(4, 2)
-    r = torch.tensor([1.0, 0.0, -1.0, 1.0])
+def test_grpo_groups_and_the_batch_group_in_one_batch() -> None:
+    mask = torch.ones(5, 2)
+    r = torch.tensor([1.0, 0.0, -1.0, 1.0, 0.5])
+    index = ["g", "g", None, "alone", None]
+    adv, _ = compute_binary_advantage(scores_to_token_rewards(r, mask), mask, index=index)
+    assert close(adv[:2], standardized(r[:2])[:, None].expand(2, 2), atol=1e-5)
+    # a group of one and the samples without a group make the batch's group
+    rest = torch.tensor([2, 3, 4])
+    assert close(adv[rest], standardized(r[rest])[:, None].expand(3, 2), atol=1e-5)
+    # without a baseline they keep r
+    adv_none, _ = compute_binary_advantage(scores_to_token_rewards(r, mask), mask, index=index, config=NO_BASELINE)
+    assert close(adv_none[:2], adv[:2])
+    assert close(adv_none[rest], r[rest, None].expand(3, 2))
+
+
+# hypothesis: rewards of a batch (binary ±1 or the −1/0/+1 majority, or any real), reply lengths
+rewards = st.lists(st.one_of(st.sampled_from([-1.0, 0.0, 1.0]), st.floats(-3, 3, allow_nan=False, width=32)),
+                   min_size=2, max_size=12)
+
+
+def _batch(values: list[float], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.tensor(values, dtype=torch.float32)
+    width = max(lengths)
+    mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(torch.float32)
+    return r, mask
+
+
+@hsettings(max_examples=200, deadline=None)
+@given(data=st.data(), values=rewards, centre_only=st.booleans())
+def test_batch_baseline_properties(data: st.DataObject, values: list[float], centre_only: bool) -> None:
+    """Per batch: the advantages sum to ~0 over samples, keep the order of the rewards, are the
+    same on each sample's tokens (0 off the mask), and are 0 when every reward is equal."""
+    lengths = data.draw(st.lists(st.integers(1, 6), min_size=len(values), max_size=len(values)))
+    r, mask = _batch(values, lengths)
+    cfg = ObjectiveConfig(grpo_norm_by_std=not centre_only)
+    adv, _ = compute_binary_advantage(scores_to_token_rewards(r, mask), mask, config=cfg)
+    per_sample = adv[:, 0]
+    assert (adv[mask == 0] == 0).all()
+    assert close(adv, per_sample[:, None] * mask)
+    scale = max(1.0, float(r.abs().max())) * len(values)
+    assert abs(float(per_sample.sum())) <= 1e-4 * scale
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if r[i] == r[j]:
+                assert per_sample[i] == per_sample[j]
+            elif r[i] > r[j]:  # strictly for rewards apart by more than rounding
+                assert per_sample[i] >= per_sample[j] if r[i] - r[j] < 1e-3 else per_sample[i] > per_sample[j]
+    if float(r.max()) == float(r.min()):
+        assert (adv == 0).all()
+
+
+@hsettings(max_examples=100, deadline=None)
+@given(value=st.sampled_from([-1.0, 0.0, 1.0]), n=st.integers(2, 16), centre_only=st.booleans())
+def test_batch_baseline_equal_rewards_give_zeros(value: float, n: int, centre_only: bool) -> None:
+    r, mask = _batch([value] * n, [3] * n)
     adv, _ = compute_binary_advantage(scores_to_token_rewards(r, mask), mask,
-                                      index=["g", "g", None, "alone"])
-    g = r[:2]
-    assert close(adv[:2], ((g - g.mean()) / (g.std() + 1e-6))[:, None].expand(2, 2), atol=1e-5)
-    assert close(adv[2:], r[2:, None].expand(2, 2))
+                                      config=ObjectiveConfig(grpo_norm_by_std=not centre_only))
+    assert (adv == 0).all()
 
 
 def test_opd_advantage_is_clipped_teacher_minus_student() -> None:
@@ -192,15 +286,26 @@ def test_combined_advantage_is_weighted_sum() -> None:
     adv, _ = compute_combined_advantage(tlr, MASK, config=cfg, teacher_log_prob=teacher,
                                         student_log_prob=student, teacher_mask=has_teacher)
     opd = torch.clamp(teacher - student, -1.0, 1.0) * MASK * has_teacher[:, None]
-    assert close(adv, 0.7 * r[:, None] * MASK + 1.5 * opd)
-    assert close(adv[2], 0.7 * r[2] * MASK[2])  # no teacher: RL term only
+    rl = standardized(r)[:, None] * MASK  # the batch baseline (default)
+    assert close(adv, 0.7 * rl + 1.5 * opd, atol=1e-5)
+    assert close(adv[2], 0.7 * rl[2])  # no teacher: RL term only
+    # without a baseline: w_rl · r
+    old, _ = compute_combined_advantage(tlr, MASK, config=ObjectiveConfig(
+        objective="combined", w_rl=0.7, w_opd=1.5, opd_clip=1.0, rl_baseline="none"),
+        teacher_log_prob=teacher, student_log_prob=student, teacher_mask=has_teacher)
+    assert close(old, 0.7 * r[:, None] * MASK + 1.5 * opd)
+    # a round where every reply failed: OPD alone
+    failed = scores_to_token_rewards(-torch.ones(4), MASK)
+    only_opd, _ = compute_combined_advantage(failed, MASK, config=cfg, teacher_log_prob=teacher,
+                                             student_log_prob=student, teacher_mask=has_teacher)
+    assert close(only_opd, 1.5 * opd)
 
     # the dispatcher goes through veRL's registry and agrees
     via_registry = compute_advantages(cfg, response_mask=MASK, token_level_rewards=tlr, teacher_log_prob=teacher,
                                       student_log_prob=student, teacher_mask=has_teacher)
     assert close(via_registry, adv)
     rl_only = compute_advantages(ObjectiveConfig(), response_mask=MASK, token_level_rewards=tlr)
-    assert close(rl_only, r[:, None] * MASK)
+    assert close(rl_only, rl, atol=1e-5)
     opd_only = compute_advantages(ObjectiveConfig(objective="opd", opd_clip=1.0), response_mask=MASK,
                                   teacher_log_prob=teacher, student_log_prob=student, teacher_mask=has_teacher)
     assert close(opd_only, opd)

@@ -26,6 +26,10 @@ ADV_BINARY = "nextstate_binary"
 ADV_OPD = "nextstate_opd"
 ADV_COMBINED = "nextstate_combined"
 
+#: Baselines of the binary RL reward for samples outside a GRPO group (``ObjectiveConfig.rl_baseline``):
+#: ``"batch"`` standardizes r within the batch (the batch is one GRPO group), ``"none"`` keeps A = r.
+RL_BASELINES: tuple[str, ...] = ("batch", "none")
+
 #: Which registered advantage estimator each objective uses.
 ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
     "rl": ADV_BINARY,
@@ -53,7 +57,13 @@ class ObjectiveConfig:
         kl_type: veRL ``kl_penalty`` estimator; ``"low_var_kl"`` is k3.
         loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
         grpo: standardize the reward within task groups when group ids are given.
-        grpo_norm_by_std: divide by the group std (GRPO); False only centres (Dr. GRPO).
+        grpo_norm_by_std: divide by the group std (GRPO); False only centres (Dr. GRPO). Also
+            applies to the batch baseline.
+        rl_baseline: what the binary reward of a sample outside a GRPO group (of at least two
+            samples in the batch) is measured against: ``"batch"`` (default): the batch's other
+            such samples, as one GRPO group, A = (r − mean) / (std + ε) — a batch whose rewards
+            are all equal gives A = 0, a lone sample keeps A = r; ``"none"``: A = r (before
+            issue #19: online, where turns have no groups, every token of a failed reply got −1).
         grpo_eps: ε added to the group std.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
@@ -72,12 +82,15 @@ class ObjectiveConfig:
     grpo: bool = True
     grpo_norm_by_std: bool = True
     grpo_eps: float = 1e-6
+    rl_baseline: str = "batch"
     policy_loss: str = "vanilla"
 
     def __post_init__(self) -> None:
         if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
             raise ValueError(f"objective must be one of {sorted(ADV_ESTIMATOR_FOR_OBJECTIVE)}, "
                              f"got {self.objective!r}")
+        if self.rl_baseline not in RL_BASELINES:
+            raise ValueError(f"rl_baseline must be one of {RL_BASELINES}, got {self.rl_baseline!r}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:

@@ -7,9 +7,12 @@ backend: the caller turns rows into tensors, computes log-probabilities, and han
 
 Objectives (docs/design.md, "Objectives"), per response token a_t of a turn:
 
-- **Binary RL** (``objective="rl"``): A = r on every response token (online), or the reward
-  standardized within its GRPO group when samples carry a task group id (veRL's
-  :func:`~verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage`).
+- **Binary RL** (``objective="rl"``): the reward standardized within its GRPO group when
+  samples carry a task group id (veRL's
+  :func:`~verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage`); samples without one
+  (online: all of them) are standardized within the batch (``rl_baseline="batch"``, the
+  default: the batch is one more GRPO group, so a batch of equal rewards gives A = 0), or get
+  A = r on every response token (``rl_baseline="none"``).
 - **Hindsight OPD** (``objective="opd"``): A_t = clip(log π_teacher(a_t | s + hint) −
   log π_θ(a_t | s), ±opd_clip); the student log-prob is detached, so the advantage is a
   constant for the surrogate.
@@ -235,6 +238,10 @@ def _group_index(index: Any, batch: int) -> tuple[np.ndarray, np.ndarray] | None
 # -------------------------------------------------------------------------------- advantages
 
 
+#: the group id that samples outside any GRPO group share under ``rl_baseline="batch"``
+_BATCH_GROUP = ("__nextstate_batch__",)
+
+
 def compute_binary_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -245,20 +252,38 @@ def compute_binary_advantage(
     """Binary RL advantage (registered as ``"nextstate_binary"``).
 
     The sample's reward is ``token_level_rewards.sum(-1)`` (see :func:`scores_to_token_rewards`).
-    Without group ids (or with ``config.grpo`` off) A = r on every response token and 0
-    elsewhere. With group ids, samples sharing one are standardized by veRL's
-    ``compute_grpo_outcome_advantage``: A = (r − mean_g) / (std_g + ε) (unbiased std). Samples
-    whose id is None / NaN, or who are alone in their group, keep A = r.
+    Samples sharing a group id with at least one other sample of the batch (``config.grpo``
+    on) are standardized within their group by veRL's ``compute_grpo_outcome_advantage``:
+    A = (r − mean_g) / (std_g + ε) (unbiased std; only centred with ``grpo_norm_by_std`` off).
+
+    The other samples — all of them online, where turns have no groups — get the baseline
+    ``config.rl_baseline``: ``"batch"`` puts them in one more group, the batch's, and
+    standardizes them the same way, so a batch whose rewards are all equal (every reply
+    failed) gives A = 0, and a single such sample keeps A = r (veRL's rule for a group of
+    one); ``"none"`` keeps A = r. The advantage is the same on every response token and 0
+    elsewhere.
 
     Returns ``(advantages, returns)``, both ``(batch, response_len)``, like veRL's estimators.
     """
     cfg = _as_objective_config(config)
     mask = response_mask.to(torch.float32)
     scores = token_level_rewards.to(torch.float32).sum(dim=-1)
+    batch = scores.shape[0]
     advantages = scores.unsqueeze(-1) * mask
-    groups = _group_index(index, scores.shape[0]) if cfg.grpo else None
-    if groups is not None:
+    groups = _group_index(index, batch) if cfg.grpo else None
+    if groups is None:
+        ids, sizes = np.empty(batch, dtype=object), np.ones(batch, dtype=int)
+        for i in range(batch):
+            ids[i] = ("__nextstate_singleton__", i)
+    else:
         ids, sizes = groups
+    grouped = sizes > 1
+    if cfg.rl_baseline == "batch":
+        ids = ids.copy()
+        for i in np.flatnonzero(~grouped):
+            ids[i] = _BATCH_GROUP
+        grouped = np.ones(batch, dtype=bool)
+    if grouped.any():
         grpo, _ = ca.compute_grpo_outcome_advantage(
             token_level_rewards=token_level_rewards.to(torch.float32),
             response_mask=mask,
@@ -266,8 +291,8 @@ def compute_binary_advantage(
             epsilon=cfg.grpo_eps,
             norm_adv_by_std_in_grpo=cfg.grpo_norm_by_std,
         )
-        grouped = torch.as_tensor(sizes > 1, device=advantages.device).unsqueeze(-1)
-        advantages = torch.where(grouped, grpo.to(advantages.dtype), advantages)
+        take = torch.as_tensor(grouped, device=advantages.device).unsqueeze(-1)
+        advantages = torch.where(take, grpo.to(advantages.dtype), advantages)
     return advantages, advantages
 
 

@@ -25,7 +25,10 @@ prompt and sample, all requests at once, straight to the vLLM): the share meetin
 preference is the curve's next point.
 
 Arms: none (no trainer: the base policy), rl (binary reward), opd (hindsight OPD on the
-corrected turns), combined; each over --seeds seeds (seed: the order of training questions,
+corrected turns), combined; each over --seeds seeds. An rl or combined arm may name the RL
+baseline after a colon (``rl:none``, ``combined:batch``: ``ObjectiveConfig.rl_baseline``; without
+one, --rl-baseline's), and a combined arm w_rl after another (``combined:batch:0.5``), so the
+variants run side by side as arms of their own (seed: the order of training questions,
 sampling seeds, LoRA init). Every arm and seed is its own process with its own pool, gateway
 and trainer (its adapters carry its own names), --jobs of them at a time against the shared
 vLLM(s). The base policy's held-out answers use the same per-request seeds at every checkpoint,
@@ -78,6 +81,7 @@ from datapool.scoring.judge import LLMJudge, PythonJudge
 from datapool.scoring.score import TeacherConfig, score_turn
 from datapool.vocab import VersionKind
 from tests.processes import GatewayProcess, wait_for
+from trainer.config import RL_BASELINES
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import OnlineConfig, OnlineTrainer
@@ -161,6 +165,7 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, work: Path, arm: str, seed: int):
         self.args, self.work, self.arm, self.seed = args, work, arm, seed
+        self.objective = arm_objective(arm, args.rl_baseline)
         self.pool = f"sqlite:///{work / 'pool.db'}"
         upgrade(self.pool)
         self.engine = make_engine(self.pool)
@@ -239,11 +244,11 @@ class Job:
         a = self.args
         with self.phases("trainer_setup"):
             trainer = OnlineTrainer(
-                self.engine, objective=ObjectiveConfig(objective=self.arm),
+                self.engine, objective=self.objective,
                 local=LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.k),
-                filters=Filters(since=now(), needs_teacher=self.arm == "opd"),
+                filters=Filters(since=now(), needs_teacher=self.objective.objective == "opd"),
                 config=OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0,
-                                    version_prefix=f"b-{self.arm}-{self.seed}-{uuid.uuid4().hex[:6]}"),
+                                    version_prefix=f"b-{arm_slug(self.arm)}-{self.seed}-{uuid.uuid4().hex[:6]}"),
                 vllm_urls=self.urls, base_model=a.model, output_root=self.work / "runs", store=self.work / "store")
             trainer._trainer()
         return trainer
@@ -261,7 +266,7 @@ class Job:
             with phase("interact"):
                 tid, reply = self.interact(client, question, seed * 100_000 + i)
             with phase("score"):
-                self.score(tid, teacher=arm in ("opd", "combined"))
+                self.score(tid, teacher=self.objective.objective in ("opd", "combined"))
             turns.append(self.record(tid, question, reply))
             if (i + 1) % a.k:
                 continue
@@ -281,7 +286,9 @@ class Job:
             log.info("%s seed %d: after %d interactions %s", arm, seed, i + 1, point)
         trainer.finish()
         rewards = [t["reward"] or 0.0 for t in turns]
-        return {"arm": arm, "seed": seed, **curves, "latencies_s": latencies,
+        return {"arm": arm, "seed": seed, "objective": self.objective.objective,
+                "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl, **curves,
+                "latencies_s": latencies,
                 "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
 
     def unload(self) -> None:
@@ -289,6 +296,25 @@ class Job:
         with httpx.Client(timeout=30) as http:
             for name in self.names:
                 vllm_admin.unload(http, self.urls, name)
+
+
+def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
+    """A trained arm's objective: ``OBJECTIVE[:BASELINE[:W_RL]]`` (``combined:none``,
+    ``combined:batch:0.5``); an arm without a baseline takes *rl_baseline*, else
+    ``ObjectiveConfig``'s default. Raises ValueError for an unknown objective or baseline."""
+    objective, *rest = arm.split(":")
+    if len(rest) > 2:
+        raise ValueError(f"an arm is OBJECTIVE[:BASELINE[:W_RL]], not {arm!r}")
+    baseline = (rest[0] if rest else "") or rl_baseline
+    kw: dict[str, Any] = {"rl_baseline": baseline} if baseline else {}
+    if len(rest) == 2:
+        kw["w_rl"] = float(rest[1])
+    return ObjectiveConfig(objective=objective, **kw)
+
+
+def arm_slug(arm: str) -> str:
+    """The arm as it may appear in a version name (``combined:none`` → ``combined-none``)."""
+    return arm.replace(":", "-")
 
 
 def policy_root(gw: GatewayProcess) -> str:
@@ -363,7 +389,13 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", help="served name of the base model")
     p.add_argument("--model-dir", help="the base model's directory (default: the converted SmolLM2)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--arms", default="none,rl,opd,combined")
+    p.add_argument("--arms", default="none,rl,opd,combined",
+                   help="comma-separated: none, rl, opd, combined; rl and combined may name the RL baseline "
+                        "after a colon (rl:none, combined:batch), combined also w_rl after another "
+                        "(combined:batch:0.5), to run the variants side by side")
+    p.add_argument("--rl-baseline", choices=RL_BASELINES,
+                   help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
+                        f"{ObjectiveConfig().rl_baseline})")
     p.add_argument("--judge", choices=["python", "llm"], default="python")
     p.add_argument("--votes", type=int, default=3, help="LLM judge: votes per turn")
     p.add_argument("--no-hint-gate", dest="hint_gate", action="store_false",
@@ -391,6 +423,12 @@ def main() -> None:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for arm in args.arms.split(","):
+        if arm != "none":
+            try:
+                arm_objective(arm, args.rl_baseline)
+            except ValueError as exc:
+                p.error(f"--arms: {arm!r}: {exc}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         merge(args)

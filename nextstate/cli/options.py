@@ -91,8 +91,9 @@ def objective(**kw: Any) -> Callable[[F], F]:
     return click.option("--objective", type=choice(Objective), **kw)
 
 
-OBJECTIVE_HELP = ("rl: binary RL (PPO clip on r, GRPO within task groups); opd: hindsight OPD toward "
-                  "the teacher logprobs of hinted turns; combined: w_rl·r + w_opd·(teacher − student).")
+OBJECTIVE_HELP = ("rl: binary RL (PPO clip on r standardized within task groups, else within the batch: "
+                  "--rl-baseline); opd: hindsight OPD toward the teacher logprobs of hinted turns; combined: "
+                  "w_rl·A_rl + w_opd·(teacher − student).")
 
 
 def label_filters(specs: tuple[str, ...]) -> tuple[str, ...]:

@@ -13,7 +13,14 @@ from datapool.leases import Filters
 from datapool.settings import Settings
 from datapool.vocab import Objective, TrainBackend, VersionKind
 from nextstate.cli import options as opt
-from trainer.config import LocalConfig, ObjectiveConfig, OnlineConfig, RunLimits, VerlConfig
+from trainer.config import (
+    RL_BASELINES,
+    LocalConfig,
+    ObjectiveConfig,
+    OnlineConfig,
+    RunLimits,
+    VerlConfig,
+)
 
 
 def _oc(name: str) -> Any:
@@ -49,6 +56,11 @@ def optimisation_options() -> Any:
                      help="combined: weight of the reward term."),
         click.option("--w-opd", type=float, default=opt.field_default(ObjectiveConfig, "w_opd"), show_default=True,
                      help="combined: weight of the OPD term."),
+        click.option("--rl-baseline", type=click.Choice(RL_BASELINES),
+                     default=opt.field_default(ObjectiveConfig, "rl_baseline"), show_default=True,
+                     help="rl, combined: the baseline of the reward of turns outside a task group (online: every "
+                          "turn). batch: standardize r within the batch (a batch where every reply failed gives "
+                          "no RL signal); none: A = r on every token."),
         click.option("--loss-agg-mode", default=opt.field_default(ObjectiveConfig, "loss_agg_mode"),
                      show_default=True,
                      help="veRL's loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, ..."),
@@ -215,7 +227,7 @@ def train(**p: Any) -> None:
     engine = make_engine(settings.resolved_database_url)
     filters = _filters(p)
     cfg = ObjectiveConfig(objective=p["objective"], w_rl=p["w_rl"], w_opd=p["w_opd"], kl_coef=p["kl_coef"],
-                          loss_agg_mode=p["loss_agg_mode"])
+                          loss_agg_mode=p["loss_agg_mode"], rl_baseline=p["rl_baseline"])
     local = local_config(p, model_dir)
     urls = list(p["vllm_urls"]) or vllm_admin.policy_servers(settings)
     base_model = settings.upstream_model or settings.vllm_served_name
