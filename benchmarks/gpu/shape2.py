@@ -388,8 +388,11 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     label = vllm_admin.labels([args.upstream])[args.upstream]
     res["vllm_dev_mode"] = label is not None
     if "full" in args.modes and label is None:
-        raise SystemExit(f"{args.upstream} has no development endpoints (VLLM_SERVER_DEV_MODE=1): full weights "
-                         "cannot be reloaded. Start vLLM with it (run.sh shape2 does) or pass --modes lora")
+        with httpx.Client(timeout=30, trust_env=False) as http:
+            try:
+                vllm_admin.require_weight_labels(http, args.upstream)
+            except vllm_admin.WeightsError as exc:  # no dev mode, or a vLLM without weight labels (0.26)
+                raise SystemExit(f"{exc}. Pass --modes lora") from exc
     pool = f"sqlite:///{work / 'pool.db'}"
     upgrade(pool)
     engine = make_engine(pool)
