@@ -313,9 +313,36 @@ def test_cli_train_backend_verl_checks_its_arguments(model_dir: Path, tmp_path: 
 
     runner = CliRunner()
     help_text = runner.invoke(main, ["train", "--help"]).output
-    for option in ("--backend [local|verl]", "--gpus", "--nnodes", "--ray-address", "--push-every", "--verl-override"):
+    for option in ("--backend [local|verl]", "--gpus", "--nnodes", "--ray-address", "--push-every", "--verl-override",
+                   "--verl-fused-kernels / --no-verl-fused-kernels"):
         assert option in help_text
     base = ["train", "--objective", "rl", "--backend", "verl", "--model-dir", str(model_dir),
             "--database-url", f"sqlite:///{tmp_path / 'pool.db'}"]
     odd = runner.invoke(main, [*base, "--gpus", "2", "--batch-size", "3"])
     assert odd.exit_code == 2 and "multiple of the GPU count 2" in odd.output
+
+
+def test_cli_train_backend_verl_fused_kernels_flag(model_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--verl-fused-kernels`` (the default) / ``--no-verl-fused-kernels`` reach VerlConfig.fused_kernels."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    import trainer.verl_backend
+    from nextstate.cli import main
+
+    seen: list[VerlConfig] = []
+
+    def fake_train_verl(engine: object, *, verl: VerlConfig, **kwargs: object) -> SimpleNamespace:
+        seen.append(verl)
+        return SimpleNamespace(output_dir=None)
+
+    monkeypatch.setattr(trainer.verl_backend, "train_verl", fake_train_verl)
+    base = ["train", "--objective", "rl", "--backend", "verl", "--model-dir", str(model_dir), "--no-publish",
+            "--database-url", f"sqlite:///{tmp_path / 'pool.db'}"]
+    for extra, fused in (([], True), (["--no-verl-fused-kernels"], False), (["--verl-fused-kernels"], True)):
+        result = CliRunner().invoke(main, [*base, *extra])
+        assert result.exit_code == 0, result.output
+        assert seen[-1].fused_kernels is fused
+    assert len(seen) == 3

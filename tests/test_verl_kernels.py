@@ -169,11 +169,18 @@ def test_speed_settings_are_what_the_workers_validate(model_dir: Path) -> None:
     actor = omega_conf_to_dataclass(ref.actor)
     assert actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == 12288 and actor.use_fused_kernels
     assert ref.rollout.log_prob_use_dynamic_bsz and ref.rollout.log_prob_max_token_len_per_gpu == 12288
-    # the defaults: padded micro-batches of micro_batch_size samples, veRL's plain log-prob path
+    # the defaults: padded micro-batches of micro_batch_size samples, veRL's fused log-prob kernels
     conf = build_config(VerlConfig(model_dir=model_dir, attn_implementation="sdpa"), ObjectiveConfig(),
                         batch_size=8, total_steps=2)
     ref = conf.actor_rollout_ref
-    assert not ref.model.use_fused_kernels and not ref.model.use_remove_padding
+    assert ref.model.use_fused_kernels and ref.model.fused_kernel_options.impl_backend == "torch"
+    assert omega_conf_to_dataclass(ref.actor).use_fused_kernels
+    assert not ref.model.use_remove_padding
+    # ... and veRL's plain path when asked
+    conf = build_config(VerlConfig(model_dir=model_dir, attn_implementation="sdpa", fused_kernels=False),
+                        ObjectiveConfig(), batch_size=8, total_steps=2)
+    assert not conf.actor_rollout_ref.model.use_fused_kernels
+    assert not omega_conf_to_dataclass(conf.actor_rollout_ref.actor).use_fused_kernels
     assert not ref.actor.use_dynamic_bsz and not ref.rollout.log_prob_use_dynamic_bsz
     assert ref.actor.ppo_micro_batch_size_per_gpu == 4
 

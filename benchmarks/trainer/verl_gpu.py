@@ -447,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--clip-grad", type=float, default=1e9)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=False,
-                   help="veRL: VerlConfig.fused_kernels (log-probs from hidden states in chunks)")
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="veRL: VerlConfig.fused_kernels (log-probs from hidden states in chunks; on by default, "
+                        "as in VerlConfig)")
     p.add_argument("--remove-padding", default="auto", choices=["auto", "on", "off"],
                    help="veRL: VerlConfig.remove_padding (auto: with flash-attn only)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=0, help="veRL: dynamic micro-batches of this many tokens")

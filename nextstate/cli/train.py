@@ -169,6 +169,10 @@ def verl_options() -> Any:
                      show_default=True, help="verl: recompute activations in the backward pass."),
         click.option("--fsdp", "fsdp_strategy", type=click.Choice(["fsdp2", "fsdp"]), default=vc("strategy"),
                      show_default=True, help="verl: FSDP2 (per-parameter sharding) or FSDP1."),
+        click.option("--verl-fused-kernels/--no-verl-fused-kernels", "verl_fused_kernels",
+                     default=vc("fused_kernels"), show_default=True,
+                     help="verl: veRL's fused log-prob kernels (log-probs from the hidden states in chunks, no "
+                          "full logits); off: veRL's plain path, ~3.6x slower per step on the 1.7 B model."),
         click.option("--offload/--no-offload", default=vc("param_offload"), show_default=True,
                      help="verl: keep parameters and optimizer state in CPU memory between uses."),
         click.option("--push-every", type=int, default=_rl("push_every"),
@@ -359,7 +363,7 @@ def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objecti
                       lora_rank=p["lora_rank"], lora_alpha=2 * p["lora_rank"], lr=p["lr"],
                       micro_batch_size=p["micro_batch_size"], gradient_checkpointing=p["gradient_checkpointing"],
                       strategy=p["fsdp_strategy"], param_offload=p["offload"], optimizer_offload=p["offload"],
-                      ray_address=p["ray_address"], overrides=p["verl_overrides"])
+                      fused_kernels=p["verl_fused_kernels"], ray_address=p["ray_address"], overrides=p["verl_overrides"])
     return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=p["steps"],
                       epochs=p["epochs"], lease_s=p["lease_s"], output_root=settings.data_dir / "runs",
                       resume=p["resume"], publish=publish_written if p["publish"] else None,
