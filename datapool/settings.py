@@ -122,6 +122,13 @@ class Settings(BaseSettings):
     # gateway
     host: str = Field(default="127.0.0.1", description="Address the gateway binds to.")
     port: int = Field(default=8400, description="Port the gateway listens on.")
+    keep_alive_s: float = Field(
+        default=75.0, gt=0,
+        description="How long the gateway keeps an idle client connection open. Longer than the "
+        "clients' own idle limit (httpx and the OpenAI SDKs: 5 s), so a client never sends a "
+        "request on a connection the gateway is closing at that moment (uvicorn's default is also "
+        "5 s, a race that can end a request with a broken connection).",
+    )
     upstream_url: str | None = Field(
         default=None,
         description="Base URL (…/v1) of one OpenAI-compatible vLLM server; used when no model "

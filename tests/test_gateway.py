@@ -301,3 +301,26 @@ def test_client_hanging_up_mid_stream_is_stored_as_cancelled(gateway: GatewayPro
     stored = turn(gateway, turn_id)
     assert stored["status"] == "cancelled" and stored["error"]["type"] == "cancelled"
     assert 0 < len(stored["token_ids"]) < 300
+
+
+def test_an_idle_client_connection_outlives_the_clients_own_idle_limit(gateway: GatewayProcess) -> None:
+    """httpx and the OpenAI SDKs keep an idle connection for 5 s and then send on it; a gateway
+    that closed it at 5 s too (uvicorn's default) races them. One connection, a request, 6 s
+    idle, a second request on the same connection: answered (NEXTSTATE_KEEP_ALIVE_S, 75 s)."""
+    import http.client
+    import time
+    from urllib.parse import urlsplit
+
+    where = urlsplit(gateway.url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=10)
+    try:
+        sockets = []
+        for _ in range(2):
+            conn.request("GET", "/healthz")  # a connection the server closed fails here (RemoteDisconnected)
+            answer = conn.getresponse()
+            assert answer.status == 200 and answer.read() == b'{"status":"ok"}'
+            sockets.append(conn.sock)
+            time.sleep(6)
+        assert sockets[0] is sockets[1] is not None  # the same connection both times
+    finally:
+        conn.close()

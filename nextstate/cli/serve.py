@@ -28,7 +28,8 @@ def _serve_gateway(settings: Settings, migrate: bool) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10)
+                            access_log=False, timeout_graceful_shutdown=10,
+                            timeout_keep_alive=settings.keep_alive_s)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
