@@ -243,6 +243,10 @@ def _convert_model(tmp: Path, python: Path, log_file: IO[str], log_path: Path, l
 TEACHER_ARGS = ("--max-num-seqs", "1")
 
 
+#: LoRA adapters vLLM serves side by side (``--max-loras``); see :func:`serve_command`.
+MAX_LORAS = 4
+
+
 def serve_command(
     python: Path,
     model_dir: Path,
@@ -290,6 +294,12 @@ def serve_command(
         "--enable-lora",
         "--max-lora-rank",
         "16",
+        # adapters served in one batch. vLLM's default, 1, makes requests for a second adapter
+        # wait ("deferred") until the first adapter's are done: the learning benchmark's 3
+        # parallel jobs (and any eval of one version beside traffic on another) then take turns.
+        # A slot costs 2 x 16 x (in + out) values per adapted projection: ~10 MB for SmolLM2.
+        "--max-loras",
+        str(MAX_LORAS),
         # agents send `tools`; vLLM answers `tool_choice` "required"/named (guided JSON) and
         # parses "auto" replies only with a parser set; hermes' <tool_call> format is the common one
         "--enable-auto-tool-choice",

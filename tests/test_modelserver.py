@@ -74,6 +74,7 @@ def test_serve_command_and_env() -> None:
         "--gpu-memory-utilization 0.15",
         "--enable-lora",
         "--max-lora-rank 16",
+        "--max-loras 4",
         "--tool-call-parser hermes",
     ):
         assert flag in joined
