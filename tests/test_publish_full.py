@@ -177,7 +177,9 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
 
     data = tmp_path / "data"
     t0 = time.monotonic()
-    done = cli("train", "--objective", "rl", "--full", "--steps", "2", "--batch-size", "2",
+    # A = -1 on every token (--rl-baseline none): under the default batch baseline a batch whose
+    # rewards are all equal trains nothing, and this test needs the weights to move
+    done = cli("train", "--objective", "rl", "--rl-baseline", "none", "--full", "--steps", "2", "--batch-size", "2",
                "--micro-batch-size", "2", "--lr", "1e-4", "--model-dir", str(model_dir),
                "--vllm-url", dev_url, "--database-url", sqlite_url, data_dir=data)
     train_s = time.monotonic() - t0
