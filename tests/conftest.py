@@ -93,23 +93,24 @@ def pg_admin_dsn() -> Iterator[str]:
         yield cluster.dsn
 
 
-@pytest.fixture
-def pg_url(pg_admin_dsn: str) -> Iterator[str]:
-    """A fresh, migrated PostgreSQL database for one test."""
+def _migrated_database(pg_admin_dsn: str) -> Iterator[str]:
     url, drop = fresh_database(pg_admin_dsn)
     upgrade(url)
     yield url
     drop()
+
+
+@pytest.fixture
+def pg_url(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh, migrated PostgreSQL database for one test."""
+    yield from _migrated_database(pg_admin_dsn)
 
 
 @pytest.fixture(scope="module")
 def module_db_url(pg_admin_dsn: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database shared by one module's tests (a seeded pool that a
     module's gateway and browser tests read)."""
-    url, drop = fresh_database(pg_admin_dsn)
-    upgrade(url)
-    yield url
-    drop()
+    yield from _migrated_database(pg_admin_dsn)
 
 
 @pytest.fixture(scope="module")
