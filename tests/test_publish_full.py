@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import sys
 import time
 from collections.abc import Iterator
@@ -333,3 +334,85 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engin
         assert http.get(f"{vllm_admin.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
     assert label(dev_url) == vllm_admin.BASE_LABEL and digest(dev_url) == before
     assert reply(gateway) == base  # the sqlite_engine is alive and serves the base weights
+
+
+# ------------------------------------------------------------------------------------------
+# vLLM 0.26: dev mode without the weight-label routes
+
+
+class Vllm026Routes:
+    """The dev vLLM behind a proxy that answers like vLLM 0.26.0 (the build for the GPU image's
+    torch 2.11): 404 for /weight_info, /update_weight_version and /weight_checker (routes 0.26
+    lacks: seen on an H100, 2026-11-27), everything else passed through to the real server, so
+    /pause, /collective_rpc, /resume and /v1 are vLLM's own."""
+
+    MISSING = frozenset({"/weight_info", "/update_weight_version", "/weight_checker"})
+
+    def __init__(self, target: str):
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        from tests.processes import free_port
+
+        root = vllm_admin.server_root(target)
+        self.seen: list[str] = []
+
+        async def forward(request: Request) -> Response:
+            path = request.url.path
+            self.seen.append(path)
+            if path in self.MISSING:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            async with httpx.AsyncClient(timeout=300) as client:
+                upstream = await client.request(request.method, f"{root}{path}", params=request.query_params,
+                                                content=await request.body(),
+                                                headers={"content-type": request.headers.get("content-type",
+                                                                                             "application/json")})
+            return Response(upstream.content, upstream.status_code,
+                            media_type=upstream.headers.get("content-type"))
+
+        app = Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST"])])
+        port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{port}/v1"
+
+    def __enter__(self) -> Vllm026Routes:
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30, interval=0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_full_weights_on_a_vllm_without_label_routes(sqlite_engine: Any, dev_url: str, perturbed_checkpoint: Path,
+                                                     tmp_path: Path) -> None:
+    """On a vLLM whose dev mode lacks /weight_info and /update_weight_version (0.26), a full
+    version is published, labelled on vLLM's workers through /collective_rpc, served, and rolled
+    back."""
+    with Vllm026Routes(dev_url) as proxy:
+        url = proxy.url
+        assert label(url) in vllm_admin.BASE_LABELS  # dev mode: the workers hold the base weights
+        base = greedy_reply_at(url)
+        v = publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                                  vllm_urls=[url], store=tmp_path / "store"))
+        assert v["status"] == "active" and label(url) == v["name"]
+        assert greedy_reply_at(url) != base  # the workers hold the perturbed weights
+        (reload,) = events(sqlite_engine)[-1].metrics["reloads"]
+        assert reload["label"] == v["name"] and reload["digest"] is None  # no /weight_checker on 0.26
+        assert "/collective_rpc" in proxy.seen and "/update_weight_version" in proxy.seen
+
+        # rollback reloads the base weights and labels them so on the workers
+        assert rollback(sqlite_engine, [url], to="base") == {"active": None, "rolled_back": [v["name"]]}
+        assert label(url) == vllm_admin.BASE_LABEL and greedy_reply_at(url) == base
+
+
+def greedy_reply_at(url: str) -> str:
+    r = httpx.post(f"{url}/chat/completions", timeout=120, json={
+        "model": BASE_MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]

@@ -11,14 +11,16 @@
 # `gpu-stage` chunks with the project's runtime wheels as an EXTRA dir, then
 # `source STAGE/cN/assemble.sh`), from the project root. Results go to $OUT (the device tool's
 # folder that comes back), else benchmarks/gpu/results. vLLM is started once per machine and
-# left running (`/tmp/gpuloop-vllm.pid`), so later calls on the same warm machine reuse it.
+# left running (`/tmp/gpuloop-vllm-PORT.pid`), so later calls on the same warm machine reuse it.
 set -uo pipefail
 what=${1:-all}; shift || true
 out=${RESULTS:-${OUT:-benchmarks/gpu/results}}
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True
 export NEXTSTATE_CACHE_DIR=/tmp/ns-cache NEXTSTATE_DATA_DIR=/tmp/ns-data
-port=8501; url=http://127.0.0.1:$port/v1; model=/tmp/smollm2
+# PORT: a second vLLM beside the first (e.g. PORT=8601 CUDA_VISIBLE_DEVICES=1 for the learning
+# benchmark on GPU 1 while shape2 reloads full weights into the one on GPU 0)
+port=${PORT:-8501}; url=http://127.0.0.1:$port/v1; model=/tmp/smollm2; pidf=/tmp/gpuloop-vllm-$port.pid; vlog=/tmp/vllm-$port.log
 log() { echo "[gpu $(date -u +%H:%M:%S)] $*"; }
 
 up() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url/models" >/dev/null 2>&1; }
@@ -29,20 +31,23 @@ if [ "$what" = shape2 ]; then
   dev() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/is_paused" >/dev/null 2>&1; }
   if up && ! dev; then
     log "vLLM on $url has no dev mode: restarting it"
-    kill "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null
+    kill "$(cat $pidf)" 2>/dev/null
     for _ in $(seq 60); do up || break; sleep 1; done; sleep 3
   fi
 fi
 if ! up; then
-  log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log /tmp/vllm.log)"
+  log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log $vlog)"
   t0=$(date +%s)
+  # LORA=0: no LoRA (vLLM 0.26 cannot reload full weights in place while LoRA wraps its layers)
+  lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64})
+  [ "${LORA:-1}" = 0 ] && lora=()
   setsid nohup env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
-    --enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64} \
+    "${lora[@]}" \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} \
-    --enforce-eager --port $port >/tmp/vllm.log 2>&1 &
-  echo $! >/tmp/gpuloop-vllm.pid
-  for _ in $(seq 600); do up && break; kill -0 "$(cat /tmp/gpuloop-vllm.pid)" 2>/dev/null || break; sleep 0.5; done
-  up || { log "vLLM did not come up"; tail -40 /tmp/vllm.log; cp /tmp/vllm.log "$out/vllm.log"; exit 3; }
+    --enforce-eager --port $port >$vlog 2>&1 &
+  echo $! >$pidf
+  for _ in $(seq 600); do up && break; kill -0 "$(cat $pidf)" 2>/dev/null || break; sleep 0.5; done
+  up || { log "vLLM did not come up"; tail -40 $vlog; cp $vlog "$out/vllm-$port.log"; exit 3; }
   log "vLLM up in $(( $(date +%s) - t0 )) s"
 else
   log "vLLM already up on $url"
@@ -55,7 +60,7 @@ if [ "$what" = shape2 ]; then
   python3 benchmarks/gpu/shape2.py --upstream $url --model-dir $model --out "$out" --trainer-gpu ${TRAINER_GPU:-1} "$@" \
     2>&1 | tee "$out/shape2.log" | grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" | tail -120
   rc=${PIPESTATUS[0]}
-  [ "$rc" = 0 ] || { log "shape2 failed ($rc); vLLM log tail:"; tail -30 /tmp/vllm.log; }
+  [ "$rc" = 0 ] || { log "shape2 failed ($rc); vLLM log tail:"; tail -30 $vlog; }
 fi
 
 if [ "$what" = publish ] || [ "$what" = all ]; then

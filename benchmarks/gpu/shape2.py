@@ -31,7 +31,8 @@ Phases:
    written and every gateway serving it (+1 s).
 4. **proof** — after each run a chat on `policy` through a gateway: its recorded turn names the
    version the trainer published last (the pool's ``policy_version``), and the load's turns are
-   counted per version; for full weights vLLM's ``/weight_info`` label names it as well.
+   counted per version; for full weights the label of vLLM's weights names it as well
+   (``vllm_admin.weight_label``: ``/weight_info``, or the workers' label on vLLM 0.26).
 5. **full publish under load** (``--full-publishes``, issue 19's "full-weight publish through
    vLLM's weight-update API"): ``publish_load.py --kind full`` in a subprocess, if the budget
    allows.
@@ -391,7 +392,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with httpx.Client(timeout=30, trust_env=False) as http:
             try:
                 vllm_admin.require_weight_labels(http, args.upstream)
-            except vllm_admin.WeightsError as exc:  # no dev mode, or a vLLM without weight labels (0.26)
+            except vllm_admin.WeightsError as exc:  # no dev mode: full weights cannot be reloaded
                 raise SystemExit(f"{exc}. Pass --modes lora") from exc
     pool = f"sqlite:///{work / 'pool.db'}"
     upgrade(pool)
