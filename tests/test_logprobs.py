@@ -117,6 +117,37 @@ def test_step_equals_legacy_step(model_dir: Path) -> None:
     assert float((base.model.model.layers[3].self_attn.q_proj.weight - w_new).abs().max()) > 1e-6  # it moved
 
 
+@pytest.mark.parametrize("objective", ["opd", "combined"])
+def test_one_micro_batch_step_fuses_the_no_grad_pass(model_dir: Path, objective: str) -> None:
+    """A step whose batch is one micro-batch takes the current policy's log-probs (OPD
+    advantages) from its own forward instead of a separate no-grad pass: the same loss and the
+    same updated LoRA weights as with the pass."""
+    samples = _samples(4, [(10, 6), (14, 3), (7, 8), (9, 5)])
+    rng = random.Random(5)
+    for i, s in enumerate(samples):
+        s.reward = 1.0 if i == 0 else -1.0
+        s.behaviour_logprobs = [-2.0 * rng.random() for _ in s.response_ids]
+        if i:  # three corrected turns carry teacher log-probs
+            s.teacher_logprobs = [-3.0 * rng.random() for _ in s.response_ids]
+    out = {}
+    for fused in (True, False):
+        trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", lr=1e-3, seed=1, micro_batch_size=4),
+                               ObjectiveConfig(objective=objective))
+        trainer._fuse_no_grad_pass = lambda n, fused=fused: fused  # type: ignore[method-assign]
+        metrics = [trainer.step(samples) for _ in range(2)]  # the second step from moved weights
+        assert trainer.last_step_no_grad_pass == (not fused)
+        lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        out[fused] = metrics, lora
+    (m_fused, w_fused), (m_pass, w_pass) = out[True], out[False]
+    for a, b in zip(m_fused, m_pass, strict=True):
+        assert abs(a["loss"] - b["loss"]) < TOL and a["loss"] != 0
+        assert abs(a["advantage_mean"] - b["advantage_mean"]) < TOL
+    assert w_fused.keys() == w_pass.keys() and w_fused
+    worst = max(float((w_fused[k] - w_pass[k]).abs().max()) for k in w_fused)
+    assert worst < 0.5 * 1e-3
+    assert any(float(w.abs().max()) > 0 for k, w in w_fused.items() if "lora_B" in k)  # it moved
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 40), vocab=st.integers(2, 300), chunk=st.integers(1, 50), bias=st.booleans(),
        seed=st.integers(0, 2**16))

@@ -13,7 +13,9 @@ LoRA adapters compute in the base model's dtype (bf16 on a GPU) while the optimi
 master copies of them; AdamW is fused on CUDA; and the no-grad pass over the batch runs only
 when the objective needs the current policy's log-probs before the step (OPD, stale-sample
 correction) — otherwise samples without captured log-probs take the same values from the
-step's own forward (detached), where the no-grad pass would have produced them.
+step's own forward (detached), where the no-grad pass would have produced them. Where the
+objective does need them and the batch is one micro-batch, the step's own forward gives them
+too (detached, before the advantages are built): one forward per step instead of two.
 
 Host syncs: a step waits for the GPU once, at its end (the metrics). Everything the step needs
 before its first forward (masks, behaviour log-probs, advantages for ``rl``) is built on the CPU
@@ -218,13 +220,20 @@ class LocalTrainer:
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
         return torch.cat(parts), torch.cat(masks)
 
+    def _fuse_no_grad_pass(self, n: int) -> bool:
+        """Whether a step over *n* samples takes the current policy's log-probs before the step
+        from its own forward instead of a separate no-grad pass: when the batch is one
+        micro-batch (the whole graph is held anyway), off on the legacy path."""
+        return not self.cfg.legacy and n <= self.cfg.micro_batch_size
+
     def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
              ratio_cap: float = 2.0) -> dict[str, float]:
         """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
 
         Advantages are computed over the whole batch first (GRPO groups and per-step
         standardization span micro-batches), from a no-grad pass of the current policy where
-        they need its log-probs (OPD, ``correct``).
+        they need its log-probs (OPD, ``correct``); a batch of one micro-batch takes them from
+        the step's own forward, detached, instead (the same values, one forward fewer).
 
         ``correct`` marks stale samples (produced by a policy several versions back): their PPO
         ratio is taken against the current policy instead, and the loss of each token is
@@ -239,8 +248,17 @@ class LocalTrainer:
         # stale-sample correction; otherwise (and always on the legacy path, as before) the
         # no-grad pass is skipped and samples without captured log-probs take the step's own
         # (detached) forward values, the same policy's
-        self.last_step_no_grad_pass = self.cfg.legacy or cfg.objective != "rl" or stale
-        if self.last_step_no_grad_pass:
+        needs_student = self.cfg.legacy or cfg.objective != "rl" or stale
+        n, mb = len(samples), self.cfg.micro_batch_size
+        # a batch of one micro-batch: the step's own forward (with gradients) is that pass, its
+        # values detached are the no-grad pass's (same weights, same inputs), so it runs once
+        fused = needs_student and self._fuse_no_grad_pass(n)
+        self.last_step_no_grad_pass = needs_student and not fused
+        fused_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if fused:
+            fused_out = self.response_logprobs(samples)
+            student, mask = fused_out[0].detach(), fused_out[1]
+        elif self.last_step_no_grad_pass:
             student, mask = self._no_grad_logprobs(samples)
             student, mask = student.to(self.device), mask.to(self.device)
         else:
@@ -278,12 +296,11 @@ class LocalTrainer:
         for p, _ in self._master:
             p.grad = None
         totals: dict[str, torch.Tensor] = {}  # on the device until the step's one sync
-        n, mb = len(samples), self.cfg.micro_batch_size
         for lo in range(0, n, mb):
             part = samples[lo: lo + mb]
-            log_prob, part_mask = self.response_logprobs(part)
+            log_prob, part_mask = fused_out if fused_out is not None else self.response_logprobs(part)
             w = part_mask.shape[1]
-            if not self.last_step_no_grad_pass and any(on_policy[lo: lo + mb]):
+            if not needs_student and any(on_policy[lo: lo + mb]):
                 for j in range(len(part)):
                     if on_policy[lo + j]:
                         old[lo + j, :w] = log_prob[j].detach()
