@@ -17,12 +17,15 @@ The simulated user (benchmarks/learning/preference.py) wants short answers — u
 that still answer the question. Each interaction is a session: the user asks a training
 question (sampled reply, temperature 1), then reacts — thanks when the reply does both, "Too
 long. Please keep your answers short, under 25 words." or "That doesn't answer my question."
-when not — which is the reply's next state. After every k interactions the trainer runs one
-round (k scored turns → one candidate, promoted; the eval gate is off here so every round's
-version serves) and, once the gateway's `policy` alias serves the new version, the held-out
-prompts (never trained on) are answered by that version (temperature 0.7, a fixed seed per
-prompt and sample, all requests at once, straight to the vLLM): the share meeting the
-preference is the curve's next point.
+when not — which is the reply's next state. A round's k interactions are asked at once (k
+users of the version now serving; the trainer waits for k scored turns either way), then
+scored. After every k interactions the trainer runs one round (k scored turns → one candidate,
+promoted; the eval gate is off here so every round's version serves) and, once the gateway's
+`policy` alias serves the new version, the held-out prompts (never trained on) are answered by
+that version (temperature 0.7, a fixed seed per prompt and sample, all requests at once,
+straight to the vLLM, beside the next round's interactions, which the same version serves):
+the share meeting the preference is the curve's next point. The trainer computes in bf16 on a
+CPU with native bf16 (--trainer-dtype; its LoRA masters stay fp32).
 
 Arms: none (no trainer: the base policy), rl (binary reward), opd (hindsight OPD on the
 corrected turns), combined; each over --seeds seeds. An rl or combined arm may name the RL
