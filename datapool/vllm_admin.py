@@ -321,8 +321,7 @@ def set_weight_label(http: httpx.Client, url: str, label: str) -> None:
     resp = _post(http, url, "/update_weight_version", "update_weight_version", json={"new_version": label},
                  missing_ok=True)
     if resp is None:
-        _post(http, url, "/collective_rpc", "setting the weight label",
-              json={"method": "__setattr__", "args": [RPC_LABEL_ATTR, label]})
+        _rpc(http, url, "__setattr__", RPC_LABEL_ATTR, label)
 
 
 def require_weight_labels(http: httpx.Client, url: str) -> str:

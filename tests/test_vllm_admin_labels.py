@@ -53,16 +53,21 @@ def server(routes: dict[str, dict], workers: list[Worker] | None = None) -> http
     return httpx.MockTransport(answer)
 
 
+def posting_to(transport: httpx.MockTransport) -> Any:
+    """A stand-in for ``httpx.post`` (vllm_admin's fresh-connection POSTs) that reaches the fake."""
+    def post(url: str, **kw: Any) -> httpx.Response:
+        kw.pop("trust_env", None)
+        kw.pop("timeout", None)
+        with httpx.Client(transport=transport) as c:
+            return c.post(url, **kw)
+    return post
+
+
 @pytest.fixture
 def fake_post(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Route vllm_admin's fresh-connection POSTs (httpx.post) through the same fake."""
     def install(transport: httpx.MockTransport) -> None:
-        def post(url: str, **kw: Any) -> httpx.Response:
-            kw.pop("trust_env", None)
-            kw.pop("timeout", None)
-            with httpx.Client(transport=transport) as c:
-                return c.post(url, **kw)
-        monkeypatch.setattr(vllm_admin.httpx, "post", post)
+        monkeypatch.setattr(vllm_admin.httpx, "post", posting_to(transport))
     return install
 
 
@@ -120,13 +125,8 @@ def test_any_label_round_trips_through_the_workers(labels: list[str], n_workers:
     workers = [Worker() for _ in range(n_workers)]
     transport = server({"/is_paused": {"is_paused": False}}, workers)
     original = vllm_admin.httpx.post
-
-    def post(url: str, **kw: Any) -> httpx.Response:
-        kw.pop("trust_env", None)
-        kw.pop("timeout", None)
-        with httpx.Client(transport=transport) as c:
-            return c.post(url, **kw)
-    vllm_admin.httpx.post = post  # type: ignore[assignment]  # hypothesis and function-scoped fixtures do not mix
+    # hypothesis and function-scoped fixtures do not mix
+    vllm_admin.httpx.post = posting_to(transport)  # type: ignore[assignment]
     try:
         with httpx.Client(transport=transport) as http:
             for label in labels:
