@@ -3,22 +3,44 @@ version, read by the admin UI's version-vs-version page."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine, bindparam, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import utcnow
 from datapool.models import EvalReply
+from datapool.sessions import history_hash
 
 
 def prompt_hash(messages: Sequence[dict[str, Any]]) -> str:
-    """The key that finds the same held-out prompt across versions."""
-    return hashlib.sha256(json.dumps(list(messages), sort_keys=True, ensure_ascii=False,
-                                     default=str).encode()).hexdigest()
+    """The key that finds the same held-out prompt across versions: the canonical history hash
+    that stitches sessions (``datapool.sessions``), so a prompt matches itself whatever null
+    fields, content parts or tool-call ids a client's spelling of it carries."""
+    return history_hash(messages)
+
+
+def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
+    """Recompute every stored held-out reply's ``prompt_hash`` from its stored prompt (migration
+    0011 runs it when the hash changed form; so does ``nextstate db rehash``). Reads in chunks
+    ordered by id; returns (rows read, rows whose hash changed)."""
+    table = EvalReply.__table__
+    seen = changed = 0
+    last = 0
+    while True:
+        rows = conn.execute(select(table.c.id, table.c.prompt, table.c.prompt_hash)
+                            .where(table.c.id > last).order_by(table.c.id).limit(chunk)).all()
+        if not rows:
+            return seen, changed
+        last = rows[-1].id
+        seen += len(rows)
+        fresh = [{"b_id": r.id, "b_hash": prompt_hash(r.prompt or [])} for r in rows]
+        fresh = [f for f, r in zip(fresh, rows) if f["b_hash"] != r.prompt_hash]
+        if fresh:
+            conn.execute(update(table).where(table.c.id == bindparam("b_id")).values(prompt_hash=bindparam("b_hash")),
+                         fresh)
+        changed += len(fresh)
 
 
 def record_replies(engine: Engine, version: str, prompts: Sequence[list[dict[str, Any]]], replies: Sequence[str],

@@ -161,6 +161,12 @@ def _hasher(messages: Iterable[Message]) -> CanonicalHistory:
     return h
 
 
+def history_hash(messages: Iterable[Message]) -> str:
+    """The hash of a whole message history in the canonical form: the same for every client
+    spelling of the same history (the eval gate's held-out prompts are keyed by it)."""
+    return _hasher(messages).hexdigest()
+
+
 def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     """(index, hash of messages[: index + 1]) for every assistant message, longest prefix first.
 

@@ -109,4 +109,57 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     # the same by hand: nothing left to change
     result = CliRunner().invoke(main, ["db", "rehash", "--database-url", database_url])
     assert result.exit_code == 0, result.output
-    assert result.output.strip() == "2 turns read, 0 rehashed"
+    assert result.output.strip() == "2 turns read, 0 rehashed; 0 held-out replies read, 0 rehashed"
+
+
+# --- 0011: the eval gate's held-out prompts, keyed by the canonical history hash ------------------
+
+
+def test_0011_pairs_held_out_prompts_whatever_their_spelling(database_url: str) -> None:
+    import hashlib
+    import json
+
+    from click.testing import CliRunner
+    from sqlalchemy import insert, select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool import evals
+    from datapool.models import EvalReply
+    from nextstate.cli import main
+
+    prompt = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
+    # the same prompt as an SDK echoes it: content as text parts, null fields added
+    spelled = [{"role": "system", "content": [{"type": "text", "text": "Answer briefly."}], "name": None},
+               {"role": "user", "content": "What is 2 + 2?", "refusal": None}]
+    other = [{"role": "user", "content": "What is 3 + 3?"}]
+
+    def before_0011(messages: list) -> str:
+        return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+    assert before_0011(prompt) != before_0011(spelled)  # what split the pair before
+    engine = make_engine(database_url)
+    rows = [("base", prompt, "4"), ("v1", spelled, "four"), ("v1", other, "6")]
+    with engine.begin() as conn:
+        conn.execute(insert(EvalReply), [{"version": v, "prompt_hash": before_0011(p), "prompt": p, "reply": r,
+                                          "score": 1.0, "created_at": evals.utcnow()} for v, p, r in rows])
+    engine.dispose()
+
+    cfg = alembic_config(database_url)
+    command.downgrade(cfg, "0010")
+    command.upgrade(cfg, "head")
+
+    engine = make_engine(database_url)
+    with OrmSession(engine) as db:
+        base, v1 = evals.replies_of(db, "base"), evals.replies_of(db, "v1")
+        stored = db.scalars(select(EvalReply).order_by(EvalReply.id)).all()
+        assert [r.reply for r in stored] == ["4", "four", "6"]  # nothing lost or rewritten but the key
+        assert [r.prompt for r in stored] == [p for _, p, _ in rows]
+    shared = set(base) & set(v1)
+    assert shared == {evals.prompt_hash(prompt)} == {evals.prompt_hash(spelled)}
+    assert (base[evals.prompt_hash(prompt)]["reply"], v1[evals.prompt_hash(prompt)]["reply"]) == ("4", "four")
+    assert evals.prompt_hash(other) in v1 and evals.prompt_hash(other) not in base
+    engine.dispose()
+
+    result = CliRunner().invoke(main, ["db", "rehash", "--database-url", database_url])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "0 turns read, 0 rehashed; 3 held-out replies read, 0 rehashed"

@@ -139,21 +139,23 @@ def db_current(database_url: str | None) -> None:
 @db.command("rehash")
 @click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
 def db_rehash(database_url: str | None) -> None:
-    """Recompute the hashes that stitch sessions (each turn's link hash and continuations) with
-    this version's canonical form of messages (docs/sessions.md).
+    """Recompute the hashes computed from messages with this version's canonical form of
+    messages (docs/sessions.md): those that stitch sessions (each turn's link hash and
+    continuations) and those that pair the eval gate's held-out prompts across versions.
 
-    `db upgrade` does this once when the form changes (migration 0007); run it by hand only to
-    repair a pool. One transaction; safe to repeat. Links already made stay as they are."""
+    `db upgrade` does this once when the form changes (migrations 0007 and 0011); run it by hand
+    only to repair a pool. One transaction; safe to repeat. Links already made stay as they are."""
+    from datapool import evals, sessions
     from datapool.db import make_engine
-    from datapool.sessions import rehash
 
     engine = make_engine(opt.settings(database_url=database_url).resolved_database_url)
     try:
         with engine.begin() as conn:
-            seen, changed = rehash(conn)
+            seen, changed = sessions.rehash(conn)
+            replies, rehashed = evals.rehash(conn)
     finally:
         engine.dispose()
-    click.echo(f"{seen} turns read, {changed} rehashed")
+    click.echo(f"{seen} turns read, {changed} rehashed; {replies} held-out replies read, {rehashed} rehashed")
 
 
 def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
