@@ -3,8 +3,18 @@ against the simulated user's preference, and where a job's time went (benchmarks
 
 from __future__ import annotations
 
-import pytest
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.learning import bench
 from benchmarks.learning.bench import (
     agreement,
     arm_objective,
@@ -12,6 +22,7 @@ from benchmarks.learning.bench import (
     phase_table,
     stability,
     stable_from,
+    table,
 )
 
 
@@ -61,3 +72,89 @@ def test_arms_name_the_rl_baseline():
     for bad in ("sft", "rl:ema", "combined:batch:x", "combined:batch:1:2"):
         with pytest.raises(ValueError):
             arm_objective(bad)
+
+
+# --- jobs stopped early (a dead vLLM, --deadline-min): reported up to their last checkpoint ----------
+
+
+def _row(arm: str, seed: int, curve: list[float], partial: bool = False) -> dict:
+    return {"arm": arm, "seed": seed, "curve": curve, "latencies_s": [], **({"partial": True} if partial else {})}
+
+
+def test_table_means_each_checkpoint_over_the_seeds_that_reached_it():
+    rows = [_row("rl", 0, [0.0, 0.2, 0.4, 0.6]), _row("rl", 1, [0.0, 0.4], partial=True),
+            _row("none", 0, [0.1] * 4)]
+    lines = table(rows, 6).splitlines()
+    assert lines[0] == "| arm | seeds | after 0 | after 6 | after 12 | after 18 | Δ | latency s (median) |"
+    # 0.3 ± 0.14 over both seeds at 6; from 12 on one seed, which the brackets say; Δ: (0.6 + 0.4) / 2
+    assert lines[2] == "| rl | 2 (1 partial) | 0.00 ± 0.00 | 0.30 ± 0.14 | 0.40 ± 0.00 (1) | 0.60 ± 0.00 (1) | +0.50 | – |"
+    assert lines[3] == "| none | 1 | 0.10 ± 0.00 | 0.10 ± 0.00 | 0.10 ± 0.00 | 0.10 ± 0.00 | +0.00 | – |"
+    # an arm none of whose seeds got as far as another arm's: a dash, not a number
+    assert table([_row("rl", 0, [0.0, 0.5], partial=True), _row("opd", 0, [0.0, 0.5, 0.9])], 6).splitlines()[2] \
+        == "| rl | 1 (1 partial) | 0.00 ± 0.00 | 0.50 ± 0.00 | – | +0.50 | – |"
+
+
+def test_stability_of_a_stopped_seed_says_how_far_it_got():
+    rows = [_row("opd", 0, [0.0, 0.9, 0.9, 0.9]), _row("opd", 1, [0.0, 0.5], partial=True)]
+    # mean curve: 0, 0.7, then seed 0 alone 0.9, 0.9: not 3 in a row ≥ 0.8 by 18
+    assert stability(rows, 6).splitlines()[-1] == "| opd | not by 18 | 6, not by 6 |"
+    assert stability([_row("rl", 0, [0.0, 0.1, 0.1])], 6).splitlines()[-1] == "| rl | never | never |"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["rl", "opd", "combined"]),
+                          st.lists(st.floats(0, 1), min_size=1, max_size=8), st.booleans()), min_size=1, max_size=8))
+def test_report_renders_every_mix_of_whole_and_partial_seeds(spec):
+    rows = [_row(arm, i, curve, partial) for i, (arm, curve, partial) in enumerate(spec)]
+    points = max(len(r["curve"]) for r in rows)
+    lines = table(rows, 6).splitlines()
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    assert len(lines) == 2 + len(arms)
+    for arm, line in zip(arms, lines[2:]):
+        cells = line.strip("|").split(" | ")
+        assert len(cells) == points + 4
+        mine = [r["curve"] for r in rows if r["arm"] == arm]
+        for i in range(points):
+            reached = [c[i] for c in mine if len(c) > i]
+            if not reached:
+                assert cells[2 + i] == "–"
+            else:
+                assert cells[2 + i].startswith(f"{sum(reached) / len(reached):.2f} ±")
+                assert cells[2 + i].endswith(f"({len(reached)})") == (len(reached) < len(mine))
+    assert len(stability(rows, 6).splitlines()) == 2 + len(arms)
+
+
+def test_merge_prefers_a_whole_result_to_a_partial_one(tmp_path: Path):
+    def full(row: dict) -> dict:  # what a job reports beside the curve
+        return row | {key: row["curve"] for key in ("short", "on_topic", "words")}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"results": [full(_row("rl", 0, [0.0, 0.1], partial=True))]}))
+    b.write_text(json.dumps({"results": [full(_row("rl", 0, [0.0, 0.1, 0.2])), full(_row("rl", 1, [0.0, 0.3, 0.3]))]}))
+    args = argparse.Namespace(merge=[a, b], arms="rl", tag="merged", preset="full", judge="python", k=6,
+                              interactions=12, heldout=16, samples_per_prompt=4, out=tmp_path)
+    bench.merge(args)
+    merged = json.loads((tmp_path / "merged.json").read_text())["results"]
+    assert [(r["seed"], len(r["curve"]), r.get("partial")) for r in merged] == [(0, 3, None), (1, 3, None)]
+
+
+def test_run_jobs_stops_at_the_deadline_and_reports_the_checkpoints_so_far(tmp_path: Path, monkeypatch):
+    """A real child process per job, as bench.run_jobs starts them, but one that writes a
+    checkpoint and then hangs (a job mid-round when the deadline comes)."""
+    hang = ("import json, sys, time; from pathlib import Path; d = Path(sys.argv[-1]).parent; "
+            "(d / 'progress.json').write_text(json.dumps({'arm': 'rl', 'seed': 0, 'curve': [0.0, 0.25], "
+            "'latencies_s': [], 'stopped_after': 6})); time.sleep(600)")
+    real = subprocess.Popen
+    monkeypatch.setattr(bench.subprocess, "Popen",
+                        lambda cmd, **kw: real([sys.executable, "-c", hang, *cmd[-2:]], **kw))
+    args = argparse.Namespace(jobs=1, threads=1, arms="rl")
+    got: list[dict] = []
+    started = time.monotonic()
+    failed, stopped = bench.run_jobs(args, tmp_path, [("rl", 0), ("rl", 1)], {0: {}, 1: {}}, got.append,
+                                     deadline=time.monotonic() + 3)
+    assert time.monotonic() - started < 30  # the hanging job was stopped, not waited for
+    assert failed == []
+    assert sorted(stopped) == ["rl-0", "rl-1"]  # rl-1 never started: --jobs 1
+    assert got == [{"arm": "rl", "seed": 0, "curve": [0.0, 0.25], "latencies_s": [], "stopped_after": 6,
+                    "partial": True, "stopped": "stopped"}]
+    assert not (tmp_path / "rl-1").exists()

@@ -4,6 +4,8 @@
 # cuda), then the publish-under-load check and/or the learning benchmark.
 #
 #   benchmarks/gpu/run.sh publish|learn|all|up [bench.py args...]     (up: only start vLLM)
+#       (learn on a lease that may end first: pass --deadline-min N, so that the jobs still running at
+#       N minutes are stopped and reported up to their last checkpoint)
 #   benchmarks/gpu/run.sh shape2 [shape2.py args...]   (2 GPUs: vLLM on GPU 0 in dev mode, the
 #                                                      veRL trainer on GPU 1; benchmarks/gpu/shape2.py)
 #
@@ -41,9 +43,16 @@ if ! up; then
   # LORA=0: no LoRA (vLLM 0.26 cannot reload full weights in place while LoRA wraps its layers)
   lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64})
   [ "${LORA:-1}" = 0 ] && lora=()
+  # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). vLLM 0.26 with LoRA died with a
+  # CUDA illegal memory access (in punica's update_metadata) under the learning benchmark's 20-25 jobs,
+  # with 254-596 requests running and 16-200 adapter slots; 10 jobs with 48 running did not in 6 minutes
+  # (benchmarks/gpu/results/README.md, stop 26). Default: 48 for `learn`, vLLM's own otherwise.
+  seqs=()
+  [ "$what" = learn ] && seqs=(--max-num-seqs 48)
+  [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")
   setsid nohup env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
     "${lora[@]}" \
-    --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} \
+    --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
   for _ in $(seq 600); do up && break; kill -0 "$(cat $pidf)" 2>/dev/null || break; sleep 0.5; done

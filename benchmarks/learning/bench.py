@@ -45,6 +45,10 @@ Prints a table (mean ± std per checkpoint), the interactions until a stable eff
 checkpoint from which 3 in a row meet ≥ 0.8), the judge's −1 votes against the preference,
 and where each job's time went; writes PRESET-JUDGE.json and .png to --out. Learning latency:
 from a turn being scored to the gateway serving a version trained on it.
+
+A job writes its checkpoints as they come (``progress.json``): one that fails (a vLLM that
+died) or is still running at --deadline-min is reported up to its last checkpoint, marked
+partial, with the number of seeds behind each mean where fewer than all reached it.
 """
 
 from __future__ import annotations
@@ -274,12 +278,23 @@ class Job:
         evals = ThreadPoolExecutor(1)
         pending: Any = None
 
+        def snapshot() -> dict[str, Any]:
+            rewards = [t["reward"] or 0.0 for t in turns]
+            return {"arm": arm, "seed": seed, "objective": self.objective.objective,
+                    "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl, **curves,
+                    "latencies_s": latencies,
+                    "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
+
         def collect(upto: int) -> None:
             with phase("heldout"):
                 point = pending.result()
             for key, value in point.items():
                 curves[key].append(value)
             log.info("%s seed %d: after %d interactions %s", arm, seed, upto, point)
+            # what a job stopped early (--deadline-min, an interrupted run, a dead vLLM) still reports
+            progress = self.work / "progress.json"
+            progress.with_suffix(".tmp").write_text(json.dumps(snapshot() | {"stopped_after": upto}, default=str))
+            progress.with_suffix(".tmp").replace(progress)
 
         for lo in range(0, len(order), a.k):
             group = list(range(lo, min(lo + a.k, len(order))))
@@ -308,11 +323,7 @@ class Job:
             collect(len(order))
         evals.shutdown()
         trainer.finish()
-        rewards = [t["reward"] or 0.0 for t in turns]
-        return {"arm": arm, "seed": seed, "objective": self.objective.objective,
-                "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl, **curves,
-                "latencies_s": latencies,
-                "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
+        return snapshot()
 
     def unload(self) -> None:
         versions.activate(self.engine, versions.BASE, self.urls)
@@ -366,24 +377,38 @@ def policy_root(gw: GatewayProcess) -> str:
 log = logging.getLogger("bench.learning")
 
 
+def at_checkpoints(rows: list[dict[str, Any]], key: str = "curve") -> list[list[float]]:
+    """Per checkpoint, the values of the seeds that reached it: a job stopped early (a partial
+    result, ``stopped_after``) has a shorter curve, and counts only where it has a value."""
+    points = max((len(r[key]) for r in rows), default=0)
+    return [[r[key][i] for r in rows if len(r[key]) > i] for i in range(points)]
+
+
 def table(results: list[dict[str, Any]], k: int, key: str = "curve", fmt: str = ".2f") -> str:
     """Mean ± std over seeds per checkpoint of *key* ("curve": the share meeting the
-    preference; "short", "on_topic": its two parts; "words": the mean words per reply)."""
+    preference; "short", "on_topic": its two parts; "words": the mean words per reply). Where
+    fewer seeds than the arm's reached a checkpoint (jobs stopped early), their number follows
+    in brackets; Δ is each seed's last value minus its first, averaged."""
     arms = list(dict.fromkeys(r["arm"] for r in results))
-    points = len(results[0][key])
+    points = max(len(r[key]) for r in results)
     head = "| arm | seeds | " + " | ".join(f"after {i * k}" for i in range(points)) + " | Δ | latency s (median) |"
     lines = [head, "|" + "---|" * (points + 4)]
     for arm in arms:
         rows = [r for r in results if r["arm"] == arm]
         cells = []
-        for i in range(points):
-            vals = [r[key][i] for r in rows]
+        reached = at_checkpoints(rows, key)
+        for vals in reached + [[]] * (points - len(reached)):
+            if not vals:
+                cells.append("–")
+                continue
             sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            cells.append(f"{statistics.fmean(vals):{fmt}} ± {sd:{fmt}}")
+            cells.append(f"{statistics.fmean(vals):{fmt}} ± {sd:{fmt}}" + (f" ({len(vals)})" if len(vals) < len(rows)
+                                                                            else ""))
         delta = statistics.fmean(r[key][-1] - r[key][0] for r in rows)
         lat = [x for r in rows for x in r["latencies_s"]]
-        lines.append(f"| {arm} | {len(rows)} | " + " | ".join(cells) + f" | {delta:+{fmt}} | "
-                     + (f"{statistics.median(lat):.1f}" if lat else "–") + " |")
+        partial = sum(1 for r in rows if r.get("partial"))
+        lines.append(f"| {arm} | {len(rows)}{f' ({partial} partial)' if partial else ''} | " + " | ".join(cells)
+                     + f" | {delta:+{fmt}} | " + (f"{statistics.median(lat):.1f}" if lat else "–") + " |")
     return "\n".join(lines)
 
 
@@ -404,10 +429,10 @@ def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:
     for ax, key, label in ((axes[0], "curve", "held-out share meeting the preference"),
                            (axes[1], "words", "mean words per held-out reply")):
         for arm in dict.fromkeys(r["arm"] for r in results):
-            rows = [r[key] for r in results if r["arm"] == arm]
-            xs = [i * k for i in range(len(rows[0]))]
-            mean = [statistics.fmean(c[i] for c in rows) for i in range(len(xs))]
-            sd = [statistics.stdev([c[i] for c in rows]) if len(rows) > 1 else 0.0 for i in range(len(xs))]
+            points = at_checkpoints([r for r in results if r["arm"] == arm], key)
+            xs = [i * k for i in range(len(points))]
+            mean = [statistics.fmean(v) for v in points]
+            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in points]
             ax.plot(xs, mean, marker="o", label=arm)
             ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.15)
         ax.set_xlabel("interactions")
@@ -449,6 +474,10 @@ def main() -> None:
                         "bf16 (AVX512-BF16, AMX) or a GPU that has it, else fp32")
     p.add_argument("--threads", type=int,
                    help="torch CPU threads per job (default: the CPU count / --jobs, at least 1)")
+    p.add_argument("--deadline-min", type=float,
+                   help="stop the jobs still running after this many minutes (from the start) and report "
+                        "their checkpoints so far, marked partial; jobs not started by then are skipped "
+                        "(for a GPU lease that ends; default: no deadline)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="run seeds first-seed … first-seed+seeds-1 (split a preset over several runs; --merge joins them)")
     p.add_argument("--tag", help="results file name (default: PRESET-JUDGE)")
@@ -513,15 +542,22 @@ def stable_from(curve: list[float], k: int, threshold: float = 0.8, run: int = 3
 
 
 def stability(results: list[dict[str, Any]], k: int) -> str:
-    """Per arm: interactions until a stable effect on the mean curve, and per seed."""
+    """Per arm: interactions until a stable effect on the mean curve (over the seeds that reached
+    each checkpoint), and per seed; a seed stopped early without one is "not by N" (its last
+    checkpoint), not "never"."""
     lines = ["| arm | stable effect after (mean curve) | per seed |", "|---|---|---|"]
     for arm in dict.fromkeys(r["arm"] for r in results):
         rows = [r for r in results if r["arm"] == arm]
-        mean = [statistics.fmean(r["curve"][i] for r in rows) for i in range(len(rows[0]["curve"]))]
-        per = [stable_from(r["curve"], k) for r in rows]
+        mean = [statistics.fmean(v) for v in at_checkpoints(rows)]
         s = stable_from(mean, k)
-        lines.append(f"| {arm} | {'never' if s is None else s} | "
-                     + ", ".join("never" if x is None else str(x) for x in per) + " |")
+        per = []
+        for r in rows:
+            x = stable_from(r["curve"], k)
+            per.append(str(x) if x is not None else f"not by {(len(r['curve']) - 1) * k}" if r.get("partial")
+                       else "never")
+        partial = any(r.get("partial") for r in rows)
+        lines.append(f"| {arm} | {s if s is not None else f'not by {(len(mean) - 1) * k}' if partial else 'never'} | "
+                     + ", ".join(per) + " |")
     return "\n".join(lines)
 
 
@@ -598,7 +634,12 @@ def merge(args: argparse.Namespace) -> None:
         data = json.loads(path.read_text())
         rows = data["results"] if isinstance(data, dict) else data
         minutes += (data.get("config", {}).get("minutes") or 0.0) if isinstance(data, dict) else 0.0
-        results += [r for r in rows if (r["arm"], r["seed"]) not in {(x["arm"], x["seed"]) for x in results}]
+        for r in rows:  # one result per arm and seed: a whole one over a partial one
+            same = [i for i, x in enumerate(results) if (x["arm"], x["seed"]) == (r["arm"], r["seed"])]
+            if not same:
+                results.append(r)
+            elif results[same[0]].get("partial") and not r.get("partial"):
+                results[same[0]] = r
     write(args, results, args.tag or f"{args.preset}-{args.judge}", minutes)
 
 
@@ -632,15 +673,31 @@ def run_job(spec_path: Path) -> None:
     (work / "result.json").write_text(json.dumps(result, default=str))
 
 
+def partial_result(d: Path, why: str) -> dict[str, Any] | None:
+    """A job's checkpoints so far (``progress.json``, written after each), marked partial."""
+    try:
+        result = json.loads((d / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return result | {"partial": True, "stopped": why}
+
+
 def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], base: dict[int, dict[str, float]],
-             done: Any) -> list[str]:
+             done: Any, deadline: float | None = None) -> tuple[list[str], list[str]]:
     """Each (arm, seed) as its own process, --jobs at a time; *done* gets each result as it
-    arrives. Returns the jobs that failed (their log's tail is printed)."""
+    arrives, and the checkpoints so far of a job that failed or was stopped (``partial``). At
+    *deadline* (``time.monotonic()``), jobs still running are stopped and none is started.
+    Returns (jobs that failed, their log's tail printed; jobs stopped or never started)."""
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     common = {k: v for k, v in vars(args).items() if k not in ("out", "merge", "job")}
-    pending, running, failed = list(jobs), {}, []
+    pending, running, failed, stopped = list(jobs), {}, [], []
     try:
         while pending or running:
+            if deadline is not None and time.monotonic() >= deadline:
+                log.warning("deadline: stopping %d running job(s), %d not started", len(running), len(pending))
+                stopped += [f"{arm}-{seed}" for arm, seed in pending]
+                pending = []
+                break
             while pending and len(running) < args.jobs:
                 arm, seed = pending.pop(0)
                 d = work / f"{arm}-{seed}"
@@ -666,10 +723,12 @@ def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], 
                     failed.append(f"{arm}-{seed}")
                     tail = "\n".join((d / "job.log").read_text(errors="replace").splitlines()[-40:])
                     log.error("job %s seed %d failed (exit %s):\n%s", arm, seed, proc.returncode, tail)
+                    if (partial := partial_result(d, f"failed (exit {proc.returncode})")) is not None:
+                        done(partial)
     finally:
         for proc in running:
             proc.terminate()
-        for proc, (_, _, d) in running.items():
+        for proc, (arm, seed, d) in running.items():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:  # busy in a torch call that does not return soon
@@ -677,7 +736,10 @@ def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], 
                 proc.wait()
             with contextlib.suppress(OSError, ValueError):
                 os.killpg(int((d / "gateway.pid").read_text()), signal.SIGTERM)
-    return failed
+            stopped.append(f"{arm}-{seed}")
+            if (partial := partial_result(d, "stopped")) is not None:
+                done(partial)
+    return failed, stopped
 
 
 def run(args: argparse.Namespace, work: Path) -> None:
@@ -702,10 +764,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
         (args.out / f"{tag}.partial.json").write_text(json.dumps(results, indent=1, default=str))
 
     jobs = [(arm, s) for s in seeds for arm in arms if arm != "none"]
-    failed = run_jobs(args, work, jobs, base, done)
+    deadline = t0 + args.deadline_min * 60 if args.deadline_min else None
+    failed, stopped = run_jobs(args, work, jobs, base, done, deadline)
     write(args, results, tag, (time.monotonic() - t0) / 60,
-          {"base_eval_s": round(base_s, 1), "failed": failed, "load_average": os.getloadavg()})
+          {"base_eval_s": round(base_s, 1), "failed": failed, "stopped": stopped, "load_average": os.getloadavg()})
     (args.out / f"{tag}.partial.json").unlink(missing_ok=True)
+    if stopped:
+        log.warning("%d job(s) stopped at the deadline or never started: %s; their checkpoints so far are in the "
+                    "report, marked partial", len(stopped), ", ".join(stopped))
     if failed:
         sys.exit(f"{len(failed)} job(s) failed: {', '.join(failed)} (logs under {work})")
 
