@@ -59,11 +59,22 @@ def resume_run(engine: Engine, run_id: str) -> TrainingRun:
         run = db.get(TrainingRun, run_id)
         if run is None:
             raise LookupError(f"no training run {run_id!r}")
-        db.execute(update(TrainingLease).where(TrainingLease.run_id == run_id, TrainingLease.acked_at.is_(None))
-                   .values(expires_at=utcnow()))
+        _release(db, run_id)
         run.status = RunStatus.RUNNING
         db.expunge(run)
         return run
+
+
+def release_unacked(engine: Engine, run_id: str) -> None:
+    """Give the run's leased turns that no step recorded back to the pool now (a round that
+    failed before its step was recorded: they are trained again)."""
+    with OrmSession(engine) as db, db.begin():
+        _release(db, run_id)
+
+
+def _release(db: OrmSession, run_id: str) -> None:
+    db.execute(update(TrainingLease).where(TrainingLease.run_id == run_id, TrainingLease.acked_at.is_(None))
+               .values(expires_at=utcnow()))
 
 
 def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:

@@ -438,3 +438,130 @@ def test_stale_turns_are_corrected_with_the_capped_ratio_or_dropped(pg: str, ser
         assert db.scalar(select(text("count(*)")).select_from(PolicyVersion)) == 0
     engine.dispose()
     online.engine.dispose()
+
+
+# --- a vLLM that goes down mid-run --------------------------------------------------------------
+
+
+class SwitchableVLLM:
+    """A real vLLM behind a proxy whose port closes on :meth:`down` (connections refused, as
+    from a dead or restarting server) and opens again on :meth:`up`."""
+
+    def __init__(self, target: str):
+        from tests.processes import free_port
+
+        self.root = vllm_admin.server_root(target)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.server: Any = None
+        self.thread: threading.Thread | None = None
+
+    def _app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response
+        from starlette.routing import Route
+
+        async def forward(request: Request) -> Response:
+            async with httpx.AsyncClient(timeout=300) as client:
+                upstream = await client.request(request.method, f"{self.root}{request.url.path}",
+                                                params=request.query_params, content=await request.body(),
+                                                headers={"content-type": request.headers.get("content-type",
+                                                                                             "application/json")})
+            return Response(upstream.content, upstream.status_code, media_type=upstream.headers.get("content-type"))
+
+        return Starlette(routes=[Route("/{path:path}", forward, methods=["GET", "POST", "DELETE"])])
+
+    def up(self) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30, interval=0.05)
+
+    def down(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            assert self.thread is not None
+            self.thread.join(timeout=30)
+            self.server = None
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{self.url}/models", timeout=5)
+
+    def __enter__(self) -> SwitchableVLLM:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.server is not None:
+            self.down()
+
+
+def test_a_round_a_down_vllm_could_not_take_is_tried_again_and_nothing_is_lost(
+        pg: str, servers: list[str], model_dir: Path, tmp_path: Path, cleanup: None) -> None:
+    from datapool import leases
+
+    (tmp_path / "gw").mkdir()
+    with GatewayProcess(tmp_path / "gw", database_url=pg, upstream_url=servers[0]) as gw:
+        ids = []
+        for q in QUESTIONS[:4]:
+            r = httpx.post(f"{gw.base_url}/chat/completions", timeout=120, json={
+                "model": "policy", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": q}]})
+            ids.append(r.headers["x-turn-id"])
+        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+    engine = make_engine(pg)
+    with OrmSession(engine) as db, db.begin():
+        for i, tid in enumerate(ids):
+            db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if i % 2 else -1.0, attempts=1))
+
+    def pool_state() -> tuple[int, list[str], int]:
+        with OrmSession(engine) as db:
+            steps = db.scalar(select(text("count(*)")).select_from(TrainingStep))
+            names = list(db.scalars(select(PolicyVersion.name)))
+        return steps, names, leases.available(engine, online.run_id, Filters())
+
+    with SwitchableVLLM(servers[0]) as policy:
+        online = _online(pg, [policy.url, servers[1]], model_dir, tmp_path, k=2, poll_s=0.2, retry_max_s=1.0,
+                         rollback_window=0, max_rounds=2)
+        policy.down()
+        # one round against the dead server: the loop survives it and undoes it
+        online.loop(stop=lambda: online.failures >= 1)
+        assert online.failures == 1 and "ConnectError" in (online.last_error or ""), online.last_error
+        assert pool_state() == (0, [], 4)  # no step, no version, every turn back in the pool
+        assert online.trainer is None and online.step == 0
+
+        # the same loop, left running, keeps trying while the server is down and trains once it is back
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                online.loop()
+            except BaseException as exc:  # the test reports it below
+                errors.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_for(lambda: online.failures >= 3 or done.is_set(), timeout=300, interval=0.1)
+        assert not done.is_set() and not errors, errors
+        policy.up()
+        assert done.wait(600), "the loop did not finish two rounds once the server was back"
+        assert not errors, errors
+
+    assert online.failures == 0 and online.last_error is None
+    with OrmSession(engine) as db:
+        steps = db.scalars(select(TrainingStep).order_by(TrainingStep.step)).all()
+        rows = {v.name: v.status for v in db.scalars(select(PolicyVersion))}
+        active = db.scalars(select(PolicyVersion).where(PolicyVersion.status == "active")).one()
+    assert [s.step for s in steps] == [1, 2]  # numbered after the steps recorded, not the attempts
+    trained = Counter(tid for s in steps for tid in s.metrics["turn_ids"])
+    assert trained == Counter({tid: 1 for tid in ids}), trained  # every turn trained once
+    assert set(rows.values()) <= {"active", "retired"} and len(rows) == 2, rows  # no candidate left behind
+    with httpx.Client(timeout=10) as http:
+        for url in servers:
+            assert active.name in vllm_admin.served_models(http, url)
+    assert not list((tmp_path / "runs").rglob("adapter_config.json"))  # no trainer output left over
+    online.engine.dispose()
+    engine.dispose()

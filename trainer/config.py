@@ -231,6 +231,9 @@ class OnlineConfig:
     rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's
     version_prefix: str = "online"
     max_rounds: int | None = None
+    # a round a vLLM could not take (down, restarting): its turns go back to the pool and the
+    # loop tries again after poll_s * 2^n seconds (n failures in a row), at most this long
+    retry_max_s: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,11 @@ candidate without a decision is put through the gate; a promotion whose event wa
 is recorded. The alias only ever moves through ``datapool.versions``, which loads before it flips,
 and each round first makes sure every vLLM still has the active version (a restarted vLLM has
 no adapters).
+
+A vLLM that is down or restarting does not stop the loop. A round it could not take (publish,
+gate or monitor failing at a vLLM) is undone as a restart would undo it: the update in memory
+is dropped, the round's unrecorded turns go back to the pool, and what it left half-done is
+finished. Then the loop waits (``poll_s`` doubling up to ``retry_max_s``) and tries again.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
@@ -58,6 +64,8 @@ log = logging.getLogger("nextstate.online")
 
 #: status of a candidate the eval gate refused (or a restart discarded); never served
 REFUSED = VersionStatus.REFUSED
+#: what a vLLM that is down, restarting or refusing raises through publish, the gate and the monitor
+VLLM_ERRORS = (versions.PublishError, vllm_admin.AdminError, httpx.HTTPError)
 
 
 @dataclass
@@ -122,6 +130,8 @@ class OnlineTrainer:
                                    threshold=config.rollback_threshold)
         self.run_id = self._run()
         self.step = leases.last_step(engine, self.run_id)
+        self.failures = 0  # rounds in a row a vLLM could not take
+        self.last_error: str | None = None
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -240,13 +250,15 @@ class OnlineTrainer:
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"
         stats = {"run_id": self.run_id, "step": self.step, "turns": len(train), "objective": self.objective.objective,
                  "scored_at": {tid: t.isoformat() for tid, t in scored_at.items()}}
-        publish(self.engine, PublishRequest(
-            out, base_model=self.base_model, vllm_urls=self.urls, kind=VersionKind.LORA, name=name, parent=parent,
-            stats=stats, activate=False, store=self.store, actor="trainer",
-            reason=f"step {self.step} over {len(train)} turns ({len(corrected)} stale, "
-                   f"corrected; {len(dropped)} dropped)",
-            event_metrics={k: v for k, v in metrics.items() if k != "turn_ids"}))
-        shutil.rmtree(out, ignore_errors=True)  # the version store has its own copy
+        try:
+            publish(self.engine, PublishRequest(
+                out, base_model=self.base_model, vllm_urls=self.urls, kind=VersionKind.LORA, name=name, parent=parent,
+                stats=stats, activate=False, store=self.store, actor="trainer",
+                reason=f"step {self.step} over {len(train)} turns ({len(corrected)} stale, "
+                       f"corrected; {len(dropped)} dropped)",
+                event_metrics={k: v for k, v in metrics.items() if k != "turn_ids"}))
+        finally:
+            shutil.rmtree(out, ignore_errors=True)  # the version store has its own copy (or, failed, none)
         metrics["candidate"] = name
         # from here on the turns count as trained: the step's transaction acks their leases
         leases.record_step(self.engine, self.run_id, self.step, ids, metrics)
@@ -268,11 +280,34 @@ class OnlineTrainer:
         self.recover()
         rounds = 0
         while not stop() and (self.cfg.max_rounds is None or rounds < self.cfg.max_rounds):
-            if not self.wait(stop):
-                break
-            if self.run_round() is not None:
-                rounds += 1
-            self.monitor.check()
+            try:
+                if self.failures:
+                    self.recover()  # what the failed round left half-done, as a restart would
+                if not self.wait(stop):
+                    break
+                if self.run_round() is not None:
+                    rounds += 1
+                self.monitor.check()
+            except VLLM_ERRORS as exc:
+                self.failed(exc)
+                delay = min(self.cfg.retry_max_s, self.cfg.poll_s * 2 ** self.failures)
+                log.error("a vLLM could not take round %d (%s: %s); its turns go back to the pool, trying again "
+                          "in %.0f s", self.step + 1, type(exc).__name__, exc, delay)
+                deadline = time.monotonic() + delay
+                while not stop() and time.monotonic() < deadline:
+                    time.sleep(min(0.5, delay))
+                continue
+            self.failures, self.last_error = 0, None
+
+    def failed(self, exc: BaseException) -> None:
+        """Undo a round a vLLM could not take, as a restart would: drop the update in memory
+        (the next round starts from the version served), give its unrecorded turns back to the
+        pool, and number the next step after the last one recorded."""
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.trainer = None
+        leases.release_unacked(self.engine, self.run_id)
+        self.step = leases.last_step(self.engine, self.run_id)
 
 
 def run_online(engine: Engine, *, objective: ObjectiveConfig, local: LocalConfig, filters: leases.Filters,
