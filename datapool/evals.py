@@ -35,8 +35,7 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
             return seen, changed
         last = rows[-1].id
         seen += len(rows)
-        fresh = [{"b_id": r.id, "b_hash": prompt_hash(r.prompt or [])} for r in rows]
-        fresh = [f for f, r in zip(fresh, rows) if f["b_hash"] != r.prompt_hash]
+        fresh = [{"b_id": r.id, "b_hash": h} for r in rows if (h := prompt_hash(r.prompt or [])) != r.prompt_hash]
         if fresh:
             conn.execute(update(table).where(table.c.id == bindparam("b_id")).values(prompt_hash=bindparam("b_hash")),
                          fresh)

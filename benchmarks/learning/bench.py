@@ -292,9 +292,9 @@ class Job:
                 curves[key].append(value)
             log.info("%s seed %d: after %d interactions %s", arm, seed, upto, point)
             # what a job stopped early (--deadline-min, an interrupted run, a dead vLLM) still reports
-            progress = self.work / "progress.json"
-            progress.with_suffix(".tmp").write_text(json.dumps(snapshot() | {"stopped_after": upto}, default=str))
-            progress.with_suffix(".tmp").replace(progress)
+            tmp = self.work / "progress.tmp"
+            tmp.write_text(json.dumps(snapshot() | {"stopped_after": upto}, default=str))
+            tmp.replace(self.work / "progress.json")
 
         for lo in range(0, len(order), a.k):
             group = list(range(lo, min(lo + a.k, len(order))))
@@ -377,10 +377,12 @@ def policy_root(gw: GatewayProcess) -> str:
 log = logging.getLogger("bench.learning")
 
 
-def at_checkpoints(rows: list[dict[str, Any]], key: str = "curve") -> list[list[float]]:
-    """Per checkpoint, the values of the seeds that reached it: a job stopped early (a partial
-    result, ``stopped_after``) has a shorter curve, and counts only where it has a value."""
-    points = max((len(r[key]) for r in rows), default=0)
+def at_checkpoints(rows: list[dict[str, Any]], key: str = "curve", points: int | None = None) -> list[list[float]]:
+    """Per checkpoint (*points* of them, default as many as the longest curve), the values of the
+    seeds that reached it: a job stopped early (a partial result, ``stopped_after``) has a shorter
+    curve, and counts only where it has a value."""
+    if points is None:
+        points = max((len(r[key]) for r in rows), default=0)
     return [[r[key][i] for r in rows if len(r[key]) > i] for i in range(points)]
 
 
@@ -396,8 +398,7 @@ def table(results: list[dict[str, Any]], k: int, key: str = "curve", fmt: str = 
     for arm in arms:
         rows = [r for r in results if r["arm"] == arm]
         cells = []
-        reached = at_checkpoints(rows, key)
-        for vals in reached + [[]] * (points - len(reached)):
+        for vals in at_checkpoints(rows, key, points):
             if not vals:
                 cells.append("–")
                 continue
@@ -549,15 +550,13 @@ def stability(results: list[dict[str, Any]], k: int) -> str:
     for arm in dict.fromkeys(r["arm"] for r in results):
         rows = [r for r in results if r["arm"] == arm]
         mean = [statistics.fmean(v) for v in at_checkpoints(rows)]
-        s = stable_from(mean, k)
-        per = []
-        for r in rows:
-            x = stable_from(r["curve"], k)
-            per.append(str(x) if x is not None else f"not by {(len(r['curve']) - 1) * k}" if r.get("partial")
-                       else "never")
-        partial = any(r.get("partial") for r in rows)
-        lines.append(f"| {arm} | {s if s is not None else f'not by {(len(mean) - 1) * k}' if partial else 'never'} | "
-                     + ", ".join(per) + " |")
+
+        def said(curve: list[float], partial: bool) -> str:
+            x = stable_from(curve, k)
+            return str(x) if x is not None else f"not by {(len(curve) - 1) * k}" if partial else "never"
+
+        lines.append(f"| {arm} | {said(mean, any(r.get('partial') for r in rows))} | "
+                     + ", ".join(said(r["curve"], bool(r.get("partial"))) for r in rows) + " |")
     return "\n".join(lines)
 
 
@@ -628,19 +627,17 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, min
 
 
 def merge(args: argparse.Namespace) -> None:
-    results: list[dict[str, Any]] = []
+    results: dict[tuple[str, int], dict[str, Any]] = {}  # one per arm and seed: a whole one over a partial one
     minutes = 0.0
     for path in args.merge:
         data = json.loads(path.read_text())
         rows = data["results"] if isinstance(data, dict) else data
         minutes += (data.get("config", {}).get("minutes") or 0.0) if isinstance(data, dict) else 0.0
-        for r in rows:  # one result per arm and seed: a whole one over a partial one
-            same = [i for i, x in enumerate(results) if (x["arm"], x["seed"]) == (r["arm"], r["seed"])]
-            if not same:
-                results.append(r)
-            elif results[same[0]].get("partial") and not r.get("partial"):
-                results[same[0]] = r
-    write(args, results, args.tag or f"{args.preset}-{args.judge}", minutes)
+        for r in rows:
+            seen = results.get((r["arm"], r["seed"]))
+            if seen is None or (seen.get("partial") and not r.get("partial")):
+                results[r["arm"], r["seed"]] = r
+    write(args, list(results.values()), args.tag or f"{args.preset}-{args.judge}", minutes)
 
 
 def run_job(spec_path: Path) -> None:
