@@ -111,21 +111,24 @@ def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatc
 
     local, _ = _captured_local_config(monkeypatch, tmp_path, [
         "--full", "--micro-batch-size", "8", "--compile", "--compile-mode", "reduce-overhead", "--packing", "on",
-        "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5"])
+        "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5", "--compute-dtype", "fp32"])
     assert (local.lora, local.micro_batch_size, local.compile, local.compile_mode, local.packing,
-            local.logprob_chunk, local.fp32_master, local.activation_memory_budget) == (
-        False, 8, True, "reduce-overhead", "on", 512, False, 0.5)
+            local.logprob_chunk, local.fp32_master, local.activation_memory_budget, local.bf16) == (
+        False, 8, True, "reduce-overhead", "on", 512, False, 0.5, False)
+    assert _captured_local_config(monkeypatch, tmp_path, ["--compute-dtype", "bf16"])[0].bf16 is True
     defaults, _ = _captured_local_config(monkeypatch, tmp_path, [])
     reference = LocalConfig(model_dir=tmp_path)
     for name in ("lora", "micro_batch_size", "compile", "compile_mode", "packing", "logprob_chunk", "fp32_master",
-                 "activation_memory_budget"):
+                 "activation_memory_budget", "bf16"):
         assert getattr(defaults, name) == getattr(reference, name), name
     help_text = CliRunner().invoke(main, ["train", "--help"]).output
     for flag in ("--compile / --no-compile", "--compile-mode", "--micro-batch-size", "--packing", "--logprob-chunk",
-                 "--fp32-master / --bf16-master", "--activation-memory-budget"):
+                 "--fp32-master / --bf16-master", "--activation-memory-budget", "--compute-dtype"):
         assert flag in help_text, flag
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--micro-batch-size", "0"])
     assert bad.exit_code == 2 and "micro-batch-size" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--compute-dtype", "fp16"])
+    assert bad.exit_code == 2 and "compute-dtype" in bad.output
 
 
 def test_train_rl_baseline_flag_reaches_the_objective(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
