@@ -44,9 +44,10 @@ if ! up; then
   lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64})
   [ "${LORA:-1}" = 0 ] && lora=()
   # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). vLLM 0.26 with LoRA died with a
-  # CUDA illegal memory access (in punica's update_metadata) under the learning benchmark's 20-25 jobs,
-  # with 254-596 requests running and 16-200 adapter slots; 10 jobs with 48 running did not in 6 minutes
-  # (benchmarks/gpu/results/README.md, stop 26). Default: 48 for `learn`, vLLM's own otherwise.
+  # CUDA illegal memory access (in punica's update_metadata, or in add_lora's set_lora) under the
+  # learning benchmark's 20-25 jobs, with 43-596 requests running and 16-200 adapter slots; 10 jobs with
+  # 48 running ran clean in 4 runs of 5 (benchmarks/gpu/results/README.md, stops 26-27): the cap alone
+  # does not prevent it. Default: 48 for `learn`, vLLM's own otherwise.
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
   [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")

@@ -119,9 +119,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"interactions": 16, "k": 4, "heldout": 8, "samples_per_prompt": 2, "seeds": 3, "max_tokens": 64,
             "lr": 3e-3, "updates": 4, "jobs": 3},
     # 60 interactions (10 checkpoints): 36 could not show a stable effect (3 checkpoints in a
-    # row >= 0.8) for an arm that first reaches 0.8 after 30 (benchmarks/gpu/results/README.md)
+    # row >= 0.8) for an arm that first reaches 0.8 after 30 (benchmarks/gpu/results/README.md).
+    # 10 jobs at once: vLLM 0.26 + LoRA (the GPU build) died with 20 in every run since stop 25,
+    # and ran clean with 10 in 4 of 5 runs (same README, stops 26-27)
     "full": {"interactions": 60, "k": 6, "heldout": 16, "samples_per_prompt": 4, "seeds": 5, "max_tokens": 64,
-             "lr": 1e-3, "updates": 2, "jobs": 15},
+             "lr": 1e-3, "updates": 2, "jobs": 10},
 }
 
 
