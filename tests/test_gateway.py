@@ -272,13 +272,23 @@ def test_session_list_pages_newest_first(gateway: GatewayProcess) -> None:
 
 def test_sampling_parameters_pass_through(gateway: GatewayProcess, vllm_server: RunningVLLM) -> None:
     """n, seed, stop, response_format and fields only vLLM knows (top_k) reach vLLM unchanged."""
-    body = {"model": "smollm2", "messages": unique_user("List two fruits as JSON."), "max_tokens": 24,
-            "temperature": 1.0, "seed": 7, "n": 2, "stop": ["}"], "top_k": 5,
-            "response_format": {"type": "json_object"}}
-    ref = direct(vllm_server, "/chat/completions", body | {"return_token_ids": True})
-    raw = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120)
-    got = raw.json()
-    assert [c["message"]["content"] for c in got["choices"]] == [c["message"]["content"] for c in ref["choices"]]
+    # the same seeded request straight to vLLM and through the gateway must sample the same replies.
+    # vLLM's CPU build is not bit-reproducible every time (a sample diverged mid-reply once in CI,
+    # at temperature 1.0, on a prompt it had just cached), so a fresh prompt is tried up to 3 times:
+    # with the seed or top_k dropped, 24 tokens sampled at temperature 1.0 would practically never match
+    contents: list[tuple[list[str], list[str]]] = []
+    for _ in range(3):
+        body = {"model": "smollm2", "messages": unique_user("List two fruits as JSON."), "max_tokens": 24,
+                "temperature": 1.0, "seed": 7, "n": 2, "stop": ["}"], "top_k": 5,
+                "response_format": {"type": "json_object"}}
+        ref = direct(vllm_server, "/chat/completions", body | {"return_token_ids": True})
+        raw = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120)
+        got = raw.json()
+        contents.append(([c["message"]["content"] for c in got["choices"]],
+                         [c["message"]["content"] for c in ref["choices"]]))
+        if contents[-1][0] == contents[-1][1]:
+            break
+    assert contents[-1][0] == contents[-1][1], contents
     assert len(got["choices"]) == 2 and "}" not in got["choices"][0]["message"]["content"]
     stored = turn(gateway, raw.headers["x-turn-id"])
     assert stored["request"]["params"] | {"model": "smollm2"} == {
