@@ -107,6 +107,9 @@ class ObjectiveConfig:
 COMPILE_MODES: tuple[str | None, ...] = (None, "default", "reduce-overhead", "max-autotune",
                                          "max-autotune-no-cudagraphs")
 
+#: LocalConfig.bf16 for each compute dtype a command line offers (auto: the device decides)
+COMPUTE_DTYPES: dict[str, bool | None] = {"auto": None, "bf16": True, "fp32": False}
+
 
 @dataclass
 class LocalConfig:

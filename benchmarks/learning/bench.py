@@ -88,7 +88,7 @@ from datapool.scoring.judge import LLMJudge, PythonJudge
 from datapool.scoring.score import TeacherConfig, score_turn
 from datapool.vocab import VersionKind
 from tests.processes import GatewayProcess, wait_for
-from trainer.config import RL_BASELINES
+from trainer.config import COMPUTE_DTYPES, RL_BASELINES
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import OnlineConfig, OnlineTrainer
@@ -340,7 +340,7 @@ def trainer_bf16(choice: str) -> bool | None:
     thread) and LocalConfig's default (bf16 where the GPU supports it) elsewhere. The LoRA
     weights keep fp32 master copies either way (``LocalTrainer``)."""
     if choice != "auto":
-        return choice == "bf16"
+        return COMPUTE_DTYPES[choice]
     import torch
 
     if torch.cuda.is_available():
@@ -472,7 +472,7 @@ def main() -> None:
     for key in ("interactions", "k", "heldout", "samples_per_prompt", "seeds", "max_tokens", "updates", "jobs"):
         p.add_argument(f"--{key.replace('_', '-')}", type=int)
     p.add_argument("--lr", type=float)
-    p.add_argument("--trainer-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+    p.add_argument("--trainer-dtype", choices=list(COMPUTE_DTYPES), default="auto",
                    help="the trainer's compute dtype (LoRA masters stay fp32): auto is bf16 on a CPU with native "
                         "bf16 (AVX512-BF16, AMX) or a GPU that has it, else fp32")
     p.add_argument("--threads", type=int,

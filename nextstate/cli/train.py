@@ -14,6 +14,7 @@ from datapool.settings import Settings
 from datapool.vocab import Objective, TrainBackend, VersionKind
 from nextstate.cli import options as opt
 from trainer.config import (
+    COMPUTE_DTYPES,
     RL_BASELINES,
     LocalConfig,
     ObjectiveConfig,
@@ -86,12 +87,10 @@ def local_speed_options() -> Any:
         click.option("--logprob-chunk", type=click.IntRange(min=1),
                      help="Local backend: tokens per chunk of the LM head when computing the replies' log-probs "
                           "(memory against launches). Default: 256 MiB of fp32 logits per chunk."),
-        click.option("--compute-dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
-                     show_default=True,
+        click.option("--compute-dtype", type=click.Choice(list(COMPUTE_DTYPES)), default="auto", show_default=True,
                      help="Local backend: the dtype of the forward and backward passes. auto: bf16 on a GPU that "
-                          "has it, fp32 on the CPU. LoRA adapters keep fp32 master copies either way. On one H100 "
-                          "the learning benchmark's combined arm ended at 0.94 ± 0.02 in fp32 against 0.89 ± 0.06 "
-                          "in bf16 (5 seeds each, one run; benchmarks/gpu/results/README.md, stop 27)."),
+                          "has it, fp32 on the CPU. LoRA adapters keep fp32 master copies either way; what fp32 "
+                          "did to learning on a GPU: docs/trainer.md."),
         click.option("--fp32-master/--bf16-master", default=True, show_default=True,
                      help="Local backend, --full on a bf16 GPU: keep fp32 master weights and AdamW states (+12 bytes "
                           "a parameter, a ~15 % slower step). --bf16-master updates the bf16 weights directly: "
@@ -254,7 +253,7 @@ def local_config(p: dict[str, Any], model_dir: Path) -> LocalConfig:
                        compile=p["compile_layers"], compile_mode=p["compile_mode"], packing=p["packing"],
                        logprob_chunk=p["logprob_chunk"], fp32_master=p["fp32_master"],
                        activation_memory_budget=p["activation_memory_budget"],
-                       bf16={"auto": None, "bf16": True, "fp32": False}[p["compute_dtype"]])
+                       bf16=COMPUTE_DTYPES[p["compute_dtype"]])
 
 
 def _filters(p: dict[str, Any]) -> Filters:
