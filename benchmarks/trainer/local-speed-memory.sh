@@ -1,7 +1,10 @@
 #!/bin/bash
-# issue 20 trainer benchmark, second device call (branch trainer only)
+# The local backend's speed under its memory-saving settings on one GPU: Qwen3-1.7B shape with
+# activation budget 0.5 and with micro-batch 4, SmolLM2 shape at batch 8 with CUDA graphs, from
+# $D/after only (layout as in local-speed-ab.sh; reuses its /tmp/site on a warm machine). Writes
+# $OUT/gpu2.log and $OUT/results2.tgz. benchmarks/trainer/README.md has the results.
 set -o pipefail
-D=.dev-trainer; T=/tmp/site; R=/tmp/res2
+D=${D:-.dev-trainer}; T=/tmp/site; R=/tmp/res2
 rm -rf $R; mkdir -p $T $R/prof
 [ -d $T/verl ] || { python3 -m pip install -q --no-index --no-deps --no-compile --target $T $D/gpu/*.whl && tar xJf $D/gpu/ray-slim.tar.xz -C $T || exit 1; }
 export PYTHONUNBUFFERED=1

@@ -1,7 +1,12 @@
 #!/bin/bash
-# issue 20 trainer benchmark, one device call: before (main) / after (branch trainer) on one H100
+# The local backend's step speed on one GPU, two checkouts side by side: bench.py from $D/before
+# and from $D/after (each a `git archive` of the code to compare) on the same machine, Qwen3-1.7B
+# shape and SmolLM2 shape (random weights), with compile, micro-batch 8, fp32 master weights and
+# CUDA graphs. $D (default .dev-trainer) also holds the GPU image's missing wheels as gpu/*.whl +
+# gpu/ray-slim.tar.xz and SmolLM2's tokenizer and config.json as tok/. Writes $OUT/gpu.log and
+# $OUT/results.tgz (one JSON and one profile per line). benchmarks/trainer/README.md has the results.
 set -o pipefail
-D=.dev-trainer; T=/tmp/site; R=/tmp/res
+D=${D:-.dev-trainer}; T=/tmp/site; R=/tmp/res
 rm -rf $T $R; mkdir -p $T $R/prof
 python3 -m pip install -q --no-index --no-deps --no-compile --target $T $D/gpu/*.whl && tar xJf $D/gpu/ray-slim.tar.xz -C $T || exit 1
 export PYTHONUNBUFFERED=1

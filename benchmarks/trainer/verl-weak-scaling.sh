@@ -1,17 +1,17 @@
 #!/bin/bash
-# Issue #20, veRL weak scaling on 2 GPUs (Qwen3-1.7B shape, full fine-tuning): one device call on
-# nvidia-h100-x2. Runs, each in a fresh process: veRL with its fused log-prob kernels on 1 and 2
-# GPUs (64 samples × (512+256) tokens per GPU, micro-batch 8), veRL's default log-prob path on 1
-# GPU (the "before"), the local backend on 1 GPU at the same per-GPU batch (the reference).
+# veRL weak scaling on 2 GPUs (Qwen3-1.7B shape, full fine-tuning): one call on a
+# 2-GPU machine. Runs, each in a fresh process: veRL with its fused log-prob kernels on 1 and 2
+# GPUs (64 samples × (512+256) tokens per GPU, micro-batch 8), veRL's plain per-token log-prob path
+# on 1 GPU, the local backend on 1 GPU at the same per-GPU batch (the reference).
 # Writes to $OUT: results.json, results.md (the tables), runs.log (every run's output), console.log.
 # Knobs (environment): VERL (default "--verl fused=1,2 --verl plain=1"; e.g. "--verl plain=1,2" if
 # the fused kernels fail on the image), PER_GPU (64), MB (8), STEPS (3 timed, after 1 warm-up),
 # BUDGET (start no run after this many seconds, 300), RUN_TIMEOUT (per run, 160).
 #
-# Layout (see benchmarks/trainer/README.md "veRL weak scaling"): this script and `git archive` of
-# the branch as repo/ in a carried folder D (.dev-verlscale); the staged site (verl 0.9.1, ray 2.60,
-# sqlalchemy, vLLM's fastapi/pydantic/cachetools ...) from the lead's assemble.sh in /tmp/site and
-# the SmolLM2 tokenizer in /tmp/smollm2 (only its tokenizer files are used; the model is random).
+# Layout (see benchmarks/trainer/README.md "veRL backend"): this script and `git archive` of the
+# code as repo/ in one folder D; the staged site (verl 0.9.1, ray 2.60, sqlalchemy, fastapi,
+# pydantic, cachetools ...) in /tmp/site and the SmolLM2 tokenizer in /tmp/smollm2 (only its
+# tokenizer files are used; the model is random).
 set -o pipefail
 D=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT=${OUT:-/tmp/verlscale-out}
@@ -31,7 +31,7 @@ export PYTHONPATH=$D/repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZE
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1
 python3 -c "import verl, ray, sqlalchemy, hydra, tensordict, cachetools, fastapi, torch, transformers as t; \
 print('verl', verl.__version__, 'ray', ray.__version__, 'torch', torch.__version__, 'transformers', t.__version__)" \
-    || fail "the staged packages do not import (source the lead's assemble.sh first)"
+    || fail "the staged packages do not import (source the staging assemble.sh first)"
 [ -f /tmp/smollm2/tokenizer.json ] || fail "no /tmp/smollm2/tokenizer.json (assemble.sh converts the model there)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || fail "needs 2 GPUs"
