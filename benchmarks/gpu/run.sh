@@ -9,9 +9,9 @@
 #   benchmarks/gpu/run.sh shape2 [shape2.py args...]   (2 GPUs: vLLM on GPU 0 in dev mode, the
 #                                                      veRL trainer on GPU 1; benchmarks/gpu/shape2.py)
 #
-# Runs on the GPU machine after the staged vLLM is unpacked (benchmarks/gpu/README.md: the
-# `gpu-stage` chunks with the project's runtime wheels as an EXTRA dir, then
-# `source STAGE/cN/assemble.sh`), from the project root. Results go to $OUT (the device tool's
+# Runs on the GPU machine from the project root, once vLLM 0.26, the project's runtime wheels
+# (benchmarks/gpu/wheels.sh) and the converted model in /tmp/smollm2 are in place
+# (benchmarks/gpu/results/README.md, "Running it"). Results go to $OUT (the device tool's
 # folder that comes back), else benchmarks/gpu/results. vLLM is started once per machine and
 # left running (`/tmp/gpuloop-vllm-PORT.pid`), so later calls on the same warm machine reuse it.
 set -uo pipefail
@@ -46,7 +46,7 @@ if ! up; then
   # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). vLLM 0.26 with LoRA died with a
   # CUDA illegal memory access (in punica's update_metadata, or in add_lora's set_lora) under the
   # learning benchmark's 20-25 jobs, with 43-596 requests running and 16-200 adapter slots; 10 jobs with
-  # 48 running ran clean in 4 runs of 5 (benchmarks/gpu/results/README.md, stops 26-27): the cap alone
+  # 48 running ran clean in 4 runs of 5 (benchmarks/gpu/results/README.md, "Known problem"): the cap alone
   # does not prevent it. Default: 48 for `learn`, vLLM's own otherwise.
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
