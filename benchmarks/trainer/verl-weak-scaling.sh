@@ -8,7 +8,7 @@
 # the fused kernels fail on the image), PER_GPU (64), MB (8), STEPS (3 timed, after 1 warm-up),
 # BUDGET (start no run after this many seconds, 300), RUN_TIMEOUT (per run, 160).
 #
-# Layout (see benchmarks/trainer/README.md "veRL backend"): this script and `git archive` of the
+# Layout (see benchmarks/trainer/README.md, section 3): this script and `git archive` of the
 # code as repo/ in one folder D; the staged site (verl 0.9.1, ray 2.60, sqlalchemy, fastapi,
 # pydantic, cachetools ...) in /tmp/site and the SmolLM2 tokenizer in /tmp/smollm2 (only its
 # tokenizer files are used; the model is random).
