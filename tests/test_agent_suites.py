@@ -1,0 +1,155 @@
+"""examples/agents: the task files are what the seeded generator writes, and every task is solvable:
+a scripted policy that knows the answer passes it through the real tools, sandbox and pytest,
+and one that does nothing fails it. The scripted policy speaks the OpenAI wire format's objects
+(``tool_calls``) to the agents' own loop, in place of a model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shlex
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from examples.agents import generate, swe, terminal, toolcall
+
+HERE = Path(generate.__file__).resolve().parent
+
+
+class ScriptedClient:
+    """``client.chat.completions.create`` answering with the next scripted tool call."""
+
+    def __init__(self, calls: list[tuple[str, dict[str, Any]]]):
+        self.calls = list(calls)
+        self.requests: list[dict[str, Any]] = []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    async def _create(self, **request: Any) -> Any:
+        self.requests.append(request)
+        assert request["tool_choice"] == "required" and request["tools"]
+        name, args = self.calls.pop(0) if self.calls else ("done", {"summary": "nothing"})
+        call = SimpleNamespace(id=f"call-{len(self.requests)}", type="function",
+                               function=SimpleNamespace(name=name, arguments=json.dumps(args)))
+        message = SimpleNamespace(content=None, tool_calls=[call], model_dump=lambda **_: {
+            "role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                                 "function": {"name": name, "arguments": json.dumps(args)}}]})
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+
+def load(suite: str, split: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (HERE / suite / f"{split}.jsonl").read_text().splitlines()]
+
+
+def test_committed_files_are_the_generators_output(tmp_path: Path) -> None:
+    written = generate.write(tmp_path, 200, 64)
+    for name, path in written.items():
+        assert path.read_bytes() == (HERE / f"{name}.jsonl").read_bytes(), f"{name}: rerun python -m examples.agents.generate"
+    for suite in generate.SUITES:
+        train, held = load(suite, "train"), load(suite, "heldout")
+        assert len(train) >= 200 and len(held) >= 64
+        text = generate.TEXT[suite]
+        assert not {t[text] + json.dumps(t.get("files", {}), sort_keys=True) for t in held} & {
+            t[text] + json.dumps(t.get("files", {}), sort_keys=True) for t in train}
+        assert {t["level"] for t in held} == {1, 2}
+
+
+def reference_toolcall(task: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    q = task["question"]
+    if task["kind"] == "calc":
+        return [("calculator", {"expression": q.removeprefix("What is ").rstrip("?")}), ("answer", {"value": task["answer"]})]
+    if task["kind"] == "unit":
+        unit = q.split(" are in ")[1].split()[1].rstrip("?")
+        return [("unit_table", {"unit": unit}), ("answer", {"value": task["answer"]})]
+    pid = next(w.strip(":?") for w in q.split() if w.startswith("P-"))
+    return [("product_api", {"product_id": pid}), ("answer", {"value": task["answer"]})]
+
+
+def test_toolcall_tools_and_verifier() -> None:
+    assert toolcall.calculator("(3 + 4) * 5") == "35" and toolcall.calculator("7 / 2") == "3.5"
+    assert toolcall.calculator("__import__('os')").startswith("error")
+    assert toolcall.unit_table("hours") == "1 hour = 60 minutes" and toolcall.unit_table("parsec").startswith("error")
+    assert json.loads(toolcall.product_api("p-101"))["id"] == "P-101"
+    assert toolcall.product_api("P-999").startswith("error: 404")
+    tasks = load("toolcall", "heldout")
+    for task in tasks:  # the answer follows from what the tools say
+        calls = reference_toolcall(task)
+        result = asyncio.run(toolcall.solve(task, ScriptedClient(calls)))
+        assert toolcall.verify(task, result) == 1.0, (task, result)
+        if task["kind"] != "calc":  # the tool's answer holds the numbers the answer needs
+            observation = result["calls"][0]["observation"]
+            if task["kind"] == "unit":
+                n = int(task["question"].split(" are in ")[1].split()[0])
+                assert str(int(task["answer"]) // n) in observation
+    assert toolcall.verify(tasks[0], asyncio.run(toolcall.solve(tasks[0], ScriptedClient([("answer", {"value": "-1"})])))) == 0.0
+    assert toolcall.verify(tasks[0], {"answer": None}) == 0.0
+
+
+def reference_command(task: dict[str, Any]) -> str:
+    (out, want), = task["expect"].items()
+    if task["kind"] == "create":
+        return f"echo {shlex.quote(want.strip())} > {out}"
+    return {"copy": "cp data.txt backup.txt", "sort": "sort names.txt > sorted.txt",
+            "count": "wc -l < data.txt > count.txt", "search": "grep ERROR log.txt > errors.txt"}.get(
+        task["kind"], "")
+
+
+@pytest.mark.parametrize("split", ["heldout"])
+def test_terminal_tasks_pass_with_the_right_command_and_fail_without(split: str) -> None:
+    tasks = load("terminal", split)
+    kinds = {}
+    for task in tasks:
+        if task["kind"] in kinds and len(kinds) < 6:
+            continue
+        kinds.setdefault(task["kind"], task)
+    for task in kinds.values():
+        if task["kind"] == "edit":
+            old = task["instruction"].split("replace the word ")[1].split()[0]
+            new = task["instruction"].split(" with ")[1].rstrip(".")
+            command = f"sed -i 's/{old}/{new}/g' list.txt"
+        else:
+            command = reference_command(task)
+        result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": command}), ("done", {"summary": "x"})])))
+        assert terminal.verify(task, result) == 1.0, (task, result)
+        assert result["calls"][0]["observation"].startswith("exit code 0")
+        idle = asyncio.run(terminal.solve(task, ScriptedClient([("done", {"summary": "nothing"})])))
+        assert terminal.verify(task, idle) == 0.0
+    assert set(kinds) == {"create", "copy", "sort", "count", "search", "edit"}
+
+
+def test_terminal_fork_bomb_fails_the_rollout_with_its_reason() -> None:
+    task = load("terminal", "heldout")[0]
+    result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": "bash -c ':(){ :|:& };: ; wait'"})])))
+    assert terminal.verify(task, result) == 0.0
+    assert result["failure"] and result["failure"].startswith("processes"), result
+
+
+def test_swe_fix_makes_pytest_pass_and_a_wrong_edit_does_not() -> None:
+    tasks = load("swe", "heldout")
+    seen: dict[str, dict[str, Any]] = {}
+    for task in tasks:
+        seen.setdefault(task["kind"], task)
+    assert len(seen) == len(swe.BUGS)
+    for task in seen.values():
+        path = f"{task['module']}.py"
+        fix = [("read_file", {"path": path}),
+               ("replace", {"path": path, "old": task["fix"]["old"], "new": task["fix"]["new"]}),
+               ("run_tests", {"target": "."}), ("done", {"summary": "fixed"})]
+        result = asyncio.run(swe.solve(task, ScriptedClient(fix)))
+        assert swe.verify(task, result) == 1.0, result
+        assert "passed" in result["calls"][2]["observation"] and "failed" not in result["calls"][2]["observation"]
+        wrong = [("replace", {"path": path, "old": "x * 2", "new": "x + x + 0"}), ("done", {"summary": "x"})]
+        result = asyncio.run(swe.solve(task, ScriptedClient(wrong)))
+        assert swe.verify(task, result) == 0.0 and "failed" in result["check"]
+    missing = asyncio.run(swe.solve(tasks[0], ScriptedClient([("replace", {"path": "nope.py", "old": "a", "new": "b"})])))
+    assert missing["calls"][0]["observation"].startswith("error: no file")
+
+
+def test_generation_is_seeded() -> None:
+    for suite, gen in generate.SUITES.items():
+        a = [gen(random.Random(5), lvl) for lvl in (1, 2, 2)]
+        b = [gen(random.Random(5), lvl) for lvl in (1, 2, 2)]
+        assert a == b, suite
