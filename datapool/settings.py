@@ -7,6 +7,7 @@ defaults below, which work for the embedded single-machine setup.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,33 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
+
+
+def loopback(host: str) -> bool:
+    """Whether binding *host* reaches this machine only (127.0.0.0/8, ::1, ``localhost``)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # another name: it may resolve to any interface
+
+
+class AdminExposed(ValueError):
+    """The gateway would serve its admin surface without credentials beyond loopback."""
+
+    def __init__(self, host: str):
+        super().__init__(
+            f"refusing to serve the admin API and UI (every captured conversation) without credentials on "
+            f"{host}: set NEXTSTATE_ADMIN_TOKEN (or NEXTSTATE_ADMIN_PASSWORD), bind 127.0.0.1, or pass "
+            "--admin-open (NEXTSTATE_ADMIN_OPEN=1) if the admin surface is meant to be open")
+
+
+def check_admin_exposure(settings: "Settings") -> None:
+    """Raise :class:`AdminExposed` for a gateway that would serve its admin surface to the
+    network without credentials. Every way to start a gateway calls it before serving."""
+    if settings.admin_exposed:
+        raise AdminExposed(settings.host)
 
 
 def _xdg(var: str, fallback: str) -> Path:
@@ -301,6 +329,12 @@ class Settings(BaseSettings):
     admin_session_max_age_s: float = Field(
         default=12 * 3600.0, description="An admin login lasts this long."
     )
+    admin_open: bool = Field(
+        default=False,
+        description="Serve the admin API and UI without credentials on an address other than "
+        "loopback. Without it a gateway bound to such an address with neither admin_token nor "
+        "admin_password refuses to start (docs/security.md).",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -329,6 +363,11 @@ class Settings(BaseSettings):
             else:
                 sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
+
+    @property
+    def admin_exposed(self) -> bool:
+        """The admin surface would be served, without credentials, to more than this machine."""
+        return not (self.admin_token or self.admin_password or self.admin_open or loopback(self.host))
 
     @property
     def resolved_database_url(self) -> str:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from datapool.settings import Settings
+from datapool.settings import Settings, check_admin_exposure
 from gateway import api, errors, ui
 from gateway.routes import feedback, health, openai
 from gateway.state import running
@@ -17,8 +17,10 @@ from gateway.upstream import load_model_list
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    """The gateway for *settings* (default: from the environment); raises ValueError for a bad model list."""
+    """The gateway for *settings* (default: from the environment); raises ValueError for a bad model
+    list, and :class:`~datapool.settings.AdminExposed` for an admin surface open to the network."""
     settings = settings or Settings()
+    check_admin_exposure(settings)
     model_list, policy_model = (None, settings.policy_model)
     if settings.model_list is not None:
         model_list, listed_policy = load_model_list(settings.model_list)

@@ -9,13 +9,28 @@ from typing import Any
 
 import click
 
-from datapool.settings import Settings
+from datapool.settings import AdminExposed, Settings, check_admin_exposure
 from datapool.vocab import Objective, VersionKind
 from nextstate.cli import options as opt
 
 
+ADMIN_OPEN = click.option(
+    "--admin-open", is_flag=True, default=None,
+    help="Serve the admin API and UI without credentials although the gateway listens beyond "
+         "127.0.0.1. Without it (or an admin token or password) such a gateway refuses to start. "
+         "[env NEXTSTATE_ADMIN_OPEN]")
+
+
+def _check_admin_exposure(settings: Settings) -> None:
+    try:
+        check_admin_exposure(settings)
+    except AdminExposed as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
 def _serve_gateway(settings: Settings, migrate: bool) -> None:
     """Serve until interrupted; prints `base_url: ...` once the socket accepts connections."""
+    _check_admin_exposure(settings)  # create_app checks too; here before the slow imports
     import uvicorn
 
     from datapool.db import upgrade
@@ -51,9 +66,10 @@ def _serve_gateway(settings: Settings, migrate: bool) -> None:
               help="SQLAlchemy URL of the pool (default: SQLite in the data dir). [env NEXTSTATE_DATABASE_URL]")
 @click.option("--migrate/--no-migrate", default=False, show_default=True,
               help="Upgrade the pool's schema before serving.")
+@ADMIN_OPEN
 @opt.log_level()
 def gateway(upstream_url: str | None, model_list: Path | None, port: int | None, host: str | None,
-            database_url: str | None, migrate: bool, log_level: str) -> None:
+            database_url: str | None, migrate: bool, admin_open: bool | None, log_level: str) -> None:
     """Run the gateway alone, in front of running upstreams.
 
     \b
@@ -68,7 +84,7 @@ def gateway(upstream_url: str | None, model_list: Path | None, port: int | None,
     """
     opt.setup_logging(log_level)
     settings = opt.settings(upstream_url=upstream_url, model_list=model_list, port=port, host=host,
-                         database_url=database_url)
+                         database_url=database_url, admin_open=admin_open)
     if not settings.upstream_url and not settings.model_list:
         raise click.UsageError("give --upstream URL or --model-list FILE (or NEXTSTATE_UPSTREAM_URL)")
     _serve_gateway(settings, migrate)
@@ -192,9 +208,10 @@ def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
 @click.option("--train", "train_objective", type=opt.choice(Objective),
               help="Also run the online trainer with this objective (`nextstate train --online`; "
                    "its log: <data dir>/logs/trainer.log).")
+@ADMIN_OPEN
 @opt.log_level()
 def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool,
-       vllm_dev_mode: bool | None, train_objective: str | None, log_level: str) -> None:
+       vllm_dev_mode: bool | None, train_objective: str | None, admin_open: bool | None, log_level: str) -> None:
     """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
     and a scoring worker.
 
@@ -217,7 +234,8 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
     from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
 
     opt.setup_logging(log_level)
-    settings = opt.settings(port=port, vllm_port=vllm_port, database_url=database_url)
+    settings = opt.settings(port=port, vllm_port=vllm_port, database_url=database_url, admin_open=admin_open)
+    _check_admin_exposure(settings)  # before minutes of starting vLLM
     if vllm_dev_mode is not None:
         settings = settings.model_copy(update={"vllm_dev_mode": vllm_dev_mode})
     python = ensure_vllm_env(settings.cache_dir)
