@@ -23,15 +23,21 @@ HERE = Path(generate.__file__).resolve().parent
 class ScriptedClient:
     """``client.chat.completions.create`` answering with the next scripted tool call."""
 
-    def __init__(self, calls: list[tuple[str, dict[str, Any]]]):
-        self.calls = list(calls)
+    def __init__(self, calls: list[tuple[str, dict[str, Any]]],
+                 idle: tuple[str, dict[str, Any]] = ("read_file", {"path": "missing.txt"})):
+        self.calls, self.idle = list(calls), idle
         self.requests: list[dict[str, Any]] = []
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
 
     async def _create(self, **request: Any) -> Any:
         self.requests.append(request)
-        assert request["tool_choice"] == "required" and request["tools"]
-        name, args = self.calls.pop(0) if self.calls else ("done", {"summary": "nothing"})
+        assert request["tools"] and request["tool_choice"] in (("required",) if len(self.requests) == 1
+                                                               else ("required", "auto"))
+        name, args = self.calls.pop(0) if self.calls else self.idle
+        if name == "text":  # a reply in words
+            message = SimpleNamespace(content=args["content"], tool_calls=None, model_dump=lambda **_: {
+                "role": "assistant", "content": args["content"]})
+            return SimpleNamespace(choices=[SimpleNamespace(message=message)])
         call = SimpleNamespace(id=f"call-{len(self.requests)}", type="function",
                                function=SimpleNamespace(name=name, arguments=json.dumps(args)))
         message = SimpleNamespace(content=None, tool_calls=[call], model_dump=lambda **_: {
@@ -85,6 +91,12 @@ def test_toolcall_tools_and_verifier() -> None:
                 n = int(task["question"].split(" are in ")[1].split()[0])
                 assert str(int(task["answer"]) // n) in observation
     assert toolcall.verify(tasks[0], asyncio.run(toolcall.solve(tasks[0], ScriptedClient([("answer", {"value": "-1"})])))) == 0.0
+    # after the first (forced) tool call, a reply in words ends the episode: its last number is the answer
+    calc = next(t for t in tasks if t["kind"] == "calc")
+    first = reference_toolcall(calc)[0]
+    for words, score in ((f"The answer is {calc['answer']}.", 1.0), ("I am not sure.", 0.0)):
+        result = asyncio.run(toolcall.solve(calc, ScriptedClient([first, ("text", {"content": words})])))
+        assert (toolcall.verify(calc, result), result["finished"], result["text"]) == (score, True, words)
     assert toolcall.verify(tasks[0], {"answer": None}) == 0.0
 
 
@@ -112,17 +124,21 @@ def test_terminal_tasks_pass_with_the_right_command_and_fail_without(split: str)
             command = f"sed -i 's/{old}/{new}/g' list.txt"
         else:
             command = reference_command(task)
-        result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": command}), ("done", {"summary": "x"})])))
+        result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": command})], IDLE)))
         assert terminal.verify(task, result) == 1.0, (task, result)
         assert result["calls"][0]["observation"].startswith("exit code 0")
-        idle = asyncio.run(terminal.solve(task, ScriptedClient([("done", {"summary": "nothing"})])))
+        idle = asyncio.run(terminal.solve(task, ScriptedClient([], IDLE)))
         assert terminal.verify(task, idle) == 0.0
     assert set(kinds) == {"create", "copy", "sort", "count", "search", "edit"}
 
 
+IDLE = ("run", {"command": "true"})
+
+
 def test_terminal_fork_bomb_fails_the_rollout_with_its_reason() -> None:
     task = load("terminal", "heldout")[0]
-    result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": "bash -c ':(){ :|:& };: ; wait'"})])))
+    result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": "bash -c ':(){ :|:& };: ; wait'"})],
+                                                             IDLE)))
     assert terminal.verify(task, result) == 0.0
     assert result["failure"] and result["failure"].startswith("processes"), result
 
@@ -137,11 +153,12 @@ def test_swe_fix_makes_pytest_pass_and_a_wrong_edit_does_not() -> None:
         path = f"{task['module']}.py"
         fix = [("read_file", {"path": path}),
                ("replace", {"path": path, "old": task["fix"]["old"], "new": task["fix"]["new"]}),
-               ("run_tests", {"target": "."}), ("done", {"summary": "fixed"})]
+               ("run_tests", {"target": "."})]
         result = asyncio.run(swe.solve(task, ScriptedClient(fix)))
         assert swe.verify(task, result) == 1.0, result
+        assert result["finished"] and result["turns"] == 3  # a passing run of the tests ends the episode
         assert "passed" in result["calls"][2]["observation"] and "failed" not in result["calls"][2]["observation"]
-        wrong = [("replace", {"path": path, "old": "x * 2", "new": "x + x + 0"}), ("done", {"summary": "x"})]
+        wrong = [("replace", {"path": path, "old": "x * 2", "new": "x + x + 0"})]
         result = asyncio.run(swe.solve(task, ScriptedClient(wrong)))
         assert swe.verify(task, result) == 0.0 and "failed" in result["check"]
     missing = asyncio.run(swe.solve(tasks[0], ScriptedClient([("replace", {"path": "nope.py", "old": "a", "new": "b"})])))

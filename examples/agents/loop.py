@@ -19,11 +19,12 @@ from typing import Any
 Execute = Callable[[str, dict[str, Any]], Awaitable[tuple[str, bool]]]
 
 
-def tool(name: str, description: str, **params: str) -> dict[str, Any]:
-    """An OpenAI function tool whose parameters are all required strings (name -> description)."""
+def tool(name: str, description: str, max_length: int = 48, **params: str) -> dict[str, Any]:
+    """An OpenAI function tool whose parameters are all required strings (name -> description) of
+    at most *max_length* characters: guided decoding holds a small model's runaway string there."""
     return {"type": "function", "function": {
         "name": name, "description": description,
-        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v}
+        "parameters": {"type": "object", "properties": {k: {"type": "string", "description": v, "maxLength": max_length}
                                                          for k, v in params.items()},
                        "required": list(params)}}}
 
@@ -36,28 +37,35 @@ def call_text(name: str, args: dict[str, Any]) -> str:
 @dataclass
 class Episode:
     calls: list[dict[str, Any]] = field(default_factory=list)  # {"name", "args", "observation"}
-    finished: bool = False  # the model ended it (answer / done) before running out of turns
+    finished: bool = False  # the model ended it (answer / done / a reply in words) before running out of turns
+    text: str | None = None  # its reply in words, when that ended it
 
     def as_result(self) -> dict[str, Any]:
-        return {"calls": self.calls, "finished": self.finished, "turns": len(self.calls)}
+        return {"calls": self.calls, "finished": self.finished, "turns": len(self.calls), "text": self.text}
 
 
 async def run_tools(client: Any, task: dict[str, Any], system: str, user: str, tools: list[dict[str, Any]],
-                    execute: Execute, *, max_turns: int, max_tokens: int = 96) -> Episode:
+                    execute: Execute, *, max_turns: int, max_tokens: int = 128, text_ends: bool = False) -> Episode:
     """Up to *max_turns* model turns; stops when *execute* says the episode is over. Sampling:
-    ``task["temperature"]`` (default 1.0) and ``task["seed"]`` if given."""
+    ``task["temperature"]`` (default 1.0) and ``task["seed"]`` if given. *text_ends*: after the
+    first turn the model may also reply in words (``tool_choice="auto"``), which ends the episode
+    with that reply as :attr:`Episode.text`."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     episode = Episode()
     sampling: dict[str, Any] = {"temperature": float(task.get("temperature", 1.0))}
     if task.get("seed") is not None:
         sampling["seed"] = int(task["seed"])
-    for _ in range(max_turns):
+    for turn in range(max_turns):
+        choice = "auto" if text_ends and turn > 0 else "required"
         reply = await client.chat.completions.create(
-            model="policy", messages=messages, tools=tools, tool_choice="required", max_tokens=max_tokens,
-            **sampling)
+            model="policy", messages=messages, tools=tools, tool_choice=choice, max_tokens=max_tokens, **sampling)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True, exclude={"refusal", "annotations", "audio"}))
         calls = message.tool_calls or []
+        if not calls and choice == "auto":
+            episode.calls.append({"name": None, "args": None, "observation": None, "text": message.content})
+            episode.text, episode.finished = message.content or "", True
+            break
         if not calls:  # cut off at max_tokens mid-JSON: no action; say so and go on
             messages.append({"role": "user", "content": "error: no tool call (the reply was cut off)"})
             episode.calls.append({"name": None, "args": None, "observation": "error: no tool call"})

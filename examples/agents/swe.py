@@ -3,9 +3,10 @@
     nextstate rollout --tasks examples/agents/swe/train.jsonl --n 8 \\
         --agent examples/agents/swe.py:solve --verifier examples/agents/swe.py:verify
 
-The agent reads and edits files through tools (``read_file``, ``replace``, ``run_tests``,
-``done``) inside its rollout's :class:`nextstate.sandbox.Sandbox`; when it stops, pytest runs
-there once more and its exit status decides the outcome (``check``).
+The agent reads and edits files through tools (``replace``, ``run_tests``, ``read_file``;
+up to ``MAX_TURNS`` turns, ending early when its run of the tests passes) inside its rollout's
+:class:`nextstate.sandbox.Sandbox`; then pytest runs there once more and its exit status decides
+the outcome (``check``).
 """
 
 from __future__ import annotations
@@ -22,15 +23,15 @@ from examples.agents.loop import run_tools, tool  # noqa: E402
 from examples.agents.terminal import _ensure, sandbox_root  # noqa: E402
 from nextstate.sandbox import Limits, Sandbox  # noqa: E402
 
-SYSTEM = ("You fix a bug in a small Python repository so that its tests pass. Tools: read_file shows a file, "
-          "replace swaps one exact piece of text in a file for another, run_tests runs pytest, done ends. "
-          "Make the smallest edit that fixes the bug.")
-TOOLS = [tool("read_file", "Show a file of the repository.", path="for example calc.py"),
-         tool("replace", "Replace the exact text old with new in a file.", path="the file", old="exact text now in "
+SYSTEM = ("You fix a bug in a small Python repository so that its tests pass. Tools: replace swaps one exact "
+          "piece of text in a file for another, run_tests runs pytest, read_file shows a file. Make the smallest "
+          "edit that fixes the bug.")
+# no `done` tool: the base model picked it on the first turn; the episode ends when run_tests passes
+TOOLS = [tool("replace", "Replace the exact text old with new in a file.", path="the file", old="exact text now in "
               "the file", new="the text to put instead"),
          tool("run_tests", "Run the tests with pytest.", target="a test file, or . for all"),
-         tool("done", "The tests pass; end.", summary="what you changed")]
-MAX_TURNS = 5
+         tool("read_file", "Show a file of the repository.", path="for example calc.py")]
+MAX_TURNS = 4
 LIMITS = Limits(wall_s=30, cpu_s=20, memory_mb=1024, file_mb=1, disk_mb=16, processes=32)
 PYTEST = ["python3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rN"]
 
@@ -74,8 +75,6 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
     tests = [f"test_{task['module']}.py"]
     with Sandbox(root, LIMITS, files=task["files"]) as sandbox:
         async def execute(name: str, args: dict[str, Any]) -> tuple[str, bool]:
-            if name == "done":
-                return "ok", True
             if name == "read_file":
                 text = sandbox.read(str(args.get("path", "")).strip())
                 return (text if text is not None else f"error: no file {args.get('path')!r}"), False
@@ -90,7 +89,7 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
                 return f"replaced 1 occurrence in {path}", False
             if name == "run_tests":
                 ran = await sandbox.run(PYTEST + tests)
-                return ran.output[-1500:].strip() or f"exit code {ran.exit_code}", False
+                return ran.output[-1500:].strip() or f"exit code {ran.exit_code}", ran.exit_code == 0
             return f"error: unknown tool {name!r}", False
 
         episode = await run_tools(client, task, SYSTEM, task["instruction"], TOOLS, execute,

@@ -4,7 +4,7 @@
         --agent examples/agents/terminal.py:solve --verifier examples/agents/terminal.py:verify
 
 Each rollout gets its own :class:`nextstate.sandbox.Sandbox` holding the task's files; the model
-runs shell commands there (``run``) until it calls ``done`` or runs out of turns. The task's
+runs shell commands there (``run``), up to ``MAX_TURNS`` of them. The task's
 check then reads the files (``check``), before the sandbox is removed; ``verify`` reports it.
 A command that hits a limit (time, CPU, memory, disk, processes, network) fails the rollout
 with that reason.
@@ -26,11 +26,10 @@ from nextstate.sandbox import Limits, Sandbox  # noqa: E402
 
 SYSTEM = ("You operate a Linux shell in a directory with the task's files. Call run with one shell command "
           "(for example: echo hello > a.txt, sort names.txt > sorted.txt, wc -l < data.txt > count.txt, "
-          "grep word log.txt > found.txt, sed -i 's/old/new/g' file.txt, cp a.txt b.txt). Call done when "
-          "the task is complete.")
-TOOLS = [tool("run", "Run one shell command in the working directory.", command="the shell command"),
-         tool("done", "The task is complete.", summary="what you did")]
-MAX_TURNS = 4
+          "grep word log.txt > found.txt, sed -i 's/old/new/g' file.txt, cp a.txt b.txt).")
+# one tool: a `done` tool was the base model's pick on every first turn (the episode over before any command)
+TOOLS = [tool("run", "Run one shell command in the working directory.", max_length=120, command="the shell command")]
+MAX_TURNS = 3
 LIMITS = Limits(wall_s=10, cpu_s=5, memory_mb=512, file_mb=4, disk_mb=16, processes=32)
 
 WORDS = ["apple", "river", "green", "stone", "cloud", "tiger", "piano", "maple", "ocean", "lemon", "amber", "frost",
@@ -90,8 +89,6 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"{task['id']}-", dir=_ensure(sandbox_root())))
     with Sandbox(root, LIMITS, files=task["files"]) as sandbox:
         async def execute(name: str, args: dict[str, Any]) -> tuple[str, bool]:
-            if name == "done":
-                return "ok", True
             if name != "run":
                 return f"error: unknown tool {name!r}", False
             command = str(args.get("command", "")).strip()

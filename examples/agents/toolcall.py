@@ -4,7 +4,8 @@
         --agent examples/agents/toolcall.py:solve --verifier examples/agents/toolcall.py:verify
 
 The tools are pure functions of their arguments (no sandbox needed); the episode ends when the
-model calls ``answer``. The outcome is 1.0 when the answered number equals the task's, else 0.0.
+model answers: in words after its first (forced) tool call — the last number of its reply — or
+with the ``answer`` tool. The outcome is 1.0 when that number equals the task's, else 0.0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ast
 import json
 import operator
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,7 @@ from examples.agents.loop import run_tools, tool  # noqa: E402
 
 SYSTEM = ("You answer questions with tools. calculator evaluates arithmetic, unit_table tells how many of a "
           "smaller unit make one larger unit, product_api returns a product's JSON (price, stock). Call one tool "
-          "per turn; when you know the number, call answer with it.")
+          "per turn; when you know the number, reply with just the number.")
 TOOLS = [
     tool("calculator", "Evaluate an arithmetic expression with + - * / and parentheses.",
          expression="for example 7*60"),
@@ -135,8 +137,15 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
         return f"error: unknown tool {name!r}", False
 
     episode = await run_tools(client, task, SYSTEM, task["question"], TOOLS, execute,
-                              max_turns=int(task.get("max_turns", MAX_TURNS)))
+                              max_turns=int(task.get("max_turns", MAX_TURNS)), text_ends=True)
+    if not answered and episode.text is not None:
+        answered.append(last_number(episode.text))
     return episode.as_result() | {"answer": answered[-1] if answered else None}
+
+
+def last_number(text: str) -> str | None:
+    found = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))
+    return found[-1] if found else None
 
 
 def verify(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any] | None = None) -> float:
