@@ -2,10 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PIP    := $(VENV)/bin/pip --disable-pip-version-check -q
-# torch first, pinned, so the trainer's extra does not pull a multi-GB CUDA build on a CPU machine
+# torch first, pinned, so the trainer's extra does not pull a multi-GB CUDA build on a CPU machine:
+# with no GPU (no working nvidia-smi) the CPU build, +cpu, from a local wheel or index where pip
+# has one, else from PyTorch's CPU index
 TORCH  ?= torch==2.13.0
+GPU    := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: up test install install-test browser openclaw clean
+.PHONY: up test install install-test torch browser openclaw clean
 
 up: install
 	$(VENV)/bin/nextstate up
@@ -20,16 +24,25 @@ install-test: $(VENV)/.installed-test
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
+# what `up`, `up --train`, `train` and `rollout` need
 $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -e . 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/nextstate --version
+	$(MAKE) --no-print-directory torch
+	$(PIP) install -e '.[train,rollout]' 2>&1 | grep -v "^WARNING: Location" || true
+	$(VENV)/bin/python -c "import nextstate.cli, torch, peft, openai"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install '$(TORCH)' 2>&1 | grep -v "^WARNING: Location" || true
+	$(MAKE) --no-print-directory torch
 	$(PIP) install -e '.[test,train,rollout,bench]' 2>&1 | grep -v "^WARNING: Location" || true
 	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl, matplotlib"
 	touch $(VENV)/.installed $@
+
+torch: | $(VENV)/bin/python
+ifeq ($(GPU),1)
+	$(PIP) install '$(TORCH)' 2>&1 | grep -v "^WARNING: Location" || true
+else
+	$(PIP) install '$(TORCH)+cpu' 2>/dev/null || $(PIP) install --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH)+cpu'
+endif
 
 # The admin UI's browser tests drive Debian's chromium through Playwright (executable_path;
 # Playwright's own browser downloads are never used). Installed once, skipped when present.

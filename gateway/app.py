@@ -11,14 +11,18 @@ from fastapi import FastAPI
 
 from datapool.settings import Settings, check_admin_exposure
 from gateway import api, errors, ui
+from gateway.metrics import ProcessReport
 from gateway.routes import feedback, health, openai
 from gateway.state import running
 from gateway.upstream import load_model_list
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, processes: ProcessReport | None = None) -> FastAPI:
     """The gateway for *settings* (default: from the environment); raises ValueError for a bad model
-    list, and :class:`~datapool.settings.AdminExposed` for an admin surface open to the network."""
+    list, and :class:`~datapool.settings.AdminExposed` for an admin surface open to the network.
+
+    *processes*: the processes a supervisor runs beside this gateway (`nextstate up`), shown in
+    /readyz and /metrics."""
     settings = settings or Settings()
     check_admin_exposure(settings)
     model_list, policy_model = (None, settings.policy_model)
@@ -29,6 +33,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with running(settings, model_list, policy_model) as gw:
+            if processes is not None:
+                gw.metrics.watch_processes(processes)
             app.state.gateway = gw
             yield
 
@@ -39,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # served by gateway.api.docs behind the admin check instead of FastAPI's open defaults
         docs_url=None, redoc_url=None, openapi_url=None,
     )
+    app.state.processes = processes
     errors.install(app)
     app.include_router(openai.router)
     app.add_middleware(openai.ProxyFastPath)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -11,6 +12,11 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
+
+#: the processes a supervisor (`nextstate up`) runs beside the gateway: name -> {"state":
+#: starting | running | restarting | failed | stopped, "restarts": n, "exits": {reason: n},
+#: "last_exit": reason or None, ...}
+ProcessReport = Callable[[], Mapping[str, Mapping[str, Any]]]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -58,6 +64,9 @@ class Metrics:
                       "held in memory until the pool answers), else 0.", registry=self.registry)
         gauge.set_function(lambda: 1.0 if error() else 0.0)
 
+    def watch_processes(self, report: ProcessReport) -> None:
+        self.registry.register(ProcessCollector(report))
+
     def watch_pool(self, engine: Engine) -> None:
         self.registry.register(PoolCollector(engine))
 
@@ -66,6 +75,30 @@ class Metrics:
         self.queue_depth.set_function(depth)
         self.spool_records.set_function(spool_records)
         self.spool_bytes.set_function(spool_bytes)
+
+
+class ProcessCollector(Collector):
+    """The supervised processes beside the gateway (`nextstate up`): up or not, restarts, exits."""
+
+    def __init__(self, report: ProcessReport):
+        self.report = report
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        report = self.report()
+        up = GaugeMetricFamily("nextstate_process_up", "1 while a process `nextstate up` supervises is running "
+                               "(for a vLLM: serving, the active policy version loaded), else 0.", labels=["process"])
+        restarts = CounterMetricFamily("nextstate_process_restarts", "Restarts of a supervised process.",
+                                       labels=["process"])
+        exits = CounterMetricFamily("nextstate_process_exits", "Exits of a supervised process by reason "
+                                    "(exit N, killed by SIGNAL, failed to start).", labels=["process", "reason"])
+        for name, state in report.items():
+            up.add_metric([name], 1.0 if state.get("state") == "running" else 0.0)
+            restarts.add_metric([name], float(state.get("restarts") or 0))
+            for reason, n in (state.get("exits") or {}).items():
+                exits.add_metric([name, reason], float(n))
+        yield up
+        yield restarts
+        yield exits
 
 
 class PoolCollector(Collector):

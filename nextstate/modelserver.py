@@ -20,16 +20,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 import click
 import httpx
+
+from nextstate.supervisor import RestartPolicy, Supervisor, on_stop_signals, stop_process_group
 
 Log = Callable[[str], None]
 
@@ -355,30 +358,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def process_group_alive(pgid: int) -> bool:
-    """True while process group *pgid* has a member that is not a zombie."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, IndexError, ValueError):
-            continue
-        if int(pgrp) == pgid and state != "Z":
-            return True
-    return False
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
 def _tail(path: Path, lines: int = 40) -> str:
     """The last *lines* lines of the text file at *path* ('' when unreadable)."""
     try:
@@ -390,8 +369,9 @@ def _tail(path: Path, lines: int = 40) -> str:
 class VLLMServer:
     """A vLLM server subprocess in its own process group, logging to *log_path*.
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. ``port=0`` picks a
-    free port.
+    Use as a context manager, or call :meth:`start` and :meth:`stop`; a supervisor
+    (``nextstate.supervisor``) calls :meth:`spawn`, :meth:`wait_ready` and :meth:`poll`.
+    ``port=0`` picks a free port. *name* names it in supervision reports.
     """
 
     def __init__(
@@ -406,7 +386,9 @@ class VLLMServer:
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         extra_args: Sequence[str] = (),
         dev_mode: bool = False,
+        name: str = "vllm",
     ) -> None:
+        self.name = name
         self.python = python
         self.model_dir = model_dir
         self.served_name = served_name
@@ -434,6 +416,15 @@ class VLLMServer:
         Raises RuntimeError (with the log's tail) if the process exits or is not ready
         within *timeout* seconds.
         """
+        self.spawn()
+        try:
+            self.wait_ready(timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def spawn(self) -> None:
+        """Launch the server process; return at once."""
         if self._process is not None:
             raise RuntimeError("VLLMServer already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -455,19 +446,18 @@ class VLLMServer:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        try:
-            self._wait_ready(timeout)
-            self._warm_up(timeout)
-        except BaseException:
-            self.stop()
-            raise
 
-    def _wait_ready(self, timeout: float) -> None:
-        assert self._process is not None
+    def wait_ready(self, cancel: threading.Event | None = None, timeout: float = 600) -> None:
+        """Wait until the spawned server answers ``/v1/models``, then warm it up; return early
+        (not warmed up) once *cancel* is set. RuntimeError with the log's tail if the process
+        exits or is not ready within *timeout* seconds."""
+        process = self._process
+        if process is None:
+            raise RuntimeError("VLLMServer not started")
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=5, trust_env=False) as client:
-            while True:
-                rc = self._process.poll()
+            while cancel is None or not cancel.is_set():
+                rc = process.poll()
                 if rc is not None:
                     raise RuntimeError(
                         f"vLLM exited with code {rc} while starting; log {self.log_path}:\n"
@@ -475,6 +465,7 @@ class VLLMServer:
                     )
                 try:
                     if client.get(f"{self.base_url}/models").status_code == 200:
+                        self._warm_up(timeout)
                         return
                 except httpx.TransportError:
                     pass
@@ -484,6 +475,10 @@ class VLLMServer:
                         + _tail(self.log_path)
                     )
                 time.sleep(0.5)
+
+    def poll(self) -> int | None:
+        """The server's exit code once it exited, else None (also when not started)."""
+        return self._process.poll() if self._process else None
 
     def _warm_up(self, timeout: float) -> None:
         """One tiny chat completion, so the first real request is not the slow one.
@@ -503,29 +498,14 @@ class VLLMServer:
         )
         response.raise_for_status()
 
-    def wait(self) -> int:
-        """Block until the server process exits; return its exit code."""
-        if self._process is None:
-            raise RuntimeError("VLLMServer not started")
-        return self._process.wait()
-
     def stop(self, grace: float = 30) -> None:
         """SIGTERM the server's process group; SIGKILL what is left after *grace* s.
 
         Returns once no live process remains in the group. Idempotent.
         """
         process, self._process = self._process, None
-        if process is None:
-            return
-        pgid = process.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while process.poll() is None or process_group_alive(pgid):
-            if time.monotonic() > deadline:
-                _signal_group(pgid, signal.SIGKILL)
-                break
-            time.sleep(0.1)
-        process.wait()
+        if process is not None:
+            stop_process_group(process, grace)
 
     def __enter__(self) -> VLLMServer:
         self.start()
@@ -608,13 +588,26 @@ def setup_command(cache_dir: Path) -> None:
     "/collective_rpc, ...), needed to publish fully fine-tuned weights. They are unauthenticated "
     "and run any worker method: never expose such a server beyond a private address.",
 )
+@click.option(
+    "--restarts",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Restarts in a row of a vLLM that died before giving up (exit 1).",
+)
 def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, max_model_len: int,
-                      teacher: bool, dev_mode: bool) -> None:
-    """Run vLLM in the foreground; Ctrl-C stops it.
+                      teacher: bool, dev_mode: bool, restarts: int) -> None:
+    """Run vLLM in the foreground, restarted when it dies; Ctrl-C (or SIGTERM, SIGHUP) stops it.
 
     Serves the OpenAI-compatible API with runtime LoRA loading (POST
     /v1/load_lora_adapter). Sets up the venv and model first if needed. Server output goes to
-    CACHE_DIR/logs/vllm-serve.log; the API URL is printed once the server is ready.
+    CACHE_DIR/logs/vllm-serve-PORT.log; the API URL is printed each time the server is ready.
+
+    \b
+    A server that exits is started again after 1, 2, 4 ... 30 s; after --restarts restarts in a
+    row (one that served 2 minutes starts the count again) the command exits 1 with the reason.
+    A restarted vLLM has no runtime adapters: the gateways and the online trainer load the
+    active policy version into it again before they send it `policy` traffic.
     """
     python, model_dir = _prepare(cache_dir)
     log_path = cache_dir / "logs" / f"vllm-serve-{port}.log"
@@ -633,15 +626,19 @@ def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, m
         click.echo(f"vllm: WARNING: development endpoints are on and reachable at {host}:{port}; "
                    "anyone who can connect can run worker methods", err=True)
     click.echo(f"vllm: starting (log: {log_path})")
-    try:
-        server.start()
-        click.echo(f"vllm: {server.base_url}")
-        rc = server.wait()
-    except KeyboardInterrupt:
-        click.echo("vllm: stopping")
-        return
-    except RuntimeError as exc:
-        raise click.ClickException(str(exc)) from exc
-    finally:
-        server.stop()
-    raise click.ClickException(f"vLLM exited with code {rc}; see {log_path}")
+    supervisor = Supervisor(echo=lambda line: click.echo(f"vllm: {line}"),
+                            policy=RestartPolicy(limit=restarts))
+    supervisor.add(server, after_start=lambda: click.echo(f"vllm: {server.base_url}"))
+
+    def on_signal(sig: signal.Signals) -> None:
+        click.echo(f"vllm: {sig.name}, stopping")
+        supervisor.request_stop()
+
+    with on_stop_signals(on_signal):
+        try:
+            if supervisor.start():
+                supervisor.wait()
+        finally:
+            supervisor.stop()
+    if supervisor.fatal:
+        raise click.ClickException(supervisor.fatal)

@@ -93,4 +93,4 @@ def test_every_pool_module_is_in_a_layer() -> None:
 def test_routers_never_import_the_app() -> None:
     graph = _graph()
     importers = graph.find_modules_that_directly_import("gateway.app")
-    assert importers == {"nextstate.cli.serve"}  # only the CLI, which serves it
+    assert importers == {"nextstate.gateway_server"}  # only the server that serves it (gateway, up)

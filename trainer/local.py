@@ -28,7 +28,8 @@ Full fine-tuning may keep fp32 master weights and AdamW states (``LocalConfig.fp
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +38,15 @@ from trainer import logprobs as chunked
 from trainer import objectives
 from trainer.config import LocalConfig
 from trainer.samples import Sample
+
+
+@dataclass
+class StepProgress:
+    """How far an optimizer step is: tokens (prompt and response) passed through the model of
+    all its passes' (the no-grad pass, the step's forward and backward, the reference pass)."""
+
+    tokens_total: int
+    tokens: int = 0
 
 
 def _device(cfg: LocalConfig) -> torch.device:
@@ -210,14 +220,17 @@ class LocalTrainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
 
-    def _no_grad_logprobs(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _no_grad_logprobs(self, samples: Sequence[Sample], done: Callable[[Sequence[Sample]], None]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(s.response_ids) for s in samples)
         parts, masks = [], []
         with torch.no_grad():
             for lo in range(0, len(samples), self.cfg.micro_batch_size):
-                lp, mask = self.response_logprobs(samples[lo: lo + self.cfg.micro_batch_size])
+                part = samples[lo: lo + self.cfg.micro_batch_size]
+                lp, mask = self.response_logprobs(part)
                 parts.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
+                done(part)
         return torch.cat(parts), torch.cat(masks)
 
     def _fuse_no_grad_pass(self, n: int) -> bool:
@@ -227,7 +240,7 @@ class LocalTrainer:
         return not self.cfg.legacy and n <= self.cfg.micro_batch_size
 
     def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
-             ratio_cap: float = 2.0) -> dict[str, float]:
+             ratio_cap: float = 2.0, progress: Callable[[StepProgress], None] | None = None) -> dict[str, float]:
         """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
 
         Advantages are computed over the whole batch first (GRPO groups and per-step
@@ -239,7 +252,11 @@ class LocalTrainer:
         ratio is taken against the current policy instead, and the loss of each token is
         weighted by the exact importance ratio π_current / π_behaviour from the captured
         logprobs, capped at ``ratio_cap`` (truncated importance sampling, veRL's
-        ``rollout_is_weights``)."""
+        ``rollout_is_weights``).
+
+        ``progress`` is called after each micro-batch's pass (a step over long agent turns takes
+        minutes on a CPU) with the tokens (prompt and response) passed so far, of the step's
+        whole work."""
         started = time.perf_counter()
         samples = list(samples)
         cfg = self.objective
@@ -254,12 +271,20 @@ class LocalTrainer:
         # values detached are the no-grad pass's (same weights, same inputs), so it runs once
         fused = needs_student and self._fuse_no_grad_pass(n)
         self.last_step_no_grad_pass = needs_student and not fused
+        passes = 1 + self.last_step_no_grad_pass + (cfg.kl_coef > 0 and self.cfg.lora)
+        work = StepProgress(tokens_total=passes * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
+
+        def done(part: Sequence[Sample]) -> None:
+            work.tokens += sum(len(s.prompt_ids) + len(s.response_ids) for s in part)
+            if progress is not None:
+                progress(work)
+
         fused_out: tuple[torch.Tensor, torch.Tensor] | None = None
         if fused:
             fused_out = self.response_logprobs(samples)
             student, mask = fused_out[0].detach(), fused_out[1]
         elif self.last_step_no_grad_pass:
-            student, mask = self._no_grad_logprobs(samples)
+            student, mask = self._no_grad_logprobs(samples, done)
             student, mask = student.to(self.device), mask.to(self.device)
         else:
             # nothing here needs the GPU yet: mask, behaviour log-probs and advantages are built
@@ -313,6 +338,7 @@ class LocalTrainer:
             (loss * len(part) / n).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * (len(part) / n)
+            done(part if ref is None else [*part, *part])
         if self._master:
             for p, master in self._master:
                 master.grad = None if p.grad is None else p.grad.float()

@@ -54,7 +54,7 @@ from datapool import leases, queries, versions, vllm_admin
 from datapool.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
 from trainer.config import OnlineConfig, Scorer
 from trainer.eval_gate import EvalGate
-from trainer.local import LocalConfig, LocalTrainer
+from trainer.local import LocalConfig, LocalTrainer, StepProgress
 from trainer.monitor import LiveMonitor
 from trainer.objectives import ObjectiveConfig
 from trainer.publish import PublishRequest, publish
@@ -77,6 +77,44 @@ class RoundResult:
     candidate: str | None
     decision: str | None  # "promote" | "refuse" | None (nothing trained)
     metrics: dict[str, Any]
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    seconds = int(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class RoundProgress:
+    """Logs how far a round's training is: its update, tokens passed, time elapsed and an
+    estimate of the time left, at most every ``every_s`` seconds (and when an update ends)."""
+
+    def __init__(self, step: int, updates: int, every_s: float = 15.0):
+        self.step = step
+        self.updates = updates
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self.logged = self.started
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def __call__(self, update: int, progress: StepProgress) -> None:
+        now = time.monotonic()
+        last = progress.tokens >= progress.tokens_total
+        if now - self.logged < self.every_s and not last:
+            return
+        self.logged = now
+        done = (update + progress.tokens / max(progress.tokens_total, 1)) / self.updates
+        left = self.elapsed_s * (1 - done) / done if done > 0 else None
+        log.info("round %d: update %d/%d, %s/%s tokens, %s elapsed, %s", self.step, update + 1, self.updates,
+                 f"{progress.tokens:,}", f"{progress.tokens_total:,}", _duration(self.elapsed_s),
+                 f"~{_duration(left)} left" if left is not None else "estimating")
 
 
 def load_scorer(path: str) -> Scorer:
@@ -207,10 +245,14 @@ class OnlineTrainer:
     def wait(self, stop: Callable[[], bool] = lambda: False) -> int:
         """Block until a round can start; returns how many turns are ready (0: stopped)."""
         started = time.monotonic()
+        seen = -1
         while not stop():
             n = self.available()
             if n >= self.cfg.k or (n >= self.cfg.min_turns and time.monotonic() - started >= self.cfg.max_wait_s):
                 return n
+            if n != seen:
+                log.info("round %d: %d of %d scored turns ready", self.step + 1, n, self.cfg.k)
+                seen = n
             self.monitor.check()
             time.sleep(self.cfg.poll_s)
         return 0
@@ -243,8 +285,14 @@ class OnlineTrainer:
             leases.record_step(self.engine, self.run_id, self.step, ids, metrics)
             return self._done(RoundResult(self.step, ids, dropped, corrected, None, None, metrics))
         flags = [s.turn_id in stale for s in train]
-        for _ in range(self.cfg.updates_per_round):
-            step_metrics = trainer.step(train, correct=flags, ratio_cap=self.cfg.ratio_cap)
+        updates = self.cfg.updates_per_round
+        log.info("round %d: training on %d turns (%s tokens), %d update%s", self.step, len(train),
+                 f"{sum(len(s.prompt_ids) + len(s.response_ids) for s in train):,}", updates, "s" * (updates > 1))
+        report = RoundProgress(self.step, updates)
+        for update in range(updates):
+            step_metrics = trainer.step(train, correct=flags, ratio_cap=self.cfg.ratio_cap,
+                                        progress=lambda p, u=update: report(u, p))
+        log.info("round %d: trained in %s; publishing the candidate", self.step, _duration(report.elapsed_s))
         metrics |= {k: v for k, v in step_metrics.items() if isinstance(v, float)}
         out = trainer.save(self.output_root / f"run-{self.run_id}" / f"step-{self.step}-{secrets.token_hex(3)}")
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,7 +25,8 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """The pool and every vLLM upstream answer. 503 (with the reason) when one does not."""
+    """The pool and every vLLM upstream answer, and under `nextstate up` every process it runs
+    is running. 503 (with the reason) when one does not."""
     gw = gateway_of(request)
 
     def ping() -> None:
@@ -41,8 +43,22 @@ async def readyz(request: Request) -> JSONResponse:
     spool = gw.writer.spool
     checks["spool"] = {"records": spool.waiting, "error": spool.error}
     ready = checks["pool"] == "ok" and all(v == "ok" for v in checks["upstreams"].values())
+    processes = request.app.state.processes
+    if processes is not None:  # the children of `nextstate up`
+        checks["processes"] = {name: _process_check(state) for name, state in processes().items()}
+        ready = ready and all(v == "ok" for v in checks["processes"].values())
     return JSONResponse({"status": "ready" if ready else "not ready", "checks": checks},
                         status_code=200 if ready else 503)
+
+
+def _process_check(state: Mapping[str, Any]) -> str:
+    """"ok", or what the process is doing and why: "restarting (killed by SIGKILL; 2 restarts)"."""
+    if state.get("state") == "running":
+        return "ok"
+    why = [state["last_exit"]] if state.get("last_exit") else []
+    if state.get("restarts"):
+        why.append(f"{state['restarts']} restarts")
+    return f"{state.get('state')}" + (f" ({'; '.join(why)})" if why else "")
 
 
 @router.get("/metrics")

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
-from typing import Any
 
 import click
 
 from datapool.settings import AdminExposed, Settings, check_admin_exposure
-from datapool.vocab import Objective, VersionKind
+from datapool.vocab import Objective
 from nextstate.cli import options as opt
 
 
@@ -26,33 +23,6 @@ def _check_admin_exposure(settings: Settings) -> None:
         check_admin_exposure(settings)
     except AdminExposed as exc:
         raise click.UsageError(str(exc)) from exc
-
-
-def _serve_gateway(settings: Settings, migrate: bool) -> None:
-    """Serve until interrupted; prints `base_url: ...` once the socket accepts connections."""
-    _check_admin_exposure(settings)  # create_app checks too; here before the slow imports
-    import uvicorn
-
-    from datapool.db import upgrade
-    from gateway.app import create_app
-
-    if migrate:
-        upgrade(settings.resolved_database_url)
-    try:
-        app = create_app(settings)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=10,
-                            timeout_keep_alive=settings.keep_alive_s)
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                click.echo(f"base_url: http://{settings.host}:{settings.port}/v1")
-
-    Server(config).run()
 
 
 @click.command()
@@ -87,7 +57,14 @@ def gateway(upstream_url: str | None, model_list: Path | None, port: int | None,
                          database_url=database_url, admin_open=admin_open)
     if not settings.upstream_url and not settings.model_list:
         raise click.UsageError("give --upstream URL or --model-list FILE (or NEXTSTATE_UPSTREAM_URL)")
-    _serve_gateway(settings, migrate)
+    _check_admin_exposure(settings)  # create_app checks too; here before the slow imports
+    if migrate:
+        from datapool.db import upgrade
+
+        upgrade(settings.resolved_database_url)
+    from nextstate.gateway_server import gateway_server
+
+    gateway_server(settings).run()
 
 
 @click.command()
@@ -174,28 +151,7 @@ def db_rehash(database_url: str | None) -> None:
     click.echo(f"{seen} turns read, {changed} rehashed; {replies} held-out replies read, {rehashed} rehashed")
 
 
-def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
-    """A fresh vLLM has no runtime adapters: load the pool's active version again before the
-    gateway's `policy` alias sends traffic to it."""
-    from datapool.db import make_engine
-    from datapool.versions import activate, active_version
-
-    engine = make_engine(settings.resolved_database_url)
-    try:
-        current = active_version(engine)
-        if current is not None:
-            if current["kind"] == VersionKind.FULL and not settings.vllm_dev_mode:
-                raise click.ClickException(
-                    f"the active policy version {current['name']} is a full checkpoint: its weights can only "
-                    "be loaded into a vLLM in dev mode; run with --vllm-dev-mode (NEXTSTATE_VLLM_DEV_MODE=1) "
-                    "or `nextstate policy rollback` first")
-            activate(engine, current["name"], vllm_urls, actor="up", reason="vLLM started")
-            click.echo(f"policy: {current['name']} (reloaded into vLLM)")
-    finally:
-        engine.dispose()
-
-
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--port", type=int, help="Gateway port (default 8400). [env NEXTSTATE_PORT]")
 @click.option("--vllm-port", type=int, help="Policy vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
 @click.option("--database-url", metavar="DSN", help="Pool (default: SQLite in the data dir).")
@@ -207,11 +163,15 @@ def _reload_active_version(settings: Settings, vllm_urls: list[str]) -> None:
                    "127.0.0.1 only. [env NEXTSTATE_VLLM_DEV_MODE, default off]")
 @click.option("--train", "train_objective", type=opt.choice(Objective),
               help="Also run the online trainer with this objective (`nextstate train --online`; "
-                   "its log: <data dir>/logs/trainer.log).")
+                   "its log: <data dir>/logs/trainer.log). Needs the `train` extra (`make up` installs it).")
+@click.option("--restarts", default=5, show_default=True, type=click.IntRange(min=0),
+              help="Restarts in a row of a child that exits before `up` gives up and exits 1.")
 @ADMIN_OPEN
 @opt.log_level()
+@click.argument("train_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN OPTIONS]")
 def up(port: int | None, vllm_port: int | None, database_url: str | None, scoring: bool,
-       vllm_dev_mode: bool | None, train_objective: str | None, admin_open: bool | None, log_level: str) -> None:
+       vllm_dev_mode: bool | None, train_objective: str | None, restarts: int, admin_open: bool | None,
+       log_level: str, train_args: tuple[str, ...]) -> None:
     """Everything on this machine: vLLM serving SmolLM2-135M-Instruct, the pool, the gateway,
     and a scoring worker.
 
@@ -223,84 +183,31 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
       worker (Celery, SQLite broker)     scores turns with the LLM judge: by default SmolLM2
                                          judging itself; NEXTSTATE_JUDGE_MODEL=<any LiteLLM
                                          model> (its key in the environment) for a stronger one
+      trainer (with --train)             `nextstate train --online`; options after `--` go to it,
+                                         e.g. `nextstate up --train combined -- --k 8`
       gateway                            127.0.0.1:8400   prints `base_url: ...` when ready
-    Ctrl-C stops everything.
+
+    \b
+    Supervised: a process that exits is reported here and in the gateway's /readyz and
+    /metrics, and started again after 1, 2, 4 ... 30 s (a vLLM gets the active policy
+    version loaded before it serves `policy` again); after --restarts restarts in a row
+    `up` stops everything and exits 1 with the reason. Ctrl-C, SIGTERM and SIGHUP stop
+    every process.
     """
-    import contextlib
-    import subprocess
-    from concurrent.futures import ThreadPoolExecutor
+    from nextstate.up import Up
 
-    from datapool.db import upgrade
-    from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
-
+    if train_args and not train_objective:
+        raise click.UsageError(f"got unexpected arguments {' '.join(train_args)} (options after `--` go to "
+                               "the trainer: give --train OBJECTIVE)")
+    if train_args and train_args[0] == "--":
+        train_args = train_args[1:]
     opt.setup_logging(log_level)
     settings = opt.settings(port=port, vllm_port=vllm_port, database_url=database_url, admin_open=admin_open)
     _check_admin_exposure(settings)  # before minutes of starting vLLM
     if vllm_dev_mode is not None:
         settings = settings.model_copy(update={"vllm_dev_mode": vllm_dev_mode})
-    python = ensure_vllm_env(settings.cache_dir)
-    model_dir = ensure_model(settings.cache_dir, python)
-    upgrade(settings.resolved_database_url)
-    logs = settings.data_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    servers = [VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
-                          port=settings.vllm_port, log_path=logs / "vllm.log", dev_mode=settings.vllm_dev_mode,
-                          max_model_len=settings.vllm_max_model_len)]
-    if scoring:
-        servers.append(VLLMServer(python, model_dir, served_name=settings.vllm_served_name, host="127.0.0.1",
-                                  port=settings.teacher_vllm_port, log_path=logs / "vllm-teacher.log",
-                                  max_model_len=settings.vllm_max_model_len,
-                                  extra_args=TEACHER_ARGS, dev_mode=settings.vllm_dev_mode))
-    if settings.vllm_dev_mode:
-        click.echo("vLLM dev mode: /pause, /resume, /collective_rpc are open on 127.0.0.1 (full-weight publishing)")
-    click.echo(f"starting vLLM on 127.0.0.1:{settings.vllm_port}"
-               + (f" and its teacher replica on :{settings.teacher_vllm_port}" if scoring else "")
-               + f" (logs in {logs}) ...")
-    with contextlib.ExitStack() as stack:
-        for server in servers:
-            stack.callback(server.stop)
-        with ThreadPoolExecutor(len(servers)) as pool:
-            for started in [pool.submit(server.start) for server in servers]:
-                started.result()
-        settings = settings.model_copy(update={
-            "upstream_url": servers[0].base_url, "upstream_model": settings.vllm_served_name,
-            "teacher_url": servers[-1].base_url if scoring else None})
-        _reload_active_version(settings, [server.base_url for server in servers])
-        if scoring:
-            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
-                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
-                   "NEXTSTATE_TEACHER_URL": servers[1].base_url,
-                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url}
-            worker_log = open(logs / "worker.log", "ab")
-            worker = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "worker", "--log-level", log_level],
-                                      env=env, stdout=worker_log, stderr=subprocess.STDOUT)
-            stack.callback(worker.wait, 30)
-            stack.callback(worker.terminate)
-            if settings.judge_backend == "python":
-                click.echo(f"worker: python judge {settings.judge_python} (log: {logs / 'worker.log'})")
-            elif settings.judge_model:
-                click.echo(f"worker: LLM judge {settings.judge_model} (log: {logs / 'worker.log'})")
-            else:
-                click.echo(f"worker: LLM judge on {settings.vllm_served_name}, the policy judging itself: weak "
-                           f"votes, noisy hints (log: {logs / 'worker.log'})\n"
-                           "  a stronger judge, any LiteLLM provider: NEXTSTATE_JUDGE_MODEL=openai/gpt-4.1-mini "
-                           "(OPENAI_API_KEY), anthropic/claude-sonnet-4-5 (ANTHROPIC_API_KEY), or "
-                           "hosted_vllm/NAME with NEXTSTATE_JUDGE_API_BASE=http://HOST:PORT/v1 (docs/worker.md)")
-        if train_objective:
-            env = {**os.environ, "NEXTSTATE_UPSTREAM_URL": servers[0].base_url,
-                   "NEXTSTATE_UPSTREAM_MODEL": settings.vllm_served_name,
-                   "NEXTSTATE_DATABASE_URL": settings.resolved_database_url,
-                   **({"NEXTSTATE_TEACHER_URL": servers[1].base_url} if scoring else {})}
-            trainer_log = open(logs / "trainer.log", "ab")
-            trainer = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "train", "--online", "--objective",
-                                        train_objective, "--model-dir", str(model_dir), "--log-level", log_level],
-                                       env=env, stdout=trainer_log, stderr=subprocess.STDOUT)
-            stack.callback(trainer.wait, 60)
-            stack.callback(trainer.terminate)
-            click.echo(f"trainer: online, {train_objective} (log: {logs / 'trainer.log'})")
-        click.echo(f"pool: {settings.resolved_database_url}")
-        click.echo(f"model: {settings.vllm_served_name} (also as `policy`)")
-        _serve_gateway(settings, migrate=False)
+    Up(settings, scoring=scoring, train_objective=train_objective, train_args=train_args, log_level=log_level,
+       restarts=restarts).run()
 
 
 @click.group("config")
