@@ -51,6 +51,8 @@ class Session(Base):
     mode: Mapped[str] = mapped_column(String(16), default=SessionMode.ONLINE, server_default="online", index=True)
     # why the session ended when it did not end normally: datapool.vocab.EndReason
     end_reason: Mapped[str | None] = mapped_column(String(32))
+    # the agent the session came from: a client profile's name (gateway.clients), if one matched
+    client: Mapped[str | None] = mapped_column(String(32), index=True)
 
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
 

@@ -36,6 +36,7 @@ class TurnRecord:
     error: dict[str, Any] | None = None
     session_done: bool = False  # the client said this is the session's last turn
     wire_format: str | None = None  # vocab.WireFormat the client spoke; None: the endpoint's own
+    client: str | None = None  # the client profile that recognised the request (gateway.clients)
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()

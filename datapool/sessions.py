@@ -206,10 +206,69 @@ def _after_last_assistant(messages: Sequence[Message]) -> int:
     return len(messages)
 
 
-def _continuations(r: TurnRecord) -> list[str]:
-    if r.status != TurnStatus.OK or r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
+_SYSTEM_ROLES = ("system", "developer")
+_RETRY = -1  # the choice_index of a turn's request hash (see request_hash)
+
+
+def _system_free_index(choice: int) -> int:
+    """The choice_index of a choice's continuation without the system messages (-2, -3, ...)."""
+    return -2 - choice
+
+
+def request_hash(messages: Sequence[Message]) -> str:
+    """The key under which a turn's own request is found by a request that extends it without a
+    reply in between: a retry of a failed or cancelled call, or an agent that dropped the reply
+    (mini-swe-agent drops one that made no tool call and says so in a new user message). Salted,
+    so it never equals a continuation of a reply."""
+    return hashlib.sha256(b"request\x1e" + history_hash(messages).encode()).hexdigest()
+
+
+class Continuation(NamedTuple):
+    hash: str
+    choice_index: int  # the reply's choice; _RETRY for the request hash
+    prefix: int  # how many messages a request continuing by this hash starts with
+
+
+def continuations_of(r: TurnRecord) -> list[Continuation]:
+    """What a request continuing *r* may start with: each choice's reply after the messages,
+    the same without the system (and developer) messages for an agent that drops them on the
+    next call, and the request itself (request_hash)."""
+    if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
-    return continuation_hashes(r.messages, r.replies)
+    messages = r.messages
+    out = [Continuation(request_hash(messages), _RETRY, len(messages))] if messages else []
+    if r.status != TurnStatus.OK:
+        return out
+    out += [Continuation(h, i, len(messages) + 1) for i, h in enumerate(continuation_hashes(messages, r.replies))]
+    rest = [m for m in messages if m.get("role") not in _SYSTEM_ROLES]
+    if rest and len(rest) < len(messages):
+        out += [Continuation(h, _system_free_index(i), len(rest) + 1)
+                for i, h in enumerate(continuation_hashes(rest, r.replies))]
+    return out
+
+
+def system_free_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
+    """link_candidates of the messages without their system (and developer) messages, each
+    index that of the assistant message in *messages*: what a request finds the turns by that
+    were sent without the system prompt. Empty when there is none to leave out."""
+    kept = [i for i, m in enumerate(messages) if m.get("role") not in _SYSTEM_ROLES]
+    if len(kept) == len(messages):
+        return []
+    return [(kept[i], h) for i, h in link_candidates([messages[i] for i in kept])]
+
+
+def retry_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
+    """(k, request_hash(messages[:k])) for every prefix that covers the last assistant message,
+    longest first: the turns a request extends without their reply (a retry when k is all of it)."""
+    start = _after_last_assistant(messages) if any(m.get("role") == "assistant" for m in messages) else 1
+    h = CanonicalHistory()
+    out: list[tuple[int, str]] = []
+    for k, m in enumerate(messages, start=1):
+        h.add(m)
+        if k >= start:
+            out.append((k, hashlib.sha256(b"request\x1e" + h.hexdigest().encode()).hexdigest()))
+    out.reverse()
+    return out
 
 
 def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
@@ -243,7 +302,7 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
                            response=row.response)
             candidates = link_candidates(r.messages)
             link = candidates[0][1] if candidates else None
-            fresh = {(h, i) for i, h in enumerate(_continuations(r))}
+            fresh = {(c.hash, c.choice_index) for c in continuations_of(r)}
             if link != row.link_hash:
                 links.append({"b_id": row.id, "b_link": link})
             if fresh != stored.get(row.id, set()):
@@ -258,10 +317,17 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
             if conts:
                 conn.execute(insert(continuations), conts)
 
+def _longest(p: _Prepared) -> int:
+    """Where what a record appended begins if its longest candidate matched."""
+    return p.candidates[0][0] + 1 if p.candidates else 0
+
+
 class _Prepared(NamedTuple):
     record: TurnRecord
     candidates: list[tuple[int, str]]  # link_candidates of its messages
-    continuations: list[str]  # hashes a request continuing one of its choices starts with
+    continuations: list[Continuation]  # what a request continuing it starts with
+    retries: list[tuple[int, str]]  # retry_candidates of its messages
+    system_free: list[tuple[int, str]]  # system_free_candidates of its messages
 
 
 @dataclass(eq=False)
@@ -330,6 +396,8 @@ class _Batch:
         self.members: dict[str, list[_Turn]] = {}  # session id -> its known turns
         self.by_hash: dict[str, dict[str, _Turn]] = {}  # continuation hash -> turns it continues
         self.fetched: set[str] = set()  # continuation hashes whose stored turns are in by_hash
+        # (hash, turn id) of continuations with the turn's system messages left out
+        self.system_left_out: set[tuple[str, str]] = set()
         self.by_link: dict[str, dict[str, _Turn]] = {}  # link hash -> turns that may be orphans
         self.sources: dict[str, str] = {}  # session id -> "inferred" | "header" | "path"
         self.latest: dict[str, _Turn | None] | None = None  # see _latest_stored
@@ -349,7 +417,7 @@ class _Batch:
 
     def run(self) -> None:
         """Stitch the records in order, then write what is still unwritten."""
-        self._load_orphans({h for p in self.prepared for h in p.continuations})
+        self._load_orphans({c.hash for p in self.prepared for c in p.continuations})
         self._prefetch_parents()
         for p in self.prepared:
             self._stitch(p)
@@ -408,12 +476,14 @@ class _Batch:
         self.fetched |= todo
         for chunk in chunked(todo):
             rows = self.db.execute(
-                select(TurnContinuation.hash, *_COLUMNS)
+                select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS)
                 .join(Turn, Turn.id == TurnContinuation.turn_id)
                 .where(TurnContinuation.hash.in_(chunk))
             )
             for row in rows:
                 self.by_hash.setdefault(row.hash, {})[row.id] = self._known(row)
+                if row.choice_index <= _system_free_index(0):
+                    self.system_left_out.add((row.hash, row.id))
 
     def _prefetch_parents(self) -> None:
         """Loads, in two rounds of queries, the stored turns the records may continue: first each
@@ -428,8 +498,8 @@ class _Batch:
                 longest = p.candidates[0][1]
                 if longest not in earlier and not self.by_hash.get(longest):
                     rest.update(h for _, h in p.candidates[1:])
-            earlier.update(p.continuations)
-        self._load_parents(rest)
+            earlier.update(c.hash for c in p.continuations)
+        self._load_parents(rest | {h for p in self.prepared for _, h in p.retries})
 
     def _load_latest(self, session_ids: Iterable[str], before: datetime) -> dict[str, _Turn | None]:
         """For each session, its stored main turn with the latest created_at <= ``before``."""
@@ -485,16 +555,16 @@ class _Batch:
         if r.session_id:
             session_id = r.session_id
             self.named_sessions.setdefault(session_id, _session_row(session_id, r, r.session_source or "header"))
-            parent, prefix_end = self._find_parent(p.candidates, session_id)
+            parent, prefix_end = self._find_parent(p, session_id)
             # linked by its whole history, or past a parent that may still come
-            exact = parent is None or prefix_end == p.candidates[0][0] + 1
+            exact = parent is None or prefix_end >= _longest(p)
             if parent is None and r.turn_type == TurnKind.MAIN:
                 parent = self._latest_main_turn(session_id, r.created_at)
                 prefix_end = _after_last_assistant(r.messages)
                 exact = parent is None
         else:
-            parent, prefix_end = self._find_parent(p.candidates, None)
-            exact = parent is None or prefix_end == p.candidates[0][0] + 1
+            parent, prefix_end = self._find_parent(p, None)
+            exact = parent is None or prefix_end >= _longest(p)
             if parent is not None:
                 session_id = parent.session_id
             else:
@@ -516,12 +586,14 @@ class _Batch:
         )
         self._add(turn)
         self.unstored.append((p, turn))
-        for h in p.continuations:
-            self.by_hash.setdefault(h, {})[turn.id] = turn
+        for c in p.continuations:
+            self.by_hash.setdefault(c.hash, {})[turn.id] = turn
+            if c.choice_index <= _system_free_index(0):
+                self.system_left_out.add((c.hash, turn.id))
         if p.candidates:
             self.by_link.setdefault(p.candidates[0][1], {})[turn.id] = turn
 
-        if parent is not None and r.turn_type == TurnKind.MAIN and (
+        if parent is not None and r.turn_type == TurnKind.MAIN and parent.status == TurnStatus.OK and (
             not parent.has_next_state or (exact and self._skipped_to(parent))
         ):
             self._give_next_state(parent, r.id, r.messages[prefix_end:])
@@ -536,16 +608,47 @@ class _Batch:
             self.ready += end_session(self.db, session_id)
             self.db.flush()
 
-    def _find_parent(self, candidates: list[tuple[int, str]], session_id: str | None) -> tuple[_Turn | None, int]:
+    def _find_parent(self, p: _Prepared, session_id: str | None) -> tuple[_Turn | None, int]:
         """The earliest turn whose continuation is the longest candidate any turn has (within
-        the named session, if there is one), and where what the record appended begins."""
-        for n, (index, h) in enumerate(candidates):
+        the named session, if there is one), and where what the record appended begins.
+
+        A turn whose request the record extends further without its reply (retry_candidates)
+        wins over one whose reply it continues: the record retries a failed or cancelled call
+        (the same messages: only a turn that failed), or goes on after a reply it dropped."""
+        parent: _Turn | None = None
+        prefix_end = 0
+        for n, (index, h) in enumerate(p.candidates):
             if h not in self.fetched:
-                self._load_parents(c for _, c in candidates[n:])
+                self._load_parents(c for _, c in p.candidates[n:])
             turns = [t for t in self.by_hash.get(h, {}).values() if session_id is None or t.session_id == session_id]
             if turns:
-                return min(turns, key=lambda t: t.order), index + 1
-        return None, 0
+                parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+                break
+        # the turn before may have been sent without the system prompt: it continues that turn's
+        # history once its own system messages are left out (never a turn that had others)
+        for n, (index, h) in enumerate(p.system_free):
+            if index + 1 <= prefix_end:
+                break
+            if h not in self.fetched:
+                self._load_parents(c for _, c in p.system_free[n:])
+            turns = [t for t in self.by_hash.get(h, {}).values() if (session_id is None or t.session_id == session_id)
+                     and (h, t.id) not in self.system_left_out]
+            if turns:
+                parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+                break
+        whole = len(p.record.messages)
+        for n, (k, h) in enumerate(p.retries):
+            if k <= prefix_end:
+                break
+            if h not in self.fetched:
+                self._load_parents(c for _, c in p.retries[n:])
+            turns = [t for t in self.by_hash.get(h, {}).values()
+                     if (session_id is None or t.session_id == session_id) and t.id != p.record.id
+                     and (k < whole or t.status != TurnStatus.OK)]
+            if turns:
+                # a turn that answered (its reply dropped) before one that failed on the same messages
+                return min(turns, key=lambda t: (t.status != TurnStatus.OK, t.order)), k
+        return parent, prefix_end
 
     def _latest_main_turn(self, session_id: str, before: datetime) -> _Turn | None:
         # An explicit session whose agent rewrote its history (compaction, a dropped system
@@ -566,12 +669,12 @@ class _Batch:
         """Link turns written before their parent (this turn) to it: those with no parent, and
         those linked to an earlier ancestor while this turn was missing."""
         orphans = {
-            o.id: o
-            for h in p.continuations
-            for o in self.by_link.get(h, {}).values()
+            o.id: (o, c.prefix)  # where what the orphan appended begins
+            for c in p.continuations
+            for o in self.by_link.get(c.hash, {}).values()
             if (o.parent_id is None or not o.exact) and o.id != turn.id and o.created_at >= turn.created_at
         }
-        for orphan in sorted(orphans.values(), key=lambda t: t.order):
+        for orphan, start in sorted(orphans.values(), key=lambda o: o[0].order):
             if orphan.session_id != turn.session_id:
                 if self._source(orphan.session_id) != "inferred":
                     continue  # a named session is never merged into another
@@ -581,7 +684,6 @@ class _Batch:
             if orphan.stored:
                 self.changed_parent[orphan.id] = orphan
             if orphan.turn_type == TurnKind.MAIN and not turn.has_next_state:
-                start = len(p.record.messages) + 1  # after this turn's messages and reply
                 self._give_next_state(turn, orphan.id, (orphan.messages or [])[start:])
 
     def _skipped_to(self, parent: _Turn) -> bool:
@@ -645,9 +747,9 @@ class _Batch:
         if self.unstored:
             self.db.execute(insert(_turns), [_turn_row(p, t) for p, t in self.unstored])
             continuations = [
-                {"hash": h, "turn_id": t.id, "choice_index": i}
+                {"hash": c.hash, "turn_id": t.id, "choice_index": c.choice_index}
                 for p, t in self.unstored
-                for i, h in enumerate(p.continuations)
+                for c in p.continuations
             ]
             if continuations:
                 self.db.execute(insert(TurnContinuation.__table__), continuations)
@@ -682,6 +784,7 @@ def _session_row(session_id: str, r: TurnRecord, source: str) -> dict[str, Any]:
         "created_at": r.created_at,
         "updated_at": r.created_at,
         "metadata": {},
+        "client": r.client,
     }
 
 
@@ -733,7 +836,9 @@ class Stitcher:
             unique.setdefault(r.id, r)
         stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
-        prepared = [_Prepared(r, link_candidates(r.messages), _continuations(r)) for r in fresh]
+        prepared = [_Prepared(r, link_candidates(r.messages), continuations_of(r),
+                              retry_candidates(r.messages) if r.turn_type == TurnKind.MAIN else [],
+                              system_free_candidates(r.messages)) for r in fresh]
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()
@@ -748,9 +853,10 @@ class Stitcher:
         if self.dialect != "postgresql":
             return  # SQLite allows one writer at a time anyway
         keys: set[int] = set()
-        for r, candidates, continuations in prepared:
+        for r, candidates, continuations, retries, _ in prepared:
             keys.update(lock_key(h) for _, h in candidates[:1])
-            keys.update(lock_key(h) for h in continuations)
+            keys.update(lock_key(c.hash) for c in continuations)
+            keys.update(lock_key(h) for _, h in retries[:1])
             if r.session_id:
                 keys.add(lock_key("session:" + r.session_id))
         if keys:

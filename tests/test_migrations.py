@@ -70,7 +70,7 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     from sqlalchemy.orm import Session as OrmSession
 
     from datapool.models import Turn, TurnContinuation
-    from datapool.sessions import Stitcher, continuation_hashes, link_candidates
+    from datapool.sessions import Stitcher, continuation_hashes, continuations_of, link_candidates
     from nextstate.cli import main
     from tests.test_session_matching import _openclaw_tool_loop
 
@@ -94,7 +94,9 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     engine = make_engine(database_url)
     with engine.connect() as conn:
         stored = conn.execute(select(TurnContinuation.hash).where(TurnContinuation.turn_id == first.id)).scalars().all()
-    assert stored == continuation_hashes(first.messages, first.replies)
+    # the continuation of its reply, and the trajectory graph's keys (docs/sessions.md)
+    assert set(continuation_hashes(first.messages, first.replies)) <= set(stored)
+    assert set(stored) == {c.hash for c in continuations_of(first)}
     # the tool result, sent with the rewritten id, now continues the turn stored before the upgrade
     with OrmSession(engine) as db, db.begin():
         Stitcher(db).write([rewritten])

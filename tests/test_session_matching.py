@@ -24,7 +24,15 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
-from datapool.sessions import CanonicalHistory, Stitcher, canonical_message, continuation_hashes, link_candidates
+from datapool.sessions import (
+    CanonicalHistory,
+    Stitcher,
+    canonical_message,
+    continuation_hashes,
+    link_candidates,
+    request_hash,
+    retry_candidates,
+)
 from tests.conversations import (
     REWRITES,
     Request,
@@ -310,12 +318,35 @@ def _hashes(q: Request) -> tuple[list[tuple[int, str]], str]:
     return candidates, h.hexdigest()
 
 
+def _trajectory_matches(x: list[Step], rx: list[Request], y: list[Step], ry: list[Request],
+                        counts: dict[str, Any]) -> None:
+    """The trajectory graph's links beyond a continued reply, counted like the census's: a
+    request of *y* sent without its system prompt that continues a reply of *x* (the turns'
+    continuations without the system message), and one that extends a request of *x* without
+    its reply (retry_candidates against request_hash; every turn here succeeded, so only a
+    strict extension counts)."""
+    nosys = {continuation_hashes(q.messages[1:], [q.reply])[0]: q.prefix + 1 for q in rx}
+    asked = {request_hash(q.messages): q.prefix for q in rx}
+    for q in ry:
+        for index, h in link_candidates(q.messages[1:]):
+            n = nosys.get(h)
+            if n is not None:
+                counts["dropped_system_matches"] += 1
+                counts["false_merges"] += not same_history(x[1:n], y[1: index + 2])
+        for k, h in retry_candidates(q.messages):
+            n = asked.get(h)
+            if n is not None and k < len(q.messages):
+                counts["retry_matches"] += 1
+                counts["false_merges"] += not same_history(x[:n], y[:k])
+
+
 def census(pairs: int, seed: int = 0) -> dict[str, Any]:
     """Draws ``pairs`` pairs of conversations that open alike and differ later, each request sent
     with random rewrites, and counts how often a request of one continues a turn of the other."""
     r = random.Random(seed)
     counts: dict[str, Any] = {"pairs": 0, "conversations": 0, "requests": 0, "rewrites": {},
-                              "shared_prefix_matches": 0, "false_merges": 0}
+                              "shared_prefix_matches": 0, "false_merges": 0, "dropped_system_matches": 0,
+                              "retry_matches": 0}
     while counts["pairs"] < pairs:
         a = draw_steps(r, system=r.choice(["You are helpful.", "You are an agent."]))
         if r.random() < 0.7:
@@ -345,6 +376,7 @@ def census(pairs: int, seed: int = 0) -> dict[str, Any]:
                         counts["shared_prefix_matches"] += 1
                     else:
                         counts["false_merges"] += 1
+            _trajectory_matches(x, rx, y, ry, counts)
     return counts
 
 
@@ -353,10 +385,13 @@ def test_census_of_unrelated_pairs_finds_no_false_merge() -> None:
     print(f"\ncensus: {counts['pairs']} pairs, {counts['conversations']} conversations, "
           f"{counts['requests']} requests, {sum(counts['rewrites'].values())} rewrites applied "
           f"({', '.join(f'{k} {v}' for k, v in sorted(counts['rewrites'].items()))}), "
-          f"{counts['shared_prefix_matches']} matches on a shared history, {counts['false_merges']} false merges")
+          f"{counts['shared_prefix_matches']} matches on a shared history, "
+          f"{counts['dropped_system_matches']} without the system prompt, {counts['retry_matches']} extending a "
+          f"request without its reply, {counts['false_merges']} false merges")
     assert counts["false_merges"] == 0
     # the pairs did share histories, and every rewrite was applied: the count is not vacuous
     assert counts["shared_prefix_matches"] > counts["pairs"] // 2
+    assert counts["dropped_system_matches"] > counts["pairs"] // 2
     assert set(counts["rewrites"]) == set(REWRITES)
 
 
