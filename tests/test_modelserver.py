@@ -46,11 +46,9 @@ print(json.dumps({"text": text, "ids": ids}))
 
 
 @pytest.fixture(scope="module")
-def installed() -> tuple[Path, Path]:
+def installed(model_dir: Path) -> tuple[Path, Path]:
     """(python of the vLLM venv, converted model directory), from the shared cache."""
-    cache_dir = default_cache_dir()
-    python = ensure_vllm_env(cache_dir)
-    return python, ensure_model(cache_dir, python)
+    return ensure_vllm_env(default_cache_dir()), model_dir
 
 
 def _chat(server: RunningVLLM, **extra: object) -> Any:

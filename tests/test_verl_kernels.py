@@ -36,7 +36,7 @@ VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -130,24 +130,24 @@ def _verl_logprobs(model_dir: Path, samples: list[Sample], *, fused: bool, remov
 
 
 @pytest.mark.parametrize(("fused", "remove_padding"), [(False, False), (False, True), (True, False), (True, True)])
-def test_engine_logprobs_equal_a_plain_log_softmax(model_dir: Path, fused: bool, remove_padding: bool) -> None:
+def test_engine_logprobs_equal_a_plain_log_softmax(tiny_qwen3: Path, fused: bool, remove_padding: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     samples = _samples()
     assert len({len(s.prompt_ids) + len(s.response_ids) for s in samples}) > 1  # padding in the padded layout
-    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="sdpa")
     with torch.no_grad():
         want = _reference(ref_model, samples)
-    got, _ = _verl_logprobs(model_dir, samples, fused=fused, remove_padding=remove_padding)
+    got, _ = _verl_logprobs(tiny_qwen3, samples, fused=fused, remove_padding=remove_padding)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
         assert torch.allclose(g.float(), w, atol=2e-5), (g - w).abs().max()
 
 
-def test_fused_kernels_give_the_same_gradients(model_dir: Path) -> None:
+def test_fused_kernels_give_the_same_gradients(tiny_qwen3: Path) -> None:
     samples = _samples()
-    _, plain = _verl_logprobs(model_dir, samples, fused=False, remove_padding=False, grad=True)
-    _, fused = _verl_logprobs(model_dir, samples, fused=True, remove_padding=True, grad=True)
+    _, plain = _verl_logprobs(tiny_qwen3, samples, fused=False, remove_padding=False, grad=True)
+    _, fused = _verl_logprobs(tiny_qwen3, samples, fused=True, remove_padding=True, grad=True)
     grads = dict(plain.named_parameters())
     n = 0
     for name, p in fused.named_parameters():
@@ -158,10 +158,10 @@ def test_fused_kernels_give_the_same_gradients(model_dir: Path) -> None:
     assert n == len(grads)
 
 
-def test_speed_settings_are_what_the_workers_validate(model_dir: Path) -> None:
+def test_speed_settings_are_what_the_workers_validate(tiny_qwen3: Path) -> None:
     from verl.utils.config import omega_conf_to_dataclass
 
-    conf = build_config(VerlConfig(model_dir=model_dir, n_gpus_per_node=2, fused_kernels=True, remove_padding=True,
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, n_gpus_per_node=2, fused_kernels=True, remove_padding=True,
                                    max_tokens_per_gpu=12288), ObjectiveConfig(), batch_size=8, total_steps=2)
     ref = conf.actor_rollout_ref
     assert ref.model.use_fused_kernels and ref.model.fused_kernel_options.impl_backend == "torch"
@@ -170,14 +170,14 @@ def test_speed_settings_are_what_the_workers_validate(model_dir: Path) -> None:
     assert actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu == 12288 and actor.use_fused_kernels
     assert ref.rollout.log_prob_use_dynamic_bsz and ref.rollout.log_prob_max_token_len_per_gpu == 12288
     # the defaults: padded micro-batches of micro_batch_size samples, veRL's fused log-prob kernels
-    conf = build_config(VerlConfig(model_dir=model_dir, attn_implementation="sdpa"), ObjectiveConfig(),
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, attn_implementation="sdpa"), ObjectiveConfig(),
                         batch_size=8, total_steps=2)
     ref = conf.actor_rollout_ref
     assert ref.model.use_fused_kernels and ref.model.fused_kernel_options.impl_backend == "torch"
     assert omega_conf_to_dataclass(ref.actor).use_fused_kernels
     assert not ref.model.use_remove_padding
     # ... and veRL's plain path when asked
-    conf = build_config(VerlConfig(model_dir=model_dir, attn_implementation="sdpa", fused_kernels=False),
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, attn_implementation="sdpa", fused_kernels=False),
                         ObjectiveConfig(), batch_size=8, total_steps=2)
     assert not conf.actor_rollout_ref.model.use_fused_kernels
     assert not omega_conf_to_dataclass(conf.actor_rollout_ref.actor).use_fused_kernels
@@ -188,13 +188,13 @@ def test_speed_settings_are_what_the_workers_validate(model_dir: Path) -> None:
 # ------------------------------------------------------------------------------ the benchmark
 
 
-def test_mfu_is_bench_definition(model_dir: Path) -> None:
+def test_mfu_is_bench_definition(tiny_qwen3: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32)
     total, n, tied = bench.matmul_params(model)
     assert tied and total == n == sum(p.numel() for p in model.parameters())
-    assert bench.matmul_params_of_dir(model_dir) == (total, n, tied)  # meta device, no weights read
+    assert bench.matmul_params_of_dir(tiny_qwen3) == (total, n, tied)  # meta device, no weights read
     assert bench.mfu(n, 1000.0, 989.0) == pytest.approx(6 * n * 1000 / 989e12)
     assert bench.mfu(n, 1000.0, None) is None
     # Qwen3-1.7B's shape: the parameter count bench.py's README tables use
