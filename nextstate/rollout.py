@@ -463,6 +463,9 @@ class Runner:
         base_url = f"{self.api.url}/s/{sid}/v1"
         started = time.monotonic()
         run = await self.agent.run(task, base_url=base_url, sid=sid, workdir=workdir, timeout_s=self.cfg.timeout_s)
+        if run.status == "ok" and isinstance(run.result, dict) and run.result.get("failure"):
+            # the agent's environment stopped it (a sandbox limit): failed, with its reason, and verified
+            run = AgentRun("failed", run.result, str(run.result["failure"]))
         duration = time.monotonic() - started
         await self.api.flush()
         session = await self.api.get_session(sid)
