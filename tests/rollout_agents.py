@@ -66,3 +66,18 @@ def said_the_word(task: dict[str, Any], result: dict[str, Any], session: dict[st
 def reply_length(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
     """A non-binary outcome that the test can recompute from the stored turns."""
     return float(len(session["turns"][-1]["response"]["content"] or "") % 7)
+
+
+async def sandboxed_fork_bomb(task: dict[str, Any], client: openai.AsyncOpenAI) -> dict[str, Any]:
+    """Asks the model once, then runs a fork bomb in a sandbox of its own; returns the sandbox's
+    failure, as the examples/agents agents do."""
+    from nextstate.sandbox import Limits, Sandbox
+
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    with Sandbox(Path(os.environ["NEXTSTATE_TEST_MARKER_DIR"]) / task["id"], Limits(wall_s=5, processes=16)) as box:
+        ran = await box.run(["bash", "-c", ":(){ :|:& };: ; wait"])
+        return {"exit_code": ran.exit_code, "failure": box.failure}
+
+
+def zero(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
+    return 0.0
