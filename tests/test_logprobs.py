@@ -12,21 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datapool.settings import Settings
 from trainer import logprobs as chunked
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import Sample
 
 TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 def _samples(seed: int, shapes: list[tuple[int, int]]) -> list[Sample]:

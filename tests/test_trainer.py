@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, TrainingLease, TrainingStep, Turn
 from datapool.scoring.teacher import teacher_logprobs, teacher_messages
-from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.holds import HeldTrainingStep
 from tests.processes import GatewayProcess, wait_for
@@ -32,14 +31,6 @@ from trainer.samples import load_samples, render_prompt_ids
 
 QUESTIONS = ["Name a fruit.", "Name a color.", "Name an animal.", "Name a city.", "Name a planet.",
              "Name a metal.", "Name a tree.", "Name a river."]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datapool.settings import Settings
 from trainer.local import LocalConfig, LocalTrainer, StepProgress
 from trainer.objectives import ObjectiveConfig
 from trainer.online import RoundProgress, _duration
 from trainer.samples import Sample
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 def _samples(shapes: list[tuple[int, int]]) -> list[Sample]:

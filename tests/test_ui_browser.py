@@ -199,19 +199,15 @@ def test_annotation_queue_serves_contested_turns_first(page: Any, ids: dict[str,
 
 
 @pytest.fixture(scope="module")
-def adapter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def adapter(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PEFT LoRA adapter for SmolLM2 with non-zero B, as tests/test_publish.py makes it."""
     pytest.importorskip("peft", reason="the trainer extra makes the adapter")
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-    from datapool.settings import Settings
-
-    cache = Settings().cache_dir
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(ensure_model(cache, ensure_vllm_env(cache)), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
                                                   init_lora_weights=False, task_type="CAUSAL_LM"))
     out = tmp_path_factory.mktemp("ui-adapter") / "adapter"

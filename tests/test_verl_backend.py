@@ -22,7 +22,6 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
-from datapool.settings import Settings
 from tests.conftest import RunningVLLM
 from tests.processes import GatewayProcess, wait_for
 from datapool import leases
@@ -41,14 +40,6 @@ from trainer.verl_backend import (
 
 QUESTIONS = ["Name a fruit.", "Name a color that you like.", "Name an animal that lives in the sea.",
              "Name a city.", "Name a planet of the solar system, please.", "Name a tree."]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from nextstate.modelserver import ensure_model, ensure_vllm_env
-
-    cache = Settings().cache_dir
-    return ensure_model(cache, ensure_vllm_env(cache))
 
 
 @pytest.fixture(scope="module")
