@@ -22,7 +22,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -33,6 +34,8 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import chunked
 from datapool.records import TurnRecord
+from datapool.redact import Found, Redactor
+from datapool.token_mask import DecoderFor, blank, mask_ids, redact_text
 from datapool.sessions import Stitcher
 
 log = logging.getLogger("nextstate.capture")
@@ -205,6 +208,9 @@ class CaptureWriter:
         on_written: Callable[[int], None] | None = None,
         on_ready: Callable[[list[str]], None] | None = None,
         on_shed: Callable[[int], None] | None = None,
+        redactor: Redactor | None = None,
+        decoder_for: DecoderFor | None = None,
+        on_redacted: Callable[[Mapping[str, int]], None] | None = None,
     ):
         self.engine = engine
         self.spool = spool
@@ -217,6 +223,10 @@ class CaptureWriter:
         self.on_written = on_written
         self.on_ready = on_ready  # called with turns whose next state just became known
         self.on_shed = on_shed  # called with how many queued turns were moved to the spool
+        # redaction runs on every record before the pool, the spool or a log sees it
+        self.redactor = redactor if redactor is not None and redactor.active else None
+        self.decoder_for = decoder_for
+        self.on_redacted = on_redacted  # called with the counts per detector of each batch
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
         self.last_db_error: str | None = None
         self._last_failure = 0.0
@@ -268,6 +278,8 @@ class CaptureWriter:
                 stopping = self._drain(batch)
                 if self.on_shed:
                     self.on_shed(len(batch))
+            if self.redactor is not None and batch:
+                await self._redact(batch, self.redactor)  # before the pool, the spool or a log
             try:
                 await asyncio.to_thread(self._persist, batch, shed)
             except Exception as exc:  # the writer must outlive any one bad batch
@@ -275,6 +287,34 @@ class CaptureWriter:
                 self._failed(exc)  # and waits a retry interval before it tries the pool again
                 await asyncio.to_thread(self.spool.append, batch)
             self.processed += len(batch)
+
+    async def _redact(self, batch: list[TurnRecord], redactor: Redactor) -> None:
+        """Redact the batch in place: text in a thread (CPU), then the token ids of the turns
+        where something was found (the tokenizer is a server)."""
+        def text() -> list[Found]:
+            out = []
+            for record in batch:
+                try:
+                    out.append(redact_text(record, redactor))
+                except Exception:  # fail closed: a turn that could not be redacted keeps no content
+                    log.exception("turn %s: redaction failed; storing its metadata only", record.id)
+                    blank(record)
+                    out.append(Found())
+            return out
+
+        found = await asyncio.to_thread(text)
+        total: Counter[str] = Counter()
+        for record, f in zip(batch, found):
+            if not f:
+                continue
+            total.update(f.counts)
+            try:
+                await mask_ids(record, f, redactor, self.decoder_for)
+            except Exception:
+                log.exception("turn %s: masking its token ids failed; storing its metadata only", record.id)
+                blank(record)
+        if total and self.on_redacted:
+            self.on_redacted(total)
 
     def _drain(self, batch: list[TurnRecord]) -> bool:
         """Move everything queued into ``batch``; True if the stop sentinel was among it."""

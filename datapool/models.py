@@ -109,6 +109,9 @@ class Turn(Base):
     latency_ms: Mapped[float | None] = mapped_column(Float)
     usage: Mapped[dict[str, Any] | None] = mapped_column(Json)
     error: Mapped[dict[str, Any] | None] = mapped_column(Json)
+    # what redaction replaced before storage: {"counts": {detector: n}, "prompt": [positions],
+    # "reply": [positions]} (token positions masked; no loss there), None when nothing was
+    redaction: Mapped[dict[str, Any] | None] = mapped_column(Json)
     # hash of this request's messages up to its last assistant message: how an earlier turn
     # whose reply arrives later (another replica, a replayed spool) finds its continuation
     link_hash: Mapped[str | None] = mapped_column(String(64), index=True)

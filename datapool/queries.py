@@ -123,6 +123,7 @@ def turn_view(t: Turn) -> dict[str, Any]:
         "latency_ms": t.latency_ms,
         "usage": t.usage,
         "error": t.error,
+        "redaction": t.redaction,
     }
 
 

@@ -37,6 +37,8 @@ class TurnRecord:
     session_done: bool = False  # the client said this is the session's last turn
     wire_format: str | None = None  # vocab.WireFormat the client spoke; None: the endpoint's own
     client: str | None = None  # the client profile that recognised the request (gateway.clients)
+    # what redaction replaced (counts per detector) and masked (token positions); None: nothing
+    redaction: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()

@@ -812,6 +812,7 @@ def _turn_row(p: _Prepared, turn: _Turn) -> dict[str, Any]:
         "latency_ms": r.latency_ms,
         "usage": r.usage,
         "error": r.error,
+        "redaction": r.redaction,
         "link_hash": p.candidates[0][1] if p.candidates else None,
         "response_id": (r.response or {}).get("id"),
     }

@@ -23,6 +23,8 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from datapool.redact import DEFAULT_CLASSES, parse_classes
+
 
 def loopback(host: str) -> bool:
     """Whether binding *host* reaches this machine only (127.0.0.0/8, ::1, ``localhost``)."""
@@ -229,6 +231,19 @@ class Settings(BaseSettings):
         default=1.0, description="How often a spooled gateway retries the database."
     )
 
+    redact: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=DEFAULT_CLASSES,
+        description="What is redacted from every captured turn before it is stored (pool, spool, logs): "
+        "classes comma-separated of secrets (provider API keys and tokens, JWTs, private keys), email, "
+        "phone, card (Luhn-checked), iban (checksum), custom (redact_patterns); `all` or `none`. The token "
+        "ids of redacted text are masked and never trained on. See docs/security.md.",
+    )
+    redact_patterns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Your own redaction patterns: name -> regular expression, replaced by "
+        "[REDACTED:<name>] (class `custom`, on whenever any is given). A JSON object in the environment.",
+    )
+
     # scoring: Celery workers and the judge
     broker_url: str | None = Field(
         default=None,
@@ -335,6 +350,21 @@ class Settings(BaseSettings):
         "loopback. Without it a gateway bound to such an address with neither admin_token nor "
         "admin_password refuses to start (docs/security.md).",
     )
+
+    @field_validator("redact", mode="before")
+    @classmethod
+    def _redact_classes(cls, value: Any) -> Any:
+        return parse_classes(value)
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _redact_patterns_compile(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, expr in value.items():
+            try:
+                re.compile(expr)
+            except re.error as exc:
+                raise ValueError(f"redaction pattern {name}: {exc}") from exc
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod

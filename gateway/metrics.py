@@ -57,6 +57,25 @@ class Metrics:
         self.spool_bytes = Gauge(
             "nextstate_spool_bytes", "Size of the capture spool file.", registry=self.registry
         )
+        self.upstream_up = Gauge(
+            "nextstate_upstream_up", "1 while a vLLM upstream answers (and serves the active policy version), "
+            "else 0: its requests are answered 503 with Retry-After.", ["upstream"], registry=self.registry)
+        self.upstream_restarts = Counter(
+            "nextstate_upstream_restarts", "A vLLM upstream answering again after it did not (a restart).",
+            ["upstream"], registry=self.registry)
+        self.upstream_reloads = Counter(
+            "nextstate_upstream_reloads", "The active policy version loaded into a vLLM upstream that came "
+            "back without it.", ["upstream"], registry=self.registry)
+        self.redactions = Counter(
+            "nextstate_redactions_total",
+            "Spans of captured text replaced by a placeholder before storage, by detector (a message "
+            "resent in a conversation's history counts again in each turn that stores it).",
+            ["detector"], registry=self.registry,
+        )
+
+    def count_redactions(self, counts: Mapping[str, int]) -> None:
+        for detector, n in counts.items():
+            self.redactions.labels(detector).inc(n)
 
     def watch_spool_error(self, error: Callable[[], str | None]) -> None:
         """1 while the spool cannot be written (turns are then held in memory): alert on it."""

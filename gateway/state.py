@@ -22,8 +22,10 @@ from datapool.policy_signal import PolicyWatch
 from datapool.db import make_engine
 from datapool.queries import active_policy_version
 from datapool.queue import Enqueuer
+from datapool.redact import Redactor
 from datapool.settings import Settings
 from gateway.metrics import Metrics
+from gateway.redaction import decoders
 from gateway.upstream import ActiveVersion, Upstreams
 
 log = logging.getLogger("nextstate.gateway")
@@ -94,6 +96,13 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
     metrics = Metrics()
     spool = Spool(settings.resolved_spool_dir)
     enqueuer = Enqueuer(settings)
+    upstreams = Upstreams(
+        http,
+        model_list=model_list,
+        upstream_url=settings.upstream_url,
+        upstream_model=settings.upstream_model,
+        policy_model=policy_model,
+    )
     writer = CaptureWriter(
         engine,
         spool,
@@ -104,15 +113,11 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         on_written=metrics.captured.inc,
         on_ready=enqueuer.send,
         on_shed=metrics.shed.inc,
+        redactor=Redactor(settings.redact, settings.redact_patterns),
+        decoder_for=decoders(http, upstreams),
+        on_redacted=metrics.count_redactions,
     )
     metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes)
-    upstreams = Upstreams(
-        http,
-        model_list=model_list,
-        upstream_url=settings.upstream_url,
-        upstream_model=settings.upstream_model,
-        policy_model=policy_model,
-    )
     metrics.watch_pool(engine)
     metrics.watch_spool_error(lambda: spool.error)
     gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, policy_read=asyncio.Condition())

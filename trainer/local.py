@@ -119,7 +119,7 @@ class LocalTrainer:
             attn[i, : len(seq)] = 1
         mask = torch.zeros((len(seqs), resp_len))
         for i, s in enumerate(samples):
-            mask[i, : len(s.response_ids)] = 1
+            mask[i, : len(s.response_ids)] = torch.tensor(s.loss_weights())
         return (chunked.to_device(ids, self.device), chunked.to_device(attn, self.device),
                 chunked.to_device(mask, self.device), resp_len)
 
@@ -182,6 +182,11 @@ class LocalTrainer:
         logp = chunked.token_logprobs(h, head.weight, chunked.to_device(targets, self.device), head.bias,
                                       chunk_size=chunk)
         mask = valid.to(torch.float32)
+        if any(s.masked for s in samples):  # redacted text: no loss weight (trainer.samples)
+            weights = torch.zeros((len(samples), width))
+            for i, s in enumerate(samples):
+                weights[i, : len(s.response_ids)] = torch.tensor(s.loss_weights())
+            mask = mask * chunked.to_device(weights, self.device)
         return logp * mask, mask
 
     def _full_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,7 +297,7 @@ class LocalTrainer:
             width = max(len(s.response_ids) for s in samples)
             mask = torch.zeros((len(samples), width))
             for i, s in enumerate(samples):
-                mask[i, : len(s.response_ids)] = 1
+                mask[i, : len(s.response_ids)] = torch.tensor(s.loss_weights())
             student = torch.zeros_like(mask)
         on_policy = [s.behaviour_logprobs is None for s in samples]
         # π_behaviour: vLLM's captured logprobs (exact importance ratio); black-box: on-policy

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.labels import reward_overrides
 from datapool.models import Judgement, Session, Turn
+from datapool.token_mask import placeholder_positions
 from datapool.vocab import CaptureKind, TurnKind
 
 
@@ -33,6 +34,16 @@ class Sample:
     reward: float | None  # r_t: the majority (or a person's rating)
     integrated_reward: float | None  # O + mean votes, when the session has an outcome
     capture: str
+    # response positions of redacted text (datapool.token_mask): no loss weight there
+    masked: tuple[int, ...] = ()
+
+    def loss_weights(self) -> list[float]:
+        """1 for each response token trained on, 0 where redacted text was masked."""
+        weights = [1.0] * len(self.response_ids)
+        for p in self.masked:
+            if 0 <= p < len(weights):
+                weights[p] = 0.0
+        return weights
 
 
 def render_prompt_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], tools: Any = None) -> list[int]:
@@ -80,6 +91,7 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
         t, j = turns[tid], judgements.get(tid)
         if t.capture == CaptureKind.WHITE_BOX and t.prompt_token_ids and t.token_ids:
             prompt, response, behaviour = list(t.prompt_token_ids), list(t.token_ids), list(t.logprobs or [])
+            masked = tuple((t.redaction or {}).get("reply") or ())
         else:
             if tokenizer is None:
                 raise ValueError(f"turn {tid} is black-box: re-rendering it needs the policy's tokenizer")
@@ -88,6 +100,8 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
                                                 choice.get("message") or {}, t.request.get("tools"),
                                                 finished=choice.get("finish_reason") != "length")
             behaviour = None
+            # the reply as stored says [REDACTED:...] where text was taken out: never learnt to say
+            masked = tuple(placeholder_positions([tokenizer.decode([i]) for i in response])) if t.redaction else ()
         teacher = list(j.teacher_logprobs) if j is not None and j.teacher_logprobs else None
         out.append(Sample(
             turn_id=tid, session_id=t.session_id, group_id=sessions[t.session_id].group_id,
@@ -95,6 +109,6 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
             behaviour_logprobs=behaviour if behaviour and len(behaviour) == len(response) else None,
             teacher_logprobs=teacher if teacher and len(teacher) == len(response) else None,
             reward=overrides.get(tid, j.reward if j else None), integrated_reward=j.integrated_reward if j else None,
-            capture=t.capture,
+            capture=t.capture, masked=masked,
         ))
     return out

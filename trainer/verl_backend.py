@@ -100,7 +100,7 @@ def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
         prompts[i, p_len - lp:] = torch.tensor(s.prompt_ids)
         responses[i, :lr] = torch.tensor(s.response_ids)
         attention[i, p_len - lp: p_len + lr] = 1
-        response_mask[i, :lr] = 1
+        response_mask[i, :lr] = torch.tensor(s.loss_weights())
         if s.behaviour_logprobs is not None:
             behaviour[i, :lr] = torch.tensor(s.behaviour_logprobs, dtype=torch.float32)
         if s.teacher_logprobs is not None:
