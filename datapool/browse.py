@@ -25,6 +25,7 @@ from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
+from datapool.errors import NextstateError
 from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
@@ -38,8 +39,10 @@ TURN_TYPES = ("main", "side")
 WIRE_FORMATS = values(WireFormat)
 
 
-class FilterError(ValueError):
+class FilterError(NextstateError, ValueError):
     """A filter value that means nothing; the message names the parameter."""
+
+    status, code = 400, "invalid_filter"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from sqlalchemy import Float, Text, and_, cast, exists, func, or_, select
 from sqlalchemy.orm import Session as OrmSession, aliased
 from sqlalchemy.sql.elements import ColumnElement
 
+from datapool.errors import NextstateError
 from datapool.db import iso, utcnow
 from datapool.models import Label, Session, Turn
 
@@ -40,8 +41,10 @@ MAX_TEXT = 64 * 1024
 FILTERS = ("labeled", "unlabeled", "excluded", "thumb-up", "thumb-down", "override", "correction")
 
 
-class LabelError(ValueError):
+class LabelError(NextstateError, ValueError):
     """A label that cannot be stored: unknown kind, bad value, wrong or missing target."""
+
+    status, code, param = 400, "invalid_label", "value"
 
 
 def validate(kind: str, value: Any) -> Any:

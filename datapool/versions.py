@@ -6,7 +6,7 @@ switch at commit by ``datapool.policy_signal``, and re-read on a slow fallback p
 ``policy`` alias serves the newest ``active`` non-base row, or the base model when there is none.
 The invariant kept here: **a row is only ever made ``active`` after every vLLM in
 ``vllm_urls`` serves it** — a LoRA adapter listed in ``/v1/models`` under the version's name, or
-a full version's weights reloaded in place (``datapool.vllm_admin``). So no gateway ever points
+a full version's weights reloaded in place (``vllm_client``). So no gateway ever points
 the alias at a model the server does not have; a request resolved just before a switch finishes
 on the version it started on.
 
@@ -40,7 +40,11 @@ from sqlalchemy import Engine, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import policy_signal, vllm_admin
+from datapool.errors import NextstateError
+from datapool import policy_signal
+from vllm_client.adapters import ensure_loaded
+from vllm_client.http import AdminError, openai_bases
+from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, check_checkpoint, require_weight_labels, switch_weights, weight_label
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
@@ -60,12 +64,16 @@ ROLLBACK_TARGET_STATUSES = (VersionStatus.RETIRED,)
 _PG_LOCK_KEY = 0x6E657874  # "next"
 
 
-class PublishError(RuntimeError):
+class PublishError(NextstateError, RuntimeError):
     """A version could not be published, promoted or rolled back; nothing in the pool changed."""
+
+    status, code = 409, "publish_failed"
 
 
 class VersionNotFound(PublishError, LookupError):
     """No policy version of that name."""
+
+    status, code = 404, "version_not_found"
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,14 +294,14 @@ def lineage(engine: Engine) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# which weights each server holds (full versions; see datapool.vllm_admin)
+# which weights each server holds (full versions; see vllm_client.weights)
 
 
 def _path_of(engine: Engine) -> Any:
     """``path_of(http, url, label)``: the checkpoint of the full version named *label* (None:
     the base, or no such full version)."""
     def path_of(_http: httpx.Client, _url: str, label: str | None) -> str | None:
-        if label is None or label in vllm_admin.BASE_LABELS:
+        if label is None or label in BASE_LABELS:
             return None
         with OrmSession(engine) as db:
             row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == label)).first()
@@ -305,19 +313,19 @@ def _base_target(http: httpx.Client, url: str) -> tuple[str, str] | None:
     """Servers holding a full version's weights go back to their base; others stay as they are
     (one without dev mode can only hold its base)."""
     try:
-        label = vllm_admin.weight_label(http, url)
+        label = weight_label(http, url)
     except httpx.TransportError as exc:
         # down: when it comes back it holds its base weights (a restart forgets a reload)
         log.warning("%s did not answer (%s); it will hold its base weights when it is back", url, exc)
         return None
-    if label is None or label in vllm_admin.BASE_LABELS:
+    if label is None or label in BASE_LABELS:
         return None
-    return vllm_admin.BASE_LABEL, vllm_admin.base_weights_path(http, url)
+    return BASE_LABEL, base_weights_path(http, url)
 
 
 def _full_target(name: str, path: str) -> Any:
     def target(http: httpx.Client, url: str) -> tuple[str, str] | None:
-        label = vllm_admin.require_weight_labels(http, url)
+        label = require_weight_labels(http, url)
         return None if label == name else (name, path)
     return target
 
@@ -332,19 +340,19 @@ def serve(engine: Engine, kind: str, name: str | None, path: str | None, base_mo
     try:
         if kind == VersionKind.FULL:
             assert name is not None and path is not None
-            reloads = vllm_admin.switch_weights(
+            reloads = switch_weights(
                 urls, _full_target(name, path), path_of=_path_of(engine), pause_mode=pause_mode,
                 served_name=base_model, timeout_s=timeout_s)
         else:
             def load_adapter() -> None:
                 if kind == VersionKind.LORA:
                     assert name is not None and path is not None
-                    report = vllm_admin.ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
+                    report = ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
                     metrics["lora_load_s"] = report.seconds
-            reloads = vllm_admin.switch_weights(
+            reloads = switch_weights(
                 urls, _base_target, path_of=_path_of(engine), pause_mode=pause_mode,
                 served_name=base_model, timeout_s=timeout_s, then=load_adapter)
-    except vllm_admin.AdminError as exc:
+    except AdminError as exc:
         raise PublishError(str(exc)) from exc
     except httpx.HTTPError as exc:
         raise PublishError(f"vLLM did not answer while switching weights: {type(exc).__name__}: {exc}") from exc
@@ -376,7 +384,7 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
                ) -> tuple[dict[str, Any] | None, list[str]]:
     """Make *target* (a version name; None: the base model) the active version; every other
     active version gets *demoted_status*. Makes every server serve it first."""
-    urls = vllm_admin.openai_bases(vllm_urls)
+    urls = openai_bases(vllm_urls)
     kind, path, base_model = "base", None, None
     with OrmSession(engine) as db:
         if target is not None:
@@ -390,8 +398,8 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
     if kind == VersionKind.FULL:
         assert path is not None
         try:
-            vllm_admin.check_checkpoint(Path(path))
-        except vllm_admin.WeightsError as exc:
+            check_checkpoint(Path(path))
+        except WeightsError as exc:
             raise PublishError(f"version {target!r}: {exc}") from exc
     metrics = serve(engine, kind if kind in (VersionKind.LORA, VersionKind.FULL) else VersionKind.BASE, target, path, base_model, urls,
                      pause_mode=pause_mode, timeout_s=timeout_s)

@@ -8,7 +8,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, export, judgements, labels, versions, vllm_admin
+from datapool import browse, export, judgements, labels, versions
+from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending
 from datapool.vocab import LabelKind
 from gateway.errors import OpenAIError
@@ -28,8 +29,6 @@ async def add_label(gw: Gateway, *, kind: str, value: Any, author: str, turn_id:
 
     try:
         label, queued = await in_pool(gw.engine, run, write=True)
-    except labels.LabelError as exc:
-        raise OpenAIError(400, str(exc), param="value", code="invalid_label") from exc
     except LookupError as exc:
         raise OpenAIError(404, str(exc).strip("'\""), code="not_found") from exc
     if queued:
@@ -41,10 +40,10 @@ async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
     """Run a promote/rollback in a worker thread; its errors in the API's dialect."""
     try:
         return await in_thread(run)
-    except versions.VersionNotFound as exc:
-        raise OpenAIError(404, str(exc), code="version_not_found") from exc
-    except versions.PublishError as exc:
-        raise OpenAIError(409, str(exc), code=failed_code) from exc
+    except versions.VersionNotFound:
+        raise
+    except versions.PublishError as exc:  # its own 409, with the code naming the change that failed
+        raise OpenAIError(exc.status, str(exc), code=failed_code) from exc
 
 
 async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
@@ -52,7 +51,7 @@ async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None)
     def run() -> dict[str, Any]:
         previous = versions.active_name(gw.engine)
         # datapool.versions writes the promote event in the same transaction as the switch
-        active = versions.activate(gw.engine, name, vllm_admin.policy_servers(gw.settings), actor=actor,
+        active = versions.activate(gw.engine, name, policy_servers(gw.settings), actor=actor,
                                    reason=reason)
         return {"active": active["name"] if active else None, "previous": previous}
 
@@ -62,7 +61,7 @@ async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None)
 async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Roll the policy back (to the previous version, or to *to*)."""
     def run() -> dict[str, Any]:
-        result = versions.rollback(gw.engine, vllm_admin.policy_servers(gw.settings), to=to or None, actor=actor,
+        result = versions.rollback(gw.engine, policy_servers(gw.settings), to=to or None, actor=actor,
                                    reason=reason)
         active = result["active"]["name"] if result.get("active") else None
         return {"active": active, "rolled_back": list(result.get("rolled_back", []))}

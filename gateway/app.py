@@ -13,6 +13,7 @@ from datapool.settings import Settings, check_admin_exposure
 from gateway import api, errors, ui
 from gateway.metrics import ProcessReport
 from gateway.routes import feedback, health, openai
+from gateway.serving import ProxyFastPath
 from gateway.state import running
 from gateway.upstream import load_model_list
 
@@ -48,7 +49,7 @@ def create_app(settings: Settings | None = None, *, processes: ProcessReport | N
     app.state.processes = processes
     errors.install(app)
     app.include_router(openai.router)
-    app.add_middleware(openai.ProxyFastPath)
+    app.add_middleware(ProxyFastPath)
     app.include_router(feedback.router)
     api.include(app)
     app.include_router(health.router)

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
+from datapool.errors import NextstateError
 from gateway.errors import OpenAIError
 from gateway.state import gateway_of
 from datapool.settings import Settings
@@ -48,11 +49,11 @@ class Admin:
     via: str  # "cookie" | "bearer" | "open"
 
 
-class LoginRequired(Exception):
+class LoginRequired(NextstateError):
     """A UI request without a valid session: the browser is sent to the login page."""
 
 
-class CsrfFailed(Exception):
+class CsrfFailed(NextstateError):
     """A state change without the session's CSRF token."""
 
 

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 from datapool.records import TurnRecord
 from datapool.token_mask import Decoder, DecoderFor
-from datapool.vllm_admin import AsyncHTTP, detokenize, tokenize
+from vllm_client.http import AsyncHTTP
+from vllm_client.tokenizer import detokenize, tokenize
 from gateway.errors import OpenAIError
 from gateway.upstream import Upstreams
 

@@ -317,7 +317,7 @@ def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) 
 
     With *dev_mode*, ``VLLM_SERVER_DEV_MODE=1``: vLLM mounts its development endpoints
     (``/pause``, ``/resume``, ``/collective_rpc``, ``/weight_info``, ...), which publishing full
-    weights needs (``datapool.vllm_admin``). They are unauthenticated and can run any worker
+    weights needs (``vllm_client``). They are unauthenticated and can run any worker
     method: bind such a server to a private address only. Without it the variable is removed
     from the environment, so an exported one does not turn them on by accident.
 

@@ -14,6 +14,8 @@ its rollout runs again as the next attempt (``<run>:<task>:<index>:<attempt>``).
 
 from __future__ import annotations
 
+from datapool.errors import NextstateError
+
 import asyncio
 import contextlib
 import hashlib
@@ -46,7 +48,7 @@ OUTPUT_LIMIT = 64 * 1024  # characters of a black-box agent's stdout/stderr kept
 KILL_GRACE_S = 2.0  # SIGTERM, then SIGKILL this much later
 
 
-class RolloutError(Exception):
+class RolloutError(NextstateError):
     """A problem the user must fix (bad task file, bad agent spec, gateway refusing a request)."""
 
 

@@ -32,7 +32,9 @@ from tests.holds import HeldTrainingStep
 from tests.pg import fresh_database
 from tests.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.redis_server import unique_queue
-from datapool import evals, versions, vllm_admin
+from datapool import evals, versions
+from vllm_client.adapters import served_models, unload
+from vllm_client.http import server_root
 from datapool.vocab import VersionKind
 from trainer.publish import PublishRequest, publish
 from datapool.leases import Filters
@@ -75,7 +77,7 @@ def cleanup(servers: list[str], pg: str) -> Iterator[None]:
     engine.dispose()
     with httpx.Client(timeout=10) as http:
         for name in names:
-            vllm_admin.unload(http, servers, name)
+            unload(http, servers, name)
 
 
 def _trainer_args(pg: str, model_dir: Path, servers: list[str], *extra: str) -> list[str]:
@@ -290,7 +292,7 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
     assert set(replies["smollm2"]) == set(replies[name]) == {evals.prompt_hash(p) for p in prompts}
     assert [r["reply"] for r in replies["smollm2"].values()] != [r["reply"] for r in replies[name].values()]
     assert sum(r["score"] for r in replies[name].values()) / 3 == pytest.approx(events[1][1]["score"])
-    assert name not in vllm_admin.served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
+    assert name not in served_models(httpx.Client(timeout=10), servers[0])  # unloaded again
     online.engine.dispose()
 
 
@@ -389,7 +391,7 @@ def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
     # the alias points at a version every vLLM has
     with httpx.Client(timeout=10) as http:
         for url in servers:
-            assert active[0].name in vllm_admin.served_models(http, url)
+            assert active[0].name in served_models(http, url)
     print(json.dumps(versions))
 
 
@@ -441,7 +443,7 @@ class SwitchableVLLM:
     def __init__(self, target: str):
         from tests.processes import free_port
 
-        self.root = vllm_admin.server_root(target)
+        self.root = server_root(target)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.server: Any = None
@@ -552,7 +554,7 @@ def test_a_round_a_down_vllm_could_not_take_is_tried_again_and_nothing_is_lost(
     assert set(rows.values()) <= {"active", "retired"} and len(rows) == 2, rows  # no candidate left behind
     with httpx.Client(timeout=10) as http:
         for url in servers:
-            assert active.name in vllm_admin.served_models(http, url)
+            assert active.name in served_models(http, url)
     assert not list((tmp_path / "runs").rglob("adapter_config.json"))  # no trainer output left over
     online.engine.dispose()
     engine.dispose()

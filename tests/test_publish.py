@@ -35,7 +35,7 @@ from datapool.versions import (  # noqa: E402
     list_versions,
     rollback,
 )
-from datapool.vllm_admin import policy_servers  # noqa: E402
+from vllm_client.http import policy_servers# noqa: E402
 from datapool.vocab import VersionKind  # noqa: E402
 from nextstate.cli.policy import policy_cli  # noqa: E402
 from trainer.publish import PublishRequest, publish  # noqa: E402

@@ -30,7 +30,8 @@ from tests.processes import GatewayProcess, PolicyStream, alias_root, greedy_rep
 
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
-from datapool import vllm_admin  # noqa: E402
+from vllm_client.http import server_root
+from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, labels, reload_one, weight_label, weights_digest  # noqa: E402
 from datapool.versions import PublishError, active_version, list_versions, rollback  # noqa: E402
 from datapool.vocab import VersionKind  # noqa: E402
 from trainer.publish import PublishRequest, publish  # noqa: E402
@@ -64,12 +65,12 @@ def dev_vllm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def dev_url(dev_vllm: RunningVLLM) -> Iterator[str]:
     """The dev server's URL; after the test it holds its base weights again, unpaused."""
     url = dev_vllm.base_url
-    assert vllm_admin.labels([url])[url] is not None, "the dev vLLM has no dev endpoints"
+    assert labels([url])[url] is not None, "the dev vLLM has no dev endpoints"
     yield url
     with httpx.Client(timeout=120) as http:
-        http.post(f"{vllm_admin.server_root(url)}/resume")
-        if vllm_admin.weight_label(http, url) not in vllm_admin.BASE_LABELS:
-            vllm_admin.reload_one(http, url, vllm_admin.base_weights_path(http, url), vllm_admin.BASE_LABEL)
+        http.post(f"{server_root(url)}/resume")
+        if weight_label(http, url) not in BASE_LABELS:
+            reload_one(http, url, base_weights_path(http, url), BASE_LABEL)
 
 
 @pytest.fixture
@@ -110,11 +111,11 @@ def wait_alias(gw: GatewayProcess, root: str, timeout: float = 15.0) -> None:
 
 def digest(url: str) -> str:
     with httpx.Client(timeout=120) as http:
-        return vllm_admin.weights_digest(http, url)
+        return weights_digest(http, url)
 
 
 def label(url: str) -> str | None:
-    return vllm_admin.labels([url])[url]
+    return labels([url])[url]
 
 
 def stored_turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
     base = reply(gateway)
     assert base and reply(gateway) == base
     base_digest = digest(dev_url)
-    assert label(dev_url) in vllm_admin.BASE_LABELS
+    assert label(dev_url) in BASE_LABELS
 
     # turns captured through the gateway, each greedy reply judged -1: training pushes them away
     ids = []
@@ -216,7 +217,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
                data_dir=data, timeout=300)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"rolled back {name}; policy serves the base model" in back.stdout
-    assert label(dev_url) == vllm_admin.BASE_LABEL and digest(dev_url) == base_digest
+    assert label(dev_url) == BASE_LABEL and digest(dev_url) == base_digest
     wait_alias(gateway, BASE_MODEL)
     assert reply(gateway) == base
     assert active_version(sqlite_engine) is None and list_versions(sqlite_engine)[0]["status"] == "rolled_back"
@@ -320,11 +321,11 @@ def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engin
 
     # past the checks (as a file broken after them would be): vLLM fails, the base goes back in
     with httpx.Client(timeout=300) as http:
-        base_path = vllm_admin.base_weights_path(http, dev_url)
-        with pytest.raises(vllm_admin.WeightsError, match="reload_weights"):
-            vllm_admin.reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
-        assert http.get(f"{vllm_admin.server_root(dev_url)}/is_paused").json() == {"is_paused": False}
-    assert label(dev_url) == vllm_admin.BASE_LABEL and digest(dev_url) == before
+        base_path = base_weights_path(http, dev_url)
+        with pytest.raises(WeightsError, match="reload_weights"):
+            reload_one(http, dev_url, str(corrupt), "broken", fallback=("base", base_path))
+        assert http.get(f"{server_root(dev_url)}/is_paused").json() == {"is_paused": False}
+    assert label(dev_url) == BASE_LABEL and digest(dev_url) == before
     assert reply(gateway) == base  # the sqlite_engine is alive and serves the base weights
 
 
@@ -349,7 +350,7 @@ class Vllm026Routes:
 
         from tests.processes import free_port
 
-        root = vllm_admin.server_root(target)
+        root = server_root(target)
         self.seen: list[str] = []
 
         async def forward(request: Request) -> Response:
@@ -388,7 +389,7 @@ def test_full_weights_on_a_vllm_without_label_routes(sqlite_engine: Any, dev_url
     back."""
     with Vllm026Routes(dev_url) as proxy:
         url = proxy.url
-        assert label(url) in vllm_admin.BASE_LABELS  # dev mode: the workers hold the base weights
+        assert label(url) in BASE_LABELS  # dev mode: the workers hold the base weights
         base = greedy_reply_at(url)
         v = publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL,
                                                   vllm_urls=[url], store=tmp_path / "store"))
@@ -400,7 +401,7 @@ def test_full_weights_on_a_vllm_without_label_routes(sqlite_engine: Any, dev_url
 
         # rollback reloads the base weights and labels them so on the workers
         assert rollback(sqlite_engine, [url], to="base") == {"active": None, "rolled_back": [v["name"]]}
-        assert label(url) == vllm_admin.BASE_LABEL and greedy_reply_at(url) == base
+        assert label(url) == BASE_LABEL and greedy_reply_at(url) == base
 
 
 def greedy_reply_at(url: str) -> str:

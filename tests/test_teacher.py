@@ -22,7 +22,7 @@ from datapool.scoring.teacher import (
     teacher_logprobs,
     teacher_messages,
 )
-from datapool.vllm_admin import server_root
+from vllm_client.http import server_root
 
 TIMEOUT = httpx.Timeout(120.0)
 

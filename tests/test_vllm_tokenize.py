@@ -1,4 +1,4 @@
-"""vLLM's tokenizer through its one client, datapool.vllm_admin.tokenize / detokenize, over both
+"""vLLM's tokenizer through its one client, vllm_client.tokenizer.tokenize / detokenize, over both
 HTTP clients its callers use (the gateway's aiohttp session, the workers' httpx), against the
 real vLLM: the count is the prompt a chat completion sees, errors carry the server's status and
 message, and no answer at all is status None (what the judge and the teacher retry)."""
@@ -12,7 +12,8 @@ import aiohttp
 import httpx
 import pytest
 
-from datapool.vllm_admin import CallError, detokenize, tokenize
+from vllm_client.http import CallError
+from vllm_client.tokenizer import detokenize, tokenize
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 TOOLS = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.",

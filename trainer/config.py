@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from datapool.vocab import Objective
+
 #: (reply text, prompt messages) -> score in [0, 1]: the online eval gate's scorer
 Scorer = Callable[[str, list[dict[str, Any]]], float]
-
-Objective = Literal["rl", "opd", "combined"]
 
 #: veRL's loss aggregation modes (``core_algos.agg_loss``).
 LOSS_AGG_MODES: tuple[str, ...] = (
@@ -69,7 +69,7 @@ class ObjectiveConfig:
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
     """
 
-    objective: Objective = "rl"
+    objective: Objective = Objective.RL
     w_rl: float = 1.0
     w_opd: float = 1.0
     clip_low: float = 0.2

@@ -14,7 +14,8 @@ import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import evals, queries, versions, vllm_admin
+from datapool import evals, queries, versions
+from vllm_client.adapters import unload
 from datapool.db import utcnow
 from datapool.vocab import PolicyAction
 from trainer.config import Scorer
@@ -68,7 +69,7 @@ class EvalGate:
         """Refuse candidate *name*: marked refused, unloaded from every vLLM, the reason recorded."""
         versions.refuse_candidate(self.engine, name)
         with httpx.Client(timeout=30) as http:
-            vllm_admin.unload(http, self.urls, name)
+            unload(http, self.urls, name)
         versions.record_event(self.engine, PolicyAction.REFUSE, version=name, actor="trainer", reason=reason)
 
     def decide(self, name: str, stats: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Checks of a full fine-tuned checkpoint against the model vLLM serves, before its weights are
-reloaded in place (``datapool.vllm_admin``): vLLM only finds a bad file half-way through a
+reloaded in place (``vllm_client``): vLLM only finds a bad file half-way through a
 reload, which leaves its model broken. Needs ``safetensors`` (the trainer's extra).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from datapool.vllm_admin import WEIGHT_FILES, WeightsError
+from vllm_client.weights import WEIGHT_FILES, WeightsError
 
 
 def check_same_architecture(checkpoint: Path, base: Path) -> None:

@@ -50,7 +50,9 @@ import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import leases, queries, versions, vllm_admin
+from datapool import leases, queries, versions
+from vllm_client.adapters import ensure_loaded
+from vllm_client.http import AdminError, openai_base
 from datapool.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
 from trainer.config import OnlineConfig, Scorer
 from trainer.eval_gate import EvalGate
@@ -65,7 +67,7 @@ log = logging.getLogger("nextstate.online")
 #: status of a candidate the eval gate refused (or a restart discarded); never served
 REFUSED = VersionStatus.REFUSED
 #: what a vLLM that is down, restarting or refusing raises through publish, the gate and the monitor
-VLLM_ERRORS = (versions.PublishError, vllm_admin.AdminError, httpx.HTTPError)
+VLLM_ERRORS = (versions.PublishError, AdminError, httpx.HTTPError)
 
 
 @dataclass
@@ -154,7 +156,7 @@ class OnlineTrainer:
         self.local = local
         self.filters = filters
         self.cfg = config
-        self.urls = [vllm_admin.openai_base(u) for u in vllm_urls]
+        self.urls = [openai_base(u) for u in vllm_urls]
         self.base_model = base_model
         self.output_root = output_root
         self.store = store
@@ -215,8 +217,8 @@ class OnlineTrainer:
         if row is None:
             return
         try:
-            vllm_admin.ensure_loaded(row.name, row.path or "", self.urls, base_model=row.base_model)
-        except vllm_admin.AdminError as exc:
+            ensure_loaded(row.name, row.path or "", self.urls, base_model=row.base_model)
+        except AdminError as exc:
             log.error("the active version %s is not loaded everywhere and could not be reloaded: %s", row.name, exc)
 
     def lineage(self) -> list[str]:

@@ -5,7 +5,7 @@ rewritten), loaded into every vLLM server that serves the policy — the replica
 traffic *and* the teacher replica, so teacher logprobs of turns served by that version can be
 computed under it — or a full checkpoint whose weights every server reloads in place. The
 registry (statuses, events, promote and rollback) is ``datapool.versions``; vLLM's admin calls
-are ``datapool.vllm_admin``. :func:`publish` takes one :class:`PublishRequest`.
+are ``vllm_client``. :func:`publish` takes one :class:`PublishRequest`.
 
 Failures. :func:`publish` registers **nothing** when loading fails anywhere: it
 unloads the adapter from the servers that did load it, deletes the copy it made, and raises
@@ -17,7 +17,7 @@ unless the target is loaded everywhere.
 Full weights (kind ``full``). A fully fine-tuned checkpoint cannot be served *beside* the
 base: vLLM holds one set of base weights per server. Publishing a full checkpoint copies the checkpoint
 to the store and, on every server in ``vllm_urls``, pauses generation, reloads the weights from
-it in place (``reload_weights``) and resumes (see :mod:`datapool.vllm_admin`; the servers need
+it in place (``reload_weights``) and resumes (see :mod:`vllm_client`; the servers need
 ``VLLM_SERVER_DEV_MODE=1``). Only after every server confirms (its ``/weight_info`` names the
 version, a completion answers) is the row made ``active``. How full versions relate to names:
 vLLM keeps serving the weights under its **base served name** (``smollm2``), so the gateway
@@ -53,7 +53,10 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine
 
-from datapool import versions, vllm_admin
+from datapool import versions
+from vllm_client.adapters import ADAPTER_CONFIG, ensure_loaded, unload
+from vllm_client.http import AdminError, openai_base, openai_bases
+from vllm_client.weights import WeightsError, base_weights_path, check_checkpoint as check_weight_files
 from datapool.db import utcnow
 from datapool.settings import Settings
 from datapool.versions import PublishError
@@ -62,7 +65,7 @@ from trainer import full_weights
 
 log = logging.getLogger("nextstate.publish")
 
-ADAPTER_CONFIG = vllm_admin.ADAPTER_CONFIG
+ADAPTER_CONFIG = ADAPTER_CONFIG
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 #: how long a server may take, by kind: loading an adapter, or pausing and reloading weights
 DEFAULT_TIMEOUT_S = {VersionKind.LORA: 120.0, VersionKind.FULL: 600.0}
@@ -132,7 +135,7 @@ def publish(engine: Engine, request: PublishRequest) -> dict[str, Any]:
     directory = Path(request.directory)
     name = request.name or default_name(kind)
     versions.check_name(name, request.base_model)
-    urls = vllm_admin.openai_bases(request.vllm_urls)
+    urls = openai_bases(request.vllm_urls)
     if kind == VersionKind.LORA:
         _check_adapter(directory)
         pause_mode = PauseMode.WAIT  # an adapter loads beside the weights: nothing pauses
@@ -159,9 +162,9 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
                                      pause_mode=pause_mode, timeout_s=timeout_s)
         elif kind == VersionKind.LORA:  # a candidate adapter is loaded (so it can be evaluated)
             try:
-                report = vllm_admin.ensure_loaded(name, path, urls, base_model=request.base_model,
+                report = ensure_loaded(name, path, urls, base_model=request.base_model,
                                                   timeout_s=timeout_s)
-            except vllm_admin.AdminError as exc:
+            except AdminError as exc:
                 raise PublishError(str(exc)) from exc
             metrics = {"lora_load_s": report.seconds}
         else:  # a full candidate is reloaded by activate()
@@ -183,7 +186,7 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
     except BaseException:
         if kind == VersionKind.LORA:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
-                vllm_admin.unload(http, urls, name)
+                unload(http, urls, name)
         elif activate:
             versions.serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
         if copy:
@@ -218,13 +221,13 @@ def check_checkpoint(checkpoint_dir: Path, vllm_urls: Sequence[str] = (), *, tim
     the servers' base directories are readable here) the same architecture and tensor names and
     shapes as the served model. Raises :class:`PublishError`."""
     try:
-        vllm_admin.check_checkpoint(checkpoint_dir)
+        check_weight_files(checkpoint_dir)
         with httpx.Client(timeout=timeout_s, trust_env=False) as http:
             for url in vllm_urls:
-                base = Path(vllm_admin.base_weights_path(http, vllm_admin.openai_base(url)))
+                base = Path(base_weights_path(http, openai_base(url)))
                 full_weights.check_same_architecture(checkpoint_dir, base)
                 full_weights.check_same_weights(checkpoint_dir, base)
-    except vllm_admin.WeightsError as exc:
+    except WeightsError as exc:
         raise PublishError(str(exc)) from exc
     except httpx.HTTPError as exc:
         raise PublishError(f"vLLM did not answer: {type(exc).__name__}: {exc}") from exc

@@ -37,7 +37,8 @@ import httpx
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from datapool import versions, vllm_admin  # noqa: E402
+from datapool import versions  # noqa: E402
+from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.vocab import PauseMode, VersionKind  # noqa: E402
 from tests.processes import GatewayProcess  # noqa: E402
@@ -219,7 +220,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.kind == VersionKind.LORA:
             with httpx.Client(timeout=30) as sync:
                 for r in rounds:
-                    vllm_admin.unload(sync, [args.upstream], r["name"])
+                    unload(sync, [args.upstream], r["name"])
     finally:
         for gw in with_gws:
             gw.__exit__(None, None, None)

@@ -32,7 +32,7 @@ Phases:
 4. **proof** — after each run a chat on `policy` through a gateway: its recorded turn names the
    version the trainer published last (the pool's ``policy_version``), and the load's turns are
    counted per version; for full weights the label of vLLM's weights names it as well
-   (``vllm_admin.weight_label``: ``/weight_info``, or the workers' label on vLLM 0.26).
+   (``weight_label``: ``/weight_info``, or the workers' label on vLLM 0.26).
 5. **full publish under load** (``--full-publishes``, issue 19's "full-weight publish through
    vLLM's weight-update API"): ``publish_load.py --kind full`` in a subprocess, if the budget
    allows.
@@ -74,7 +74,9 @@ from sqlalchemy.orm import Session as OrmSession  # noqa: E402
 from benchmarks.gpu.publish_load import Load, failed_in, pct  # noqa: E402
 from benchmarks.learning import preference  # noqa: E402
 from benchmarks.learning.bench import TRAIN  # noqa: E402
-from datapool import versions, vllm_admin  # noqa: E402
+from datapool import versions  # noqa: E402
+from vllm_client.adapters import unload
+from vllm_client.weights import WeightsError, labels, require_weight_labels
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingRun, TrainingStep, Turn  # noqa: E402
 from datapool.scoring.judge import PythonJudge  # noqa: E402
@@ -360,7 +362,7 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
             proof["expected"] = last
             proof["ok"] = proof["policy_version"] == last
             if mode == "full":
-                proof["vllm_label"] = vllm_admin.labels([args.upstream])[args.upstream]
+                proof["vllm_label"] = labels([args.upstream])[args.upstream]
                 proof["ok"] = proof["ok"] and proof["vllm_label"] == last
         except Exception as exc:  # noqa: BLE001 - reported
             proof = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -386,13 +388,13 @@ async def train_run(args: argparse.Namespace, mode: str, pool: str, engine: Any,
 async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                            "started": datetime.now(UTC).isoformat(), "runs": [], "skipped": []}
-    label = vllm_admin.labels([args.upstream])[args.upstream]
+    label = labels([args.upstream])[args.upstream]
     res["vllm_dev_mode"] = label is not None
     if "full" in args.modes and label is None:
         with httpx.Client(timeout=30, trust_env=False) as http:
             try:
-                vllm_admin.require_weight_labels(http, args.upstream)
-            except vllm_admin.WeightsError as exc:  # no dev mode: full weights cannot be reloaded
+                require_weight_labels(http, args.upstream)
+            except WeightsError as exc:  # no dev mode: full weights cannot be reloaded
                 raise SystemExit(f"{exc}. Pass --modes lora") from exc
     pool = f"sqlite:///{work / 'pool.db'}"
     upgrade(pool)
@@ -459,7 +461,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             with httpx.Client(timeout=30) as http:
                 for n, k in names:
                     if k == "lora":
-                        vllm_admin.unload(http, [args.upstream], n)
+                        unload(http, [args.upstream], n)
             log("vLLM back on the base weights, adapters unloaded")
         except Exception as exc:  # noqa: BLE001 - reported
             log(f"could not put vLLM back on its base: {exc}")

@@ -80,7 +80,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from benchmarks.learning import preference
-from datapool import versions, vllm_admin
+from datapool import versions
+from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade
 from datapool.leases import Filters
 from datapool.models import Judgement, Turn, Vote
@@ -331,7 +332,7 @@ class Job:
         versions.activate(self.engine, versions.BASE, self.urls)
         with httpx.Client(timeout=30) as http:
             for name in self.names:
-                vllm_admin.unload(http, self.urls, name)
+                unload(http, self.urls, name)
 
 
 def trainer_bf16(choice: str) -> bool | None:

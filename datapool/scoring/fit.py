@@ -29,13 +29,14 @@ from typing import Any, Protocol
 
 import httpx
 
-from datapool.vllm_admin import Tokenized, detokenize, tokenize
+from datapool.errors import NextstateError
+from vllm_client.tokenizer import Tokenized, detokenize, tokenize
 
 MIN_KEEP = 16  # a message cut to fewer tokens than this is dropped into the omitted run instead
 MARKER_RESERVE = 24  # tokens set aside per marker (at most three: system, cut message, omitted run)
 
 
-class PromptTooLong(Exception):
+class PromptTooLong(NextstateError):
     """The action and next state alone exceed the judge's context window: no retry can help."""
 
 
@@ -55,8 +56,8 @@ class Tokenizer(Protocol):
 
 class VLLMTokenizer:
     """A vLLM server's own tokenizer, over its ``/tokenize`` and ``/detokenize`` endpoints
-    (:func:`datapool.vllm_admin.tokenize`). An error answer raises
-    :class:`~datapool.vllm_admin.CallError`, whose ``status_code`` tells the judge whether a
+    (:func:`vllm_client.tokenizer.tokenize`). An error answer raises
+    :class:`~vllm_client.http.CallError`, whose ``status_code`` tells the judge whether a
     retry can help."""
 
     def __init__(self, api_base: str, model: str, api_key: str | None = None):

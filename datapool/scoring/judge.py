@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from datapool.errors import NextstateError
 from datapool.scoring.fit import (
     Fitted,
     LiteLLMTokenizer,
@@ -36,7 +37,7 @@ CONTEXT_MESSAGES = 6  # the judge sees the system prompt and at most this many m
 log = logging.getLogger("nextstate.judge")
 
 
-class JudgeRefused(Exception):
+class JudgeRefused(NextstateError):
     """The judge cannot vote on this turn and never will: a retry would fail the same way (the
     turn does not fit its context window, its API rejected the request with a 4xx other than
     429, the request could not be built). The judgement goes dead at once with *reason*."""

@@ -17,6 +17,7 @@ import httpx
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool.errors import NextstateError
 from datapool.db import dialect_insert, utcnow
 from datapool.judgements import effective_next_state
 from datapool.labels import correction_for
@@ -62,7 +63,7 @@ def _store_vote(engine: Engine, turn_id: str, judge: Judge, index: int, vote: Vo
         db.execute(stmt.on_conflict_do_nothing())
 
 
-class JudgeError(Exception):
+class JudgeError(NextstateError):
     """A judge (or the teacher) could not be asked for a transient reason; the task is retried.
     A vote that can never succeed raises :class:`~datapool.scoring.judge.JudgeRefused` instead,
     which is not retried."""

@@ -16,7 +16,7 @@ re-tokenization of the response) by asking vLLM for ``prompt_logprobs`` over
 The response token ids are the captured ``token_ids`` of the turn (white-box capture), used
 verbatim, including a trailing end-of-turn token if the capture has one.
 
-Both calls go through :mod:`datapool.vllm_admin` (the one vLLM client), over httpx, so a
+Both calls go through :mod:`vllm_client` (the one vLLM client), over httpx, so a
 Celery worker can import this without the gateway or the trainer.
 
 Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextstate):
@@ -42,7 +42,9 @@ from typing import Any
 
 import httpx
 
-from datapool.vllm_admin import CallError, post_json, tokenize
+from datapool.errors import NextstateError
+from vllm_client.http import CallError, post_json
+from vllm_client.tokenizer import tokenize
 
 __all__ = [
     "FINAL_STATUSES",
@@ -66,7 +68,7 @@ _STRING_SEPARATOR = "\n\n"
 FINAL_STATUSES = frozenset({400, 401, 403, 413, 422})
 
 
-class TeacherError(Exception):
+class TeacherError(NextstateError):
     """Teacher logprobs could not be computed.
 
     ``status_code`` is the HTTP status of the vLLM reply that caused it, or ``None`` for

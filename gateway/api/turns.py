@@ -10,7 +10,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from datapool import browse
 from datapool.db import iso
 from gateway.auth import require_api
-from gateway.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.state import gateway_of
 
@@ -21,10 +20,7 @@ router = APIRouter(prefix="/api", dependencies=[Depends(require_api)])
 async def list_turns(request: Request, limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
     """One row per turn across sessions, newest first unless ``sort``/``order`` say otherwise;
     ``has_more`` tells whether ``offset + limit`` names another page."""
-    try:
-        f, p = browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
-    except browse.FilterError as exc:
-        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+    f, p = browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
     rows, more = await in_pool(gateway_of(request).engine, browse.turns_page, f, p, limit=limit)
     return {"object": "list", "data": [{**r, "created_at": iso(r["created_at"])} for r in rows],
             "offset": p.offset, "has_more": more}

@@ -1,41 +1,24 @@
 """The proxy routes: Chat Completions and Completions, OpenAI's Responses API and Anthropic's
-Messages API (the last two translated to Chat Completions upstream, gateway.formats), each also
-mounted under ``/s/{session_id}`` so a base_url can carry the session."""
+Messages API, each also mounted under ``/s/{session_id}`` so a base_url can carry the session;
+the models list, a stored Response, and Anthropic's token count. The proxy itself, one call
+from request to captured turn, is gateway.serving."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import litellm
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.types import ASGIApp, Receive, Scope, Send
 
-from datapool import queries, vllm_admin
-from datapool.db import utcnow
-from datapool.records import TurnRecord
-from datapool.vocab import Endpoint, TurnStatus, WireFormat
+from datapool import queries
+from datapool.vocab import WireFormat
 from gateway.auth import require_api_key
-from gateway.classify import session_of, turn_kind_of
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
-from gateway.formats import (
-    SENT_ARGUMENTS,
-    MessagesReply,
-    Reply,
-    ResponsesReply,
-    error_response_body,
-    messages_to_chat,
-    responses_object,
-    responses_to_chat,
-)
+from gateway.errors import OpenAIError
+from gateway.formats import messages_to_chat, responses_object
 from gateway.pool import in_pool
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -46,25 +29,14 @@ from gateway.protocol import (
     parse_body,
     read_body,
 )
-from gateway.recording import (
-    Accumulator,
-    ClientWants,
-    request_record,
-    sse_events,
-    strip_for_client,
-    white_box_body,
-)
-from gateway.state import Gateway, gateway_of
-from gateway.upstream import POLICY_ALIAS, Target
+from gateway.serving import in_dialect, proxy, sent_arguments
+from gateway.state import gateway_of
+from gateway.upstream import POLICY_ALIAS
+from vllm_client.http import CallError
+from vllm_client.tokenizer import tokenize
 
 router = APIRouter()
 
-_SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
-_PATHS = {"chat": "/chat/completions", "completions": "/completions"}
-# the client's path -> the wire format it speaks; Responses and Messages go upstream as chat
-_FORMATS = {"/chat/completions": WireFormat.CHAT, "/completions": WireFormat.COMPLETIONS,
-            "/responses": WireFormat.RESPONSES, "/messages": WireFormat.MESSAGES}
-_JSON = {"Content-Type": "application/json"}
 _Handler = Callable[..., Awaitable[Any]]
 
 
@@ -135,24 +107,24 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @proxy_route("POST", "/v1/chat/completions", body=ChatCompletionRequest)
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
-    return await _proxy(request, WireFormat.CHAT, session_id)
+    return await proxy(request, WireFormat.CHAT, session_id)
 
 
 @proxy_route("POST", "/v1/completions", body=CompletionRequest)
 async def completions(request: Request, session_id: str | None = None) -> Response:
-    return await _proxy(request, WireFormat.COMPLETIONS, session_id)
+    return await proxy(request, WireFormat.COMPLETIONS, session_id)
 
 
 @proxy_route("POST", "/v1/responses", body=ResponsesRequest)
 async def responses(request: Request, session_id: str | None = None) -> Response:
     """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
-    return await _in_dialect(_proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
+    return await in_dialect(proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
 
 
 @proxy_route("POST", "/v1/messages", body=MessagesRequest)
 async def messages(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
-    return await _in_dialect(_proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
+    return await in_dialect(proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
 
 
 @proxy_route("GET", "/v1/responses/{response_id}")
@@ -173,444 +145,25 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
 async def count_tokens(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
     LiteLLM's estimate for other providers. Nothing is stored."""
-    return await _in_dialect(_count_tokens(request), WireFormat.MESSAGES)
+    return await in_dialect(_count_tokens(request), WireFormat.MESSAGES)
 
 
 async def _count_tokens(request: Request) -> Response:
     await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
     gw = gateway_of(request)
     body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
-    chat = await _sent_arguments(gw, messages_to_chat({**body, "max_tokens": 1}))
+    chat = await sent_arguments(gw, messages_to_chat({**body, "max_tokens": 1}))
     target = await gw.upstreams.resolve(body["model"])
     if not target.white_box:
         return JSONResponse({"input_tokens": litellm.token_counter(model=target.served_name,
                                                                    messages=chat["messages"])})
     try:
-        found = await vllm_admin.tokenize(gw.http, target.api_base or "", target.served_name,
+        found = await tokenize(gw.http, target.api_base or "", target.served_name,
                                           messages=chat["messages"], tools=chat.get("tools"), api_key=target.api_key)
-    except vllm_admin.CallError as exc:
+    except CallError as exc:
         if exc.status_code is None and exc.__cause__ is not None:
             raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
         if exc.status_code is None:
             raise OpenAIError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
         raise OpenAIError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
     return JSONResponse({"input_tokens": found.count})
-
-
-def _error_response(exc: OpenAIError, fmt: str) -> Response:
-    """*exc* in the client's dialect: Anthropic's error body on /v1/messages, OpenAI's elsewhere."""
-    if fmt != WireFormat.MESSAGES:
-        return exc.response()
-    status, body = error_response_body(fmt, exc)
-    return JSONResponse(body, status_code=status, headers=exc.headers or None)
-
-
-async def _in_dialect(call: Any, fmt: str) -> Response:
-    try:
-        return await call
-    except OpenAIError as exc:
-        return _error_response(exc, fmt)
-
-
-_PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _FORMATS)) + ")$")
-
-
-class ProxyFastPath:
-    """ASGI middleware that hands a POST to the proxy routes above straight to `_proxy`.
-
-    Between the server and a handler, FastAPI's exception and exit-stack middlewares, its
-    router and its dependency solving cost a few hundred microseconds of CPU per request, a
-    large share of what the gateway adds to every agent call (benchmarks/gateway/README.md).
-    The routes stay declared above, so the OpenAPI schema, the fuzzers and the route audit see
-    them; requests take this shorter way to the same handler, with the same key check and the
-    same OpenAI-shaped errors. Anything else (other methods, a trailing slash) goes on to
-    FastAPI unchanged.
-    """
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            path, root = scope["path"], scope.get("root_path", "")
-            match = _PROXY_PATH.match(path[len(root):] if root and path.startswith(root) else path)
-        if match is None:
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope, receive)
-        fmt = _FORMATS[match[2]]
-        try:
-            await require_api_key(request)
-            response = await _proxy(request, fmt, match[1])
-        except OpenAIError as exc:
-            response = _error_response(exc, fmt)
-        await response(scope, receive, send)
-
-
-def _session(request: Request, path_session: str | None, body: dict[str, Any]) -> tuple[str | None, str | None]:
-    return session_of(request.headers, body, path_session, gateway_of(request).settings.session_keys)
-
-
-def _turn_type(request: Request, body: dict[str, Any]) -> str:
-    return turn_kind_of(request.headers, body, gateway_of(request).settings.side_turn_rules)
-
-
-async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]:
-    """The conversation a Responses `previous_response_id` continues, from the pool."""
-    if not response_id:
-        return []
-    found = await in_pool(gw.engine, queries.conversation_through, response_id)
-    if found is None:
-        await gw.writer.flushed()  # this replica may have answered it a moment ago
-        found = await in_pool(gw.engine, queries.conversation_through, response_id)
-    if found is None:
-        raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
-                          code="previous_response_not_found", param="previous_response_id")
-    return found
-
-
-async def _sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
-    """*chat* (a translated Messages request) with the model's own arguments text of each tool
-    call this replica did not answer itself, from the pool (gateway.formats._SentArguments).
-    With the pool down the call is served all the same, with LiteLLM's rendering."""
-    missing = SENT_ARGUMENTS.unknown(chat["messages"])
-    if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
-        try:
-            found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
-        except OpenAIError:  # the pool went down just now: nothing learnt, not even absence
-            return chat
-        SENT_ARGUMENTS.learn(found, asked=missing)
-        if found:
-            SENT_ARGUMENTS.restore(chat["messages"])
-    return chat
-
-
-async def _proxy(request: Request, fmt: str, path_session: str | None) -> Response:
-    gw = gateway_of(request)
-    started = time.perf_counter()
-    raw = await read_body(request, gw.settings.max_body_bytes)
-    reply: Reply | None = None
-    if fmt == WireFormat.RESPONSES:
-        asked = parse_body(raw, ResponsesRequest)
-        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id")))
-        reply = ResponsesReply(asked["model"], asked)
-    elif fmt == WireFormat.MESSAGES:
-        asked = parse_body(raw, MessagesRequest)
-        body = await _sent_arguments(gw, messages_to_chat(asked))
-        reply = MessagesReply(asked["model"], asked)
-    else:
-        body = parse_body(raw, _SCHEMAS[fmt])
-    endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
-    session_id, source = _session(request, path_session, body)
-    turn_type = _turn_type(request, body)
-    target = await gw.upstreams.resolve(body["model"])
-    record = TurnRecord(
-        id=uuid.uuid4().hex,
-        created_at=utcnow(),
-        endpoint=endpoint,
-        status=TurnStatus.OK,
-        model=body["model"],
-        capture="white-box" if target.white_box else "black-box",
-        request=request_record(endpoint, body),
-        session_id=session_id,
-        session_source=source,
-        task_id=request.headers.get("x-task-id"),
-        group_id=request.headers.get("x-group-id"),
-        turn_type=turn_type,
-        session_done=request.headers.get("x-session-done", "").strip().lower() in ("1", "true", "yes"),
-        upstream_model=target.served_name,
-        policy_version=target.policy_version,
-        wire_format=fmt,
-    )
-    if reply is not None and asked.get("previous_response_id"):
-        record.request["params"]["previous_response_id"] = asked["previous_response_id"]
-    headers = {"X-Turn-Id": record.id}
-    if session_id:
-        headers["X-Session-Id"] = session_id
-    call = _Call(gw, endpoint, body, target, record, started, headers, reply)
-    if target.white_box:
-        return await call.vllm()
-    return await call.litellm()
-
-
-class _Call:
-    """One proxied call: sends it upstream, relays the reply, hands the record to capture."""
-
-    def __init__(self, gw: Gateway, endpoint: str, body: dict[str, Any], target: Target,
-                 record: TurnRecord, started: float, headers: dict[str, str], reply: Reply | None = None):
-        self.gw = gw
-        self.endpoint = endpoint
-        self.body = body
-        self.target = target
-        self.record = record
-        self.started = started
-        self.headers = headers
-        self.stream = bool(body.get("stream"))
-        self.acc = Accumulator(endpoint, target.white_box)
-        # a Responses or Messages reply: translated back from chat, stored under the client's id
-        self.reply = reply
-        self.label = record.wire_format or endpoint
-        if reply is not None:
-            self.acc.id = reply.id
-
-    # -- finishing --------------------------------------------------------------------------
-
-    def _finish(self, status_code: int, *, status: str = "ok", error: dict[str, Any] | None = None,
-                captured: bool = True) -> None:
-        elapsed = time.perf_counter() - self.started
-        self.gw.metrics.request_seconds.labels(self.label, str(status_code)).observe(elapsed)
-        r = self.record
-        r.status = status
-        r.error = error
-        r.latency_ms = round(elapsed * 1000, 3)
-        if captured and (self.acc.choices or status == TurnStatus.OK):
-            c = self.acc.result()
-            r.response, r.usage = c.response, c.usage
-            r.prompt_token_ids, r.token_ids, r.logprobs = c.prompt_token_ids, c.token_ids, c.logprobs
-        self.gw.writer.submit(r)
-
-    def _fail(self, status_code: int, message: str, *, code: str | None = None,
-              upstream: Any = None, error: OpenAIError | None = None) -> OpenAIError:
-        """Record the call as an error turn; returns the error to answer with, which carries the
-        turn's id (X-Turn-Id) like every reply whose call was recorded."""
-        err = error or OpenAIError(status_code, message, code=code)
-        err.headers.update(self.headers)
-        detail = err.body()["error"] | {"status": err.status}
-        if upstream is not None:
-            detail["upstream"] = upstream
-        self._finish(err.status, status=TurnStatus.ERROR, error=detail, captured=False)
-        return err
-
-    def _observe_upstream(self) -> None:
-        self.gw.metrics.upstream_seconds.labels(self.target.group).observe(
-            time.perf_counter() - self.started
-        )
-
-    # -- vLLM: OpenAI wire format, relayed as sent ---------------------------------------------
-
-    async def vllm(self) -> Response:
-        t = self.target
-        url = f"{t.api_base}{_PATHS[self.endpoint]}"
-        auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
-        payload = white_box_body(self.endpoint, self.body, t.served_name)
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-        try:
-            resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
-        except TimeoutError as exc:
-            raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
-        except aiohttp.ClientError as exc:
-            raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
-        self._observe_upstream()
-        if resp.status >= 400:
-            return await self._upstream_error(resp)
-        wants = ClientWants.of(self.endpoint, self.body)
-        if self.stream:
-            return StreamingResponse(
-                self._relay(resp, wants) if self.reply is None else self._relay_translated(resp),
-                status_code=resp.status,
-                media_type="text/event-stream",
-                headers={**self.headers, "Cache-Control": "no-cache"},
-            )
-        try:
-            raw = await resp.read()
-        except TimeoutError as exc:
-            raise self._fail(504, f"upstream {t.group} timed out mid-response") from exc
-        except aiohttp.ClientError as exc:
-            raise self._fail(502, f"upstream {t.group} failed mid-response: {exc}") from exc
-        finally:
-            resp.release()
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise self._fail(502, f"upstream {t.group} sent invalid JSON") from exc
-        self.acc.feed(obj)
-        self._finish(resp.status)
-        if self.reply is not None:
-            return Response(_dumps(self.reply.whole(obj)), status_code=resp.status,
-                            media_type="application/json", headers=self.headers)
-        if not wants.everything:
-            strip_for_client(obj, wants)
-            raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-        return Response(raw, status_code=resp.status, media_type="application/json",
-                        headers=self.headers)
-
-    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> Response:
-        try:
-            raw = await resp.read()
-        except (TimeoutError, aiohttp.ClientError):
-            raw = b""
-        finally:
-            resp.release()
-        try:
-            upstream = json.loads(raw)
-        except ValueError:
-            upstream = raw.decode(errors="replace")[:2000]
-        fallback = f"upstream {self.target.group} answered HTTP {resp.status}"
-        # a 4xx is about the request: its status and message go back in OpenAI's shape (a prompt
-        # over the context window as `context_length_exceeded`); a 5xx is the upstream's failure
-        if resp.status < 500:
-            err = from_upstream(resp.status, upstream, fallback,
-                                prompt_param="messages" if self.endpoint == "chat" else "prompt")
-        else:
-            err = from_upstream(502, upstream, fallback)
-            err.code = err.param = None
-        err = self._fail(err.status, err.message, upstream=upstream, error=err)
-        # a Responses or Messages client gets it in its own dialect (the context overflow as
-        # Anthropic words it on /v1/messages)
-        return err.response() if self.reply is None else _error_response(err, self.label)
-
-    async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
-        status, error = "ok", None
-        done = False  # [DONE] relayed: the reply is complete, whatever the client does next
-        ended = False  # the upstream's reply read to its end: its connection can be reused
-        try:
-            async for events in sse_events(resp.content.iter_any()):
-                out = []  # the events that arrived together leave together: one write
-                for raw, data in events:
-                    if data is None or data == b"[DONE]":
-                        done = done or data == b"[DONE]"
-                        out.append(raw)
-                        continue
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        out.append(raw)
-                        continue
-                    self.acc.feed(obj)
-                    if wants.everything or not isinstance(obj, dict):
-                        out.append(raw)
-                    else:
-                        strip_for_client(obj, wants)
-                        out.append(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-                                   + b"\n\n")
-                yield b"".join(out)
-            ended = True
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            status = "error"
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}").body()["error"]
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            # a client that hangs up after [DONE] got the whole reply
-            if not done:
-                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
-            raise
-        finally:
-            if ended:
-                resp.release()
-            else:
-                resp.close()  # closing the connection is what cancels the request upstream
-            self._finish(200, status=status, error=error)
-
-    async def _relay_translated(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """vLLM's chat stream, translated event by event into the client's wire format."""
-        reply = self.reply
-        assert reply is not None
-        status, error = "ok", None
-        done = False  # the closing events were sent: the reply is complete
-        ended = False
-        try:
-            async for events in sse_events(resp.content.iter_any()):
-                out: list[bytes] = []
-                for _, data in events:
-                    if data is None:
-                        continue
-                    if data == b"[DONE]":
-                        out += reply.end()
-                        done = True
-                        continue
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
-                        if isinstance(obj.get("error"), dict) and not obj.get("choices"):
-                            err = OpenAIError(502, str(obj["error"].get("message") or "upstream error"))
-                            status, error = "error", err.body()["error"]
-                            out.append(reply.error_event(err))
-                            continue
-                        self.acc.feed(obj)
-                        out += reply.chunk(obj)
-                if out:
-                    yield b"".join(out)
-            ended = True
-            if not done and status == "ok":
-                done = True
-                yield b"".join(reply.end())
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            status = "error"
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
-            error = err.body()["error"]
-            yield reply.error_event(err)
-        except (asyncio.CancelledError, GeneratorExit):
-            if not done:
-                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
-            raise
-        finally:
-            if ended:
-                resp.release()
-            else:
-                resp.close()
-            self._finish(200, status=status, error=error)
-
-    # -- other providers: through the LiteLLM Router ---------------------------------------------
-
-    async def litellm(self) -> Response:
-        router = self.gw.upstreams.router
-        assert router is not None
-        params = {k: v for k, v in self.body.items() if k != "model"}
-        call = router.acompletion if self.endpoint == "chat" else router.atext_completion
-        try:
-            result = await call(model=self.target.group, **params)
-        except litellm.Timeout as exc:
-            raise self._fail(504, f"upstream {self.target.group} timed out: {exc}") from exc
-        except litellm.APIConnectionError as exc:
-            raise self._fail(502, f"upstream {self.target.group} unreachable: {type(exc).__name__}: {exc}") from exc
-        except litellm.ContextWindowExceededError as exc:
-            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=OpenAIError(
-                400, f"upstream {self.target.group}: {exc}", code=CONTEXT_LENGTH_EXCEEDED,
-                param="messages" if self.endpoint == "chat" else "prompt")) from exc
-        except Exception as exc:  # LiteLLM's exceptions carry the provider's status
-            status = getattr(exc, "status_code", None) or 502
-            raise self._fail(status if status in (400, 404, 422, 429) else 502,
-                             f"upstream {self.target.group}: {exc}") from exc
-        self._observe_upstream()
-        if not self.stream:
-            obj = result.model_dump(mode="json", exclude_none=True)
-            self.acc.feed(obj)
-            self._finish(200)
-            return JSONResponse(obj if self.reply is None else self.reply.whole(obj), headers=self.headers)
-        return StreamingResponse(self._relay_litellm(result), media_type="text/event-stream",
-                                 headers={**self.headers, "Cache-Control": "no-cache"})
-
-    async def _relay_litellm(self, chunks: Any) -> AsyncIterator[bytes]:
-        status, error = "ok", None
-        done = False
-        reply = self.reply
-        try:
-            async for chunk in chunks:
-                obj = chunk.model_dump(mode="json", exclude_none=True)
-                self.acc.feed(obj)
-                if reply is None:
-                    yield b"data: " + _dumps(obj) + b"\n\n"
-                else:
-                    yield b"".join(reply.chunk(obj))
-            done = True
-            yield b"data: [DONE]\n\n" if reply is None else b"".join(reply.end())
-        except (asyncio.CancelledError, GeneratorExit):
-            if not done:
-                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
-            raise
-        except Exception as exc:
-            status = "error"
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
-            error = err.body()["error"]
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n" if reply is None else reply.error_event(err)
-        finally:
-            self._finish(200, status=status, error=error)
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

@@ -147,10 +147,7 @@ async def home() -> RedirectResponse:
 
 
 def _filters(request: Request) -> browse.Browse:
-    try:
-        return browse.Browse.from_params(request.query_params)
-    except browse.FilterError as exc:
-        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+    return browse.Browse.from_params(request.query_params)
 
 
 def _choices(db: OrmSession) -> dict[str, list[str]]:
@@ -278,6 +275,10 @@ async def _add_label(request: Request, **target: str) -> str | None:
     try:
         await actions.add_label(gateway_of(request), kind=kind, value=value, author=request.state.admin.name,
                                 **target)
+    except labels.LabelError as exc:  # the person's input: the form shows why, in place
+        if not _is_htmx(request):
+            raise
+        return str(exc)
     except OpenAIError as exc:
         if exc.status != 400 or not _is_htmx(request):
             raise
@@ -456,10 +457,7 @@ TURNS_PER_PAGE = 50
 
 
 def turns_query(request: Request) -> tuple[browse.Browse, browse.TurnPage]:
-    try:
-        return browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
-    except browse.FilterError as exc:
-        raise OpenAIError(400, str(exc), code="invalid_filter") from exc
+    return browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
 
 
 async def turns_data(request: Request) -> dict[str, Any]:

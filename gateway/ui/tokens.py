@@ -14,7 +14,8 @@ from functools import lru_cache
 
 import aiohttp
 
-from datapool.vllm_admin import CallError, tokenize
+from vllm_client.http import CallError
+from vllm_client.tokenizer import tokenize
 
 
 @lru_cache(maxsize=1)

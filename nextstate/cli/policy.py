@@ -11,7 +11,7 @@ from typing import Any
 import click
 from sqlalchemy import Engine
 
-from datapool import vllm_admin
+from vllm_client.http import policy_servers
 from datapool.settings import Settings
 from datapool.vocab import PauseMode
 from nextstate.cli import options as opt
@@ -39,7 +39,7 @@ def _engine(database_url: str | None) -> Iterator[Engine]:
 
 
 def _urls(given: Sequence[str], database_url: str | None) -> list[str]:
-    return list(given) if given else vllm_admin.policy_servers(_settings(database_url))
+    return list(given) if given else policy_servers(_settings(database_url))
 
 
 def _fail(exc: Exception) -> click.ClickException:

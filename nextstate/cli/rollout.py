@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from datapool.vllm_admin import server_root
+from vllm_client.http import server_root
 from datapool.vocab import Objective, SessionMode
 from nextstate.cli import options as opt
 from nextstate.cli.train import train

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from datapool import vllm_admin
+from vllm_client.http import policy_servers
 from datapool.db import as_utc
 from datapool.leases import Filters
 from datapool.settings import Settings
@@ -238,7 +238,7 @@ def train(**p: Any) -> None:
     cfg = ObjectiveConfig(objective=p["objective"], w_rl=p["w_rl"], w_opd=p["w_opd"], kl_coef=p["kl_coef"],
                           loss_agg_mode=p["loss_agg_mode"], rl_baseline=p["rl_baseline"])
     local = local_config(p, model_dir)
-    urls = list(p["vllm_urls"]) or vllm_admin.policy_servers(settings)
+    urls = list(p["vllm_urls"]) or policy_servers(settings)
     base_model = settings.upstream_model or settings.vllm_served_name
     if p["online"]:
         _train_online(p, settings, engine, cfg, local, filters, urls, base_model)

