@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -119,8 +120,7 @@ def test_terminal_tasks_pass_with_the_right_command_and_fail_without(split: str)
         kinds.setdefault(task["kind"], task)
     for task in kinds.values():
         if task["kind"] == "edit":
-            old = task["instruction"].split("replace the word ")[1].split()[0]
-            new = task["instruction"].split(" with ")[1].rstrip(".")
+            old, new = re.search(r"replace the word (\w+) with (\w+)", task["instruction"]).groups()
             command = f"sed -i 's/{old}/{new}/g' list.txt"
         else:
             command = reference_command(task)

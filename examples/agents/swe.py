@@ -33,7 +33,9 @@ TOOLS = [tool("replace", "Replace the exact text old with new in a file.", path=
          tool("read_file", "Show a file of the repository.", path="for example calc.py")]
 MAX_TURNS = 4
 LIMITS = Limits(wall_s=30, cpu_s=20, memory_mb=1024, file_mb=1, disk_mb=16, processes=32)
-PYTEST = ["python3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--no-header", "-rN"]
+# only pytest itself: the host's plugins (asyncio, hypothesis, ...) would add warnings and start-up time
+PYTEST = ["env", "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1", "python3", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+          "--no-header", "-rN"]
 
 # (function source with {op}, name, good op, bad op, a call and its right value)
 BUGS = [

@@ -25,8 +25,7 @@ from examples.agents.loop import run_tools, tool  # noqa: E402
 from nextstate.sandbox import Limits, Sandbox  # noqa: E402
 
 SYSTEM = ("You operate a Linux shell in a directory with the task's files. Call run with one shell command "
-          "(for example: echo hello > a.txt, sort names.txt > sorted.txt, wc -l < data.txt > count.txt, "
-          "grep word log.txt > found.txt, sed -i 's/old/new/g' file.txt, cp a.txt b.txt).")
+          "that does the task.")
 # one tool: a `done` tool was the base model's pick on every first turn (the episode over before any command)
 TOOLS = [tool("run", "Run one shell command in the working directory.", max_length=120, command="the shell command")]
 MAX_TURNS = 3
@@ -42,18 +41,29 @@ def sandbox_root() -> Path:
 
 
 def generate(rng: random.Random, level: int) -> dict[str, Any]:
-    """Level 1: a file from a given word, or a copy; level 2: sort, count, search, edit."""
+    """Level 1 names the command's shape (``echo WORD > FILE``) with the task's own words left to
+    fill in; level 2 only says what to do (sort, count, search, edit, create, copy)."""
     words = rng.sample(WORDS, 6)
     lines = "\n".join(words) + "\n"
+    kind = rng.choice(["create", "copy", "sort", "count", "search", "edit"])
+    task = _task(rng, kind, words, lines)
     if level == 1:
-        kind = rng.choice(["create", "copy"])
-        if kind == "create":
-            out = f"{rng.choice(['note', 'word', 'out', 'hello'])}.txt"
-            return {"kind": kind, "instruction": f"Create a file named {out} that contains the word {words[0]}.",
-                    "files": {}, "expect": {out: words[0] + "\n"}}
+        task["instruction"] += f" Use: {SHAPES[kind]}"
+    return task
+
+
+SHAPES = {"create": "echo WORD > FILE", "copy": "cp SOURCE TARGET", "sort": "sort INPUT > OUTPUT",
+          "count": "wc -l < INPUT > OUTPUT", "search": "grep TEXT INPUT > OUTPUT", "edit": "sed -i 's/OLD/NEW/' FILE"}
+
+
+def _task(rng: random.Random, kind: str, words: list[str], lines: str) -> dict[str, Any]:
+    if kind == "create":
+        out = f"{rng.choice(['note', 'word', 'out', 'hello'])}.txt"
+        return {"kind": kind, "instruction": f"Create a file named {out} that contains the word {words[0]}.",
+                "files": {}, "expect": {out: words[0] + "\n"}}
+    if kind == "copy":
         return {"kind": kind, "instruction": "Copy the file data.txt to backup.txt.", "files": {"data.txt": lines},
                 "expect": {"backup.txt": lines}}
-    kind = rng.choice(["sort", "count", "search", "edit"])
     if kind == "sort":
         return {"kind": kind, "instruction": "Write the lines of names.txt, sorted alphabetically, to sorted.txt.",
                 "files": {"names.txt": lines}, "expect": {"sorted.txt": "\n".join(sorted(words)) + "\n"}}
