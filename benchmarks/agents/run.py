@@ -1,0 +1,519 @@
+"""Agents learn from the pool: tool-call, terminal and SWE agents trained offline on verifiable tasks.
+
+    python -m benchmarks.agents.run --preset cpu|gpu [--suites toolcall,terminal,swe]
+        [--arms outcome,integrated,integrated+opd] [--seeds N] [--iterations K]
+        [--upstream http://HOST:PORT/v1] [--teacher http://HOST:PORT/v1] [--concurrency 128]
+    python -m benchmarks.agents.run --calibrate [--suites ...] [--heldout 64]
+
+Per suite, arm and seed, everything is real and goes through the pool: a `nextstate gateway`
+process in front of the --upstream vLLM with its own SQLite pool; the suite's agent
+(examples/agents) driven by ``nextstate.rollout.Runner`` — the code of `nextstate rollout` —
+over n samples of each training task (one GRPO group per task, temperature 1), each terminal
+and SWE episode in its own sandbox; every turn scored from its next state by
+``datapool.scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
+iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
+adapter published and served; then the held-out tasks answered greedily by the new version
+(`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
+
+Arms (the reward each turn is trained on; the trainer standardizes it within the task's group):
+
+- ``outcome``: R_t = O, the verifier's outcome (the judge abstains on every turn);
+- ``integrated``: R_t = O + (1/m) Σ r_t^(i), the rule-based next-state judge's votes
+  (``datapool.scoring.rules``) added to the outcome;
+- ``integrated+opd``: the same reward plus hindsight OPD on the turns the judge hinted
+  (objective ``combined``; teacher logprobs from --teacher);
+- ``integrated-llm``: R_t = O plus the LLM judge's votes (prompt prm-v1, 3 votes, the base model
+  on --teacher, else --upstream), beside the rules.
+
+Before any job trains, each suite's held-out tasks are answered by the base model (point 0 of
+every curve). A job first serves an untrained adapter of its own (LoRA B = 0: the base model's
+outputs) so that its requests never take vLLM-CPU's base-model path, which applies another
+job's adapter to base requests batched with it (vllm-project/vllm#48421).
+
+Writes RESULTS/TAG.json — ``results``: one row per suite, arm and seed with ``pass_at_1``
+[base, after 1, ...] and each iteration's numbers (episodes/min, turns sent and captured,
+training steps, seconds per phase) — plus TAG.md (tables) and TAG.png (curves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from examples.agents import swe, terminal, toolcall  # noqa: E402
+from nextstate import rollout as ro  # noqa: E402
+
+SUITES = {"toolcall": toolcall, "terminal": terminal, "swe": swe}
+TASKS = ROOT / "examples" / "agents"
+ARMS = {  # arm -> (judge, objective, teacher logprobs)
+    "outcome": ("benchmarks.agents.run:abstain", "rl", False),
+    "integrated": ("datapool.scoring.rules:vote", "rl", False),
+    "integrated+opd": ("datapool.scoring.rules:vote", "combined", True),
+    "integrated-llm": ("llm", "rl", False),  # the LLM judge (prm-v1, 3 votes) in place of the rules
+}
+SHORT = {"outcome": "out", "integrated": "int", "integrated+opd": "opd", "integrated-llm": "llm"}
+LLM_VOTES = 3
+PRESETS: dict[str, dict[str, Any]] = {
+    # proves the path on a shared 2-core machine in under 20 minutes
+    "cpu": {"suites": "toolcall", "arms": "outcome,integrated", "seeds": 1, "iterations": 2, "tasks": 4, "n": 8,
+            "heldout": 16, "concurrency": 16, "batch_size": 16, "micro_batch_size": 8, "lr": 2e-3, "jobs": 1,
+            "timeout": 300.0},
+    # one H100: 16 tasks x 8 samples = 128 environments at once per job
+    "gpu": {"suites": "toolcall,terminal,swe", "arms": "outcome,integrated,integrated+opd", "seeds": 3,
+            "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
+            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0},
+}
+log = logging.getLogger("bench.agents")
+
+
+def abstain(turn: dict[str, Any], next_state: dict[str, Any]) -> int:
+    """The outcome-only arm's judge: no vote on any turn, so R_t = O + 0."""
+    return 0
+
+
+def now_naive() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def load_split(suite: str, split: str, count: int, rng: random.Random | None = None) -> list[dict[str, Any]]:
+    tasks = ro.load_tasks(TASKS / suite / f"{split}.jsonl")
+    return rng.sample(tasks, count) if rng else tasks[:count]
+
+
+class Tally:
+    """Model calls the agents made against main turns the pool captured, per session."""
+
+    def __init__(self) -> None:
+        self.sent = self.captured = 0
+        self.failures: Counter[str] = Counter()
+
+    def verifier(self, module: Any) -> Any:
+        def verify(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
+            self.sent += len(result.get("calls") or ())
+            self.captured += sum(1 for t in session.get("turns") or () if t.get("turn_type") == "main")
+            if result.get("failure"):
+                self.failures[str(result["failure"]).split(":")[0]] += 1
+            return module.verify(task, result, session)
+        return verify
+
+
+async def rollout(gateway_url: str, run: str, suite: str, tasks: list[dict[str, Any]], *, n: int, mode: str,
+                  concurrency: int, timeout: float, workdir: Path, tally: Tally) -> ro.RunSummary:
+    module = SUITES[suite]
+    cfg = ro.RolloutConfig(gateway_url=gateway_url, run=run, n=n, concurrency=concurrency, timeout_s=timeout,
+                           mode=mode, workdir=workdir / run)
+    agent = ro.PythonAgent(f"{module.__file__}:solve", api_key=None)
+    return await ro.Runner(cfg, agent, tally.verifier(module), f"examples/agents/{suite}.py:verify").run(tasks)
+
+
+def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any]], args: argparse.Namespace,
+             workdir: Path) -> dict[str, Any]:
+    """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report)."""
+    tally = Tally()
+    started = time.monotonic()
+    summary = asyncio.run(rollout(gateway_url, run, suite, [t | {"temperature": 0.0} for t in heldout], n=1,
+                                  mode="eval", concurrency=args.concurrency, timeout=args.timeout, workdir=workdir,
+                                  tally=tally))
+    report = summary.report()
+    (workdir / f"{run}.report.json").write_text(json.dumps(report, indent=1))
+    by_kind: dict[str, list[bool]] = defaultdict(list)
+    kinds = {t["id"]: (t.get("kind"), t.get("level")) for t in heldout}
+    for r in summary.records:
+        kind, level = kinds[r.task_id]
+        by_kind[f"{kind}/L{level}"].append(r.passed(1.0))
+    return {"pass_at_1": sum(r.passed(1.0) for r in summary.records) / len(summary.records),
+            "by_version": {v: x["pass@1"] for v, x in report["by_version"].items()},
+            "by_kind": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())},
+            "failed": report["failed"], "timed_out": report["timed_out"], "sent": tally.sent,
+            "captured": tally.captured, "seconds": round(time.monotonic() - started, 1)}
+
+
+# -- one job: a suite, an arm, a seed ---------------------------------------------------------------
+
+
+class Job:
+    def __init__(self, args: argparse.Namespace, work: Path, suite: str, arm: str, seed: int):
+        from datapool.db import make_engine, upgrade
+
+        self.args, self.work, self.suite, self.arm, self.seed = args, work, suite, arm, seed
+        self.pool = f"sqlite:///{work / 'pool.db'}"
+        upgrade(self.pool)
+        self.engine = make_engine(self.pool)
+        self.urls = list(dict.fromkeys([args.upstream] + ([args.teacher] if args.teacher else [])))
+        self.prefix = f"a-{SHORT[arm]}-{suite[:4]}-{seed}-{uuid.uuid4().hex[:6]}"
+        self.names: list[str] = []
+
+    def local_config(self) -> Any:
+        from trainer.config import LocalConfig
+
+        a = self.args
+        return LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.micro_batch_size)
+
+    def objective(self) -> Any:
+        from trainer.config import ObjectiveConfig
+
+        return ObjectiveConfig(objective=ARMS[self.arm][1])
+
+    def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
+        from datapool.vocab import VersionKind
+        from trainer.publish import PublishRequest, publish
+
+        publish(self.engine, PublishRequest(directory, base_model=self.args.model, vllm_urls=self.urls,
+                                            kind=VersionKind.LORA, name=name, parent=parent, activate=True,
+                                            store=self.work / "store", actor="bench.agents"))
+        self.names.append(name)
+        deadline = time.monotonic() + 60
+        while policy_root(gw_url) != name:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway's policy alias never switched to {name}")
+            time.sleep(0.1)
+
+    def score(self, run_prefix: str) -> dict[str, Any]:
+        """Every main turn of the iteration's sessions, scored from its next state."""
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session as OrmSession
+
+        from datapool.models import Judgement, Turn
+        from datapool.scoring.judge import JudgeRefused, LLMJudge, PythonJudge
+        from datapool.scoring.score import JudgeError, TeacherConfig, score_turn
+
+        judge_path, _, teacher = ARMS[self.arm]
+        if judge_path == "llm":  # on the teacher replica where there is one (vllm#48421, as the workers do)
+            judge: Any = LLMJudge(f"hosted_vllm/{self.args.model}", prompt="prm-v1",
+                                  api_base=self.args.teacher or self.args.upstream)
+            votes = LLM_VOTES
+        else:
+            judge, votes = PythonJudge(judge_path), 1
+        with OrmSession(self.engine) as db:
+            ids = db.scalars(select(Turn.id).where(Turn.session_id.like(f"{run_prefix}:%"),
+                                                   Turn.turn_type == "main")).all()
+        cfg = TeacherConfig(self.args.teacher) if teacher else None
+        statuses: Counter[str] = Counter()
+        with ThreadPoolExecutor(4 if teacher else 8) as pool:
+            def one(turn_id: str) -> str:
+                try:
+                    return score_turn(self.engine, turn_id, judge, votes, cfg)
+                except (JudgeError, JudgeRefused) as exc:  # the worker would retry or dead-letter it
+                    log.warning("turn %s not scored: %s", turn_id, exc)
+                    return "unscored"
+
+            for status in pool.map(one, ids):
+                statuses[status] += 1
+        with OrmSession(self.engine) as db:
+            js = db.scalars(select(Judgement).where(Judgement.turn_id.in_(ids))).all()
+            rewards = Counter(int(j.prm_reward) for j in js if j.prm_reward is not None)
+            dead = sum(1 for j in js if j.status == "dead")
+            hinted = sum(1 for j in js if j.teacher_logprobs)
+        return {"turns": len(ids), "status": dict(statuses), "votes": {str(k): v for k, v in sorted(rewards.items())},
+                "opd_samples": hinted, "dead": dead}
+
+    def train(self, since: datetime) -> Any:
+        from datapool.leases import Filters
+        from trainer.offline import train_offline
+
+        return train_offline(self.engine, objective=self.objective(), local=self.local_config(),
+                             filters=Filters(since=since, modes=("offline",)), batch_size=self.args.batch_size,
+                             epochs=1, output_root=self.work / "runs")
+
+    def run(self, base: float) -> dict[str, Any]:
+        from tests.processes import GatewayProcess
+        from trainer.local import LocalTrainer
+
+        a = self.args
+        gw = GatewayProcess(self.work / "gw", database_url=self.pool, upstream_url=a.upstream)
+        gw.start(timeout=300)
+        row: dict[str, Any] = {"suite": self.suite, "arm": self.arm, "seed": self.seed, "pass_at_1": [base],
+                               "iterations": []}
+        try:
+            init = LocalTrainer(self.local_config(), self.objective()).save(self.work / "init-adapter")
+            self.publish(init, f"{self.prefix}-init", None, gw.url)
+            rng = random.Random(self.seed)
+            heldout = load_split(self.suite, "heldout", a.heldout)
+            for it in range(1, a.iterations + 1):
+                point: dict[str, Any] = {"iteration": it}
+                tasks = load_split(self.suite, "train", a.tasks, rng)
+                tally = Tally()
+                since = now_naive()
+                started = time.monotonic()
+                run = f"{self.prefix}-i{it}"
+                summary = asyncio.run(rollout(gw.url, run, self.suite, tasks, n=a.n, mode="offline",
+                                              concurrency=a.concurrency, timeout=a.timeout, workdir=self.work,
+                                              tally=tally))
+                wall = time.monotonic() - started
+                report = summary.report()
+                point |= {"rollout_s": round(wall, 1), "episodes": len(summary.records),
+                          "episodes_per_min": round(len(summary.records) / wall * 60, 1),
+                          "train_success": report["success_rate"], "sent": tally.sent, "captured": tally.captured,
+                          "failed": report["failed"], "timed_out": report["timed_out"],
+                          "sandbox_failures": dict(tally.failures)}
+                started = time.monotonic()
+                point["scoring"] = self.score(run)
+                point["score_s"] = round(time.monotonic() - started, 1)
+                started = time.monotonic()
+                result = self.train(since)
+                point |= {"train_s": round(time.monotonic() - started, 1), "steps": result.steps,
+                          "trained_turns": result.turns,
+                          "loss": [round(m.get("loss", float("nan")), 4) for m in result.metrics]}
+                if result.output_dir is not None:
+                    self.publish(result.output_dir, f"{self.prefix}-v{it}", result.parent, gw.url)
+                started = time.monotonic()
+                ev = evaluate(gw.url, f"{run}-eval", self.suite, heldout, a, self.work)
+                point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
+                row["pass_at_1"].append(ev["pass_at_1"])
+                row["iterations"].append(point)
+                log.info("%s %s seed %d iteration %d: held-out pass@1 %.3f (train success %.3f, %d steps)",
+                         self.suite, self.arm, self.seed, it, ev["pass_at_1"], report["success_rate"] or 0,
+                         result.steps)
+                (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
+        finally:
+            gw.stop()
+            self.unload()
+        return row
+
+    def unload(self) -> None:
+        from datapool import versions
+
+        with contextlib.suppress(Exception):
+            versions.activate(self.engine, versions.BASE, self.urls)
+        with httpx.Client(timeout=30) as http:
+            for name in self.names:
+                for url in self.urls:
+                    with contextlib.suppress(httpx.HTTPError):
+                        http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
+
+
+def policy_root(gateway_url: str) -> str | None:
+    data = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
+    return next((m.get("root") for m in data if m["id"] == "policy"), None)
+
+
+# -- the base model, calibration --------------------------------------------------------------------
+
+
+def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[str, dict[str, Any]]:
+    """Each suite's held-out tasks answered by the base model, through a gateway of its own."""
+    from datapool.db import upgrade
+    from tests.processes import GatewayProcess
+
+    pool = f"sqlite:///{work / 'base.db'}"
+    upgrade(pool)
+    with GatewayProcess(work / "base-gw", database_url=pool, upstream_url=args.upstream) as gw:
+        out = {}
+        for suite in suites:
+            heldout = load_split(suite, "heldout", args.heldout)
+            out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work)
+            log.info("base %s: held-out pass@1 %.3f over %d tasks %s", suite, out[suite]["pass_at_1"], len(heldout),
+                     out[suite]["by_kind"])
+        return out
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    points = max(len(r["pass_at_1"]) for r in rows)
+    lines = ["| suite | arm | seeds | " + " | ".join(["base"] + [f"after {i}" for i in range(1, points)])
+             + " | Δ (last − base) |", "|---|---|---|" + "---|" * (points + 1)]
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        for arm in dict.fromkeys(r["arm"] for r in rows if r["suite"] == suite):
+            rs = [r for r in rows if r["suite"] == suite and r["arm"] == arm]
+            cells = []
+            for i in range(points):
+                vals = [r["pass_at_1"][i] for r in rs if len(r["pass_at_1"]) > i]
+                sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+                cells.append(f"{statistics.fmean(vals):.3f} ± {sd:.3f}" if vals else "–")
+            delta = statistics.fmean(r["pass_at_1"][-1] - r["pass_at_1"][0] for r in rs)
+            lines.append(f"| {suite} | {arm} | {len(rs)} | " + " | ".join(cells) + f" | {delta:+.3f} |")
+    return "\n".join(lines)
+
+
+def load_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| suite | arm | seed | iteration | episodes | episodes/min | sent | captured | lost | rollout s | "
+             "score s | train s | steps | eval s | votes −1/0/+1 | OPD samples |", "|---" * 16 + "|"]
+    for r in rows:
+        for p in r["iterations"]:
+            v = p["scoring"]["votes"]
+            lines.append(f"| {r['suite']} | {r['arm']} | {r['seed']} | {p['iteration']} | {p['episodes']} | "
+                         f"{p['episodes_per_min']} | {p['sent']} | {p['captured']} | {p['sent'] - p['captured']} | "
+                         f"{p['rollout_s']} | {p['score_s']} | {p['train_s']} | {p['steps']} | {p['eval_s']} | "
+                         f"{v.get('-1', 0)}/{v.get('0', 0)}/{v.get('1', 0)} | {p['scoring']['opd_samples']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = list(dict.fromkeys(r["suite"] for r in rows))
+    fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 3.8), squeeze=False)
+    for ax, suite in zip(axes[0], suites):
+        for arm in dict.fromkeys(r["arm"] for r in rows if r["suite"] == suite):
+            rs = [r for r in rows if r["suite"] == suite and r["arm"] == arm]
+            points = max(len(r["pass_at_1"]) for r in rs)
+            vals = [[r["pass_at_1"][i] for r in rs if len(r["pass_at_1"]) > i] for i in range(points)]
+            mean = [statistics.fmean(v) for v in vals]
+            sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+            xs = list(range(points))
+            ax.plot(xs, mean, marker="o", label=arm)
+            ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)], alpha=0.15)
+        ax.set_title(suite)
+        ax.set_xlabel("iteration (0: base model)")
+        ax.set_ylabel("held-out pass@1")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, Any], minutes: float,
+          failed: list[str]) -> None:
+    title = (f"SmolLM2-135M-Instruct, {args.iterations} iterations x {args.tasks} tasks x n={args.n}, "
+             f"{args.heldout} held-out (greedy), {args.seeds} seed(s)")
+    text = (f"{title} ({minutes:.1f} min)\n\nHeld-out pass@1 (mean ± std over seeds):\n\n"
+            + (table(rows) if rows else "no results") + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
+            + ("\n\nFailed jobs: " + ", ".join(failed) if failed else ""))
+    print("\n" + text)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    (args.out / f"{args.tag}.json").write_text(json.dumps(
+        {"config": config | {"minutes": round(minutes, 1), "failed": failed, "command": " ".join(sys.argv)},
+         "base": base, "results": rows}, indent=1, default=str))
+    (args.out / f"{args.tag}.md").write_text(f"`python -m benchmarks.agents.run {' '.join(sys.argv[1:])}`\n\n{text}\n")
+    if rows:
+        plot(rows, args.out / f"{args.tag}.png", title)
+    print(f"\nwrote {args.out / args.tag}.json, .md" + (", .png" if rows else ""))
+
+
+# -- main -------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--suites", help=f"comma-separated, of {', '.join(SUITES)} (default: the preset's)")
+    p.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: the preset's)")
+    p.add_argument("--seeds", type=int)
+    p.add_argument("--iterations", type=int, help="rollout -> score -> train -> publish -> evaluate, this many times")
+    p.add_argument("--tasks", type=int, help="training tasks per iteration (each n times: one GRPO group)")
+    p.add_argument("--n", type=int, help="samples per training task")
+    p.add_argument("--heldout", type=int, help="held-out tasks per evaluation")
+    p.add_argument("--concurrency", type=int, help="rollouts (environments) running at once per job")
+    p.add_argument("--jobs", type=int, help="suite/arm/seed jobs at once")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--timeout", type=float, help="seconds per rollout")
+    p.add_argument("--upstream", default=os.environ.get("NEXTSTATE_BENCH_VLLM_URL"),
+                   help="the policy vLLM (…/v1) serving --model with runtime LoRA loading (default: "
+                        "$NEXTSTATE_BENCH_VLLM_URL, else a vLLM-CPU started for the run)")
+    p.add_argument("--teacher", default=os.environ.get("NEXTSTATE_BENCH_TEACHER_URL"),
+                   help="the teacher vLLM (…/v1) for integrated+opd (default: $NEXTSTATE_BENCH_TEACHER_URL, else "
+                        "one started for the run when that arm runs; on a GPU the policy server can be both)")
+    p.add_argument("--model", default="smollm2", help="served name of the base model")
+    p.add_argument("--model-dir", help="the base model's directory (default: the converted SmolLM2)")
+    p.add_argument("--calibrate", action="store_true", help="only measure the base model's held-out pass@1")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--tag", help="file name of the results (default: PRESET, or calibration)")
+    args = p.parse_args()
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.tag = args.tag or ("calibration" if args.calibrate else args.preset)
+    suites, arms = args.suites.split(","), args.arms.split(",")
+    for s in suites:
+        if s not in SUITES:
+            p.error(f"--suites: unknown suite {s!r} (known: {', '.join(SUITES)})")
+    for a in arms:
+        if a not in ARMS:
+            p.error(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)})")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("httpx", "httpx2", "LiteLLM", "nextstate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    work = Path(tempfile.mkdtemp(prefix="bench-agents-"))
+    with contextlib.ExitStack() as servers:
+        need_teacher = any(ARMS[a][2] for a in arms) and not args.calibrate
+        if not args.upstream or (need_teacher and not args.teacher) or not args.model_dir:
+            from datapool.settings import Settings
+            from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
+
+            cache = Settings().cache_dir
+            python = ensure_vllm_env(cache)
+            args.model_dir = args.model_dir or str(ensure_model(cache, python))
+            for key, extra, needed in (("upstream", (), True), ("teacher", TEACHER_ARGS, need_teacher)):
+                if needed and not getattr(args, key):
+                    log.info("starting a vLLM-CPU server for --%s (log: %s)", key, work / f"vllm-{key}.log")
+                    server = servers.enter_context(VLLMServer(python, Path(args.model_dir), served_name=args.model,
+                                                              port=0, log_path=work / f"vllm-{key}.log",
+                                                              extra_args=extra))
+                    setattr(args, key, server.base_url)
+        run(args, suites, arms, work)
+
+
+def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path) -> None:
+    import torch
+
+    t0 = time.monotonic()
+    base = base_rates(args, suites, work)
+    if args.calibrate:
+        print(json.dumps({s: {k: v for k, v in b.items() if k in ("pass_at_1", "by_kind", "sent", "captured")}
+                          for s, b in base.items()}, indent=1))
+        (args.out / f"{args.tag}.json").write_text(json.dumps(
+            {"command": " ".join(sys.argv), "heldout": args.heldout, "minutes": round((time.monotonic() - t0) / 60, 1),
+             "base": base}, indent=1))
+        return
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
+    jobs = [(s, a, seed) for seed in range(args.seeds) for s in suites for a in arms]
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+
+    def one(job: tuple[str, str, int]) -> None:
+        suite, arm, seed = job
+        d = work / f"{suite}-{SHORT[arm]}-{seed}"
+        d.mkdir(parents=True)
+        try:
+            rows.append(Job(args, d, suite, arm, seed).run(base[suite]["pass_at_1"]))
+        except Exception:
+            log.exception("job %s %s seed %d failed (work dir %s)", suite, arm, seed, d)
+            failed.append(f"{suite}/{arm}/{seed}")
+            with contextlib.suppress(OSError, ValueError):
+                partial = json.loads((d / "progress.json").read_text())
+                rows.append(partial | {"partial": True})
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, jobs))
+    order = {(s, a, seed): i for i, (s, a, seed) in enumerate(jobs)}
+    rows.sort(key=lambda r: order[(r["suite"], r["arm"], r["seed"])])
+    write(args, rows, base, (time.monotonic() - t0) / 60, failed)
+    if failed:
+        sys.exit(f"{len(failed)} job(s) failed: {', '.join(failed)} (work dir {work})")
+
+
+if __name__ == "__main__":
+    main()
