@@ -41,13 +41,17 @@ if ! up; then
   log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log $vlog)"
   t0=$(date +%s)
   # LORA=0: no LoRA (vLLM 0.26 cannot reload full weights in place while LoRA wraps its layers)
-  lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64})
+  # LoRA only on the decoder's projections, never lm_head/embed_tokens: vLLM (0.26 to 0.33, model
+  # runner V2) otherwise runs a prompt_logprobs request's logits, in 1,024-row chunks, through a
+  # LoRA mapping of one row per running request, and its kernels read and write past the chunk
+  # (the CUDA illegal memory access in benchmarks/gpu/results/README.md; lora_churn.py reproduces it).
+  # LORA_TARGETS=all: vLLM's default (every supported module, lm_head included).
+  targets=(--lora-target-modules ${LORA_TARGETS:-q_proj k_proj v_proj o_proj gate_proj up_proj down_proj})
+  [ "${LORA_TARGETS:-}" = all ] && targets=()
+  lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64} "${targets[@]}")
   [ "${LORA:-1}" = 0 ] && lora=()
-  # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). vLLM 0.26 with LoRA died with a
-  # CUDA illegal memory access (in punica's update_metadata, or in add_lora's set_lora) under the
-  # learning benchmark's 20-25 jobs, with 43-596 requests running and 16-200 adapter slots; 10 jobs with
-  # 48 running ran clean in 4 runs of 5 (benchmarks/gpu/results/README.md, "Known problem"): the cap alone
-  # does not prevent it. Default: 48 for `learn`, vLLM's own otherwise.
+  # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). Default: 48 for `learn` (set
+  # while vLLM 0.26 + LoRA died under load, before the cause above was found), vLLM's own otherwise.
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
   [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")
