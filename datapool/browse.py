@@ -61,6 +61,7 @@ class Browse:
     until: datetime | None = None
     task_id: str | None = None
     wire_format: str | None = None  # the API the client spoke (chat, completions, responses, messages)
+    tenant: str | None = None  # only this tenant's sessions (gateway.tenants)
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> "Browse":
@@ -166,6 +167,8 @@ def turn_conditions(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
                       "unscored": and_(r.is_(None), Turn.turn_type == TurnKind.MAIN, ~tied)}[f.reward])
     if f.label:
         conds.append(labels.matches(f.label, Turn.id, Turn.session_id))
+    if f.tenant is not None:
+        conds.append(Turn.session_id.in_(select(Session.id).where(Session.tenant == f.tenant)))
     return conds
 
 
@@ -175,6 +178,8 @@ def session_conditions(f: Browse) -> list[ColumnElement[bool]]:
         conds.append(Session.mode == f.mode)
     if f.task_id:
         conds.append(Session.task_id == f.task_id)
+    if f.tenant is not None:
+        conds.append(Session.tenant == f.tenant)
     if f.since:
         conds.append(Session.created_at >= f.since)
     if f.until:
@@ -370,8 +375,8 @@ def _gap(teacher: list[float] | None, student: list[float] | None) -> float | No
     return sum(abs(a - b) for a, b in zip(teacher, student)) / len(teacher)
 
 
-def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: float = 1.0
-          ) -> list[dict[str, Any]]:
+def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: float = 1.0,
+          tenant: str | None = None) -> list[dict[str, Any]]:
     """Unlabeled scored-or-tied main turns, contested ones first: split judge votes, a person's
     feedback disagreeing with the judges, a large mean |teacher − student| logprob gap. Looks at
     the ``scan`` newest candidates."""
@@ -379,7 +384,8 @@ def queue(db: OrmSession, *, limit: int = 50, scan: int = 2000, gap_threshold: f
         select(Turn.id, Turn.session_id, Turn.created_at, Turn.logprobs, Judgement.status, Judgement.reward,
                Judgement.prm_reward, Judgement.teacher_logprobs)
         .join(Judgement, Judgement.turn_id == Turn.id)
-        .where(*_queue_where())
+        .where(*_queue_where(), *([] if tenant is None else [
+            Turn.session_id.in_(select(Session.id).where(Session.tenant == tenant))]))
         .order_by(Turn.created_at.desc(), Turn.id.desc()).limit(scan)).all()
     ids = [r.id for r in rows]
     votes: dict[str, list[Vote]] = {}

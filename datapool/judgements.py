@@ -131,16 +131,16 @@ def sweep(engine: Engine, *, idle_timeout_s: float, requeue_after_s: float) -> S
 
 
 def record_feedback(db: OrmSession, *, turn_id: str | None, response_id: str | None, value: int | None,
-                    text: str | None) -> tuple[int, str] | None:
+                    text: str | None, tenant: str | None = None) -> tuple[int, str] | None:
     """Store a person's feedback as a vote of its own kind; returns (vote id, turn id), or None
-    when no turn has that id. The turn is then (re)scored: the rating outranks the judges and
-    the text is a hint candidate."""
+    when no turn has that id (or it is not *tenant*'s). The turn is then (re)scored: the rating
+    outranks the judges and the text is a hint candidate."""
     if turn_id is not None:
         turn = db.get(Turn, turn_id)
     else:
         turn = db.scalars(select(Turn).where(Turn.response_id == response_id)
                           .order_by(Turn.created_at).limit(1)).first()
-    if turn is None:
+    if turn is None or db.scalar(select(Session.tenant).where(Session.id == turn.session_id)) != tenant:
         return None
     row = VoteRow(turn_id=turn.id, kind=VoteKind.FEEDBACK, dedupe_key=f"feedback:{uuid.uuid4().hex}", judge="user",
                   vote_index=0, value=value, hint=text, created_at=utcnow())

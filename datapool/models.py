@@ -53,6 +53,8 @@ class Session(Base):
     end_reason: Mapped[str | None] = mapped_column(String(32))
     # the agent the session came from: a client profile's name (gateway.clients), if one matched
     client: Mapped[str | None] = mapped_column(String(32), index=True)
+    # whose traffic it is: the tenant of the client key that opened it; None: no tenant's
+    tenant: Mapped[str | None] = mapped_column(String(64), index=True)
 
     __table_args__ = (Index("ix_sessions_created_at_id", "created_at", "id"),)
 
@@ -79,6 +81,20 @@ COMPLETION_TOKENS_DESC = "((usage ->> 'completion_tokens'::text)::double precisi
 SEARCH_DOCUMENT = ("""(((jsonb_to_tsvector('english'::regconfig, request, '["string"]'::jsonb) || """
                    """jsonb_to_tsvector('english'::regconfig, COALESCE(response, 'null'::jsonb), '["string"]'::jsonb)) || """
                    """jsonb_to_tsvector('english'::regconfig, COALESCE(next_state, 'null'::jsonb), '["string"]'::jsonb)))""")
+
+
+class ApiKey(Base):
+    """A client key issued through the admin API (``/api/tenants/{tenant}/keys``): only its hash is
+    kept. Keys from the settings (``api_keys``, ``tenant_keys``) are not stored here."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the key
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128))
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class Turn(Base):

@@ -23,6 +23,7 @@ class SessionFilter:
     model: str | None = None
     since: datetime | None = None
     until: datetime | None = None
+    tenant: str | None = None  # only this tenant's sessions (gateway.tenants)
 
 
 def encode_cursor(created_at: datetime, session_id: str) -> str:
@@ -53,6 +54,7 @@ def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
         "metadata": s.meta,
         "outcome": s.outcome,
         "outcome_source": s.outcome_source,
+        "tenant": s.tenant,
     }
 
 
@@ -139,6 +141,8 @@ def list_sessions(
     q = select(Session, func.coalesce(counts.c.n, 0)).outerjoin(counts, counts.c.session_id == Session.id)
     if filters.task_id:
         q = q.where(Session.task_id == filters.task_id)
+    if filters.tenant is not None:
+        q = q.where(Session.tenant == filters.tenant)
     if filters.since:
         q = q.where(Session.created_at >= filters.since)
     if filters.until:
@@ -195,10 +199,14 @@ def get_turn(db: OrmSession, turn_id: str) -> dict[str, Any] | None:
     return _judged(db, [t])[0] if t else None
 
 
-def list_judgements(db: OrmSession, *, status: str | None, limit: int) -> list[dict[str, Any]]:
+def list_judgements(db: OrmSession, *, status: str | None, limit: int,
+                    tenant: str | None = None) -> list[dict[str, Any]]:
     q = select(Judgement).order_by(Judgement.updated_at.desc()).limit(limit)
     if status:
         q = q.where(Judgement.status == status)
+    if tenant is not None:
+        q = q.where(Judgement.turn_id.in_(select(Turn.id).join(Session, Session.id == Turn.session_id)
+                                          .where(Session.tenant == tenant)))
     return [{"turn_id": j.turn_id, "status": j.status, "reward": j.reward, "attempts": j.attempts,
              "retries": j.retries, "dead_reason": j.dead_reason, "last_error": j.last_error, "updated_at": iso(j.updated_at)} for j in db.scalars(q)]
 
@@ -273,15 +281,19 @@ def live_rewards(db: OrmSession, version: str, limit: int) -> list[float]:
         .order_by(Turn.created_at.desc()).limit(limit))]
 
 
-def turn_by_response_id(db: OrmSession, response_id: str) -> Turn | None:
-    """The turn whose reply went out under *response_id* (a Responses `resp_...` id, say)."""
-    return db.scalars(select(Turn).where(Turn.response_id == response_id).limit(1)).first()
+def turn_by_response_id(db: OrmSession, response_id: str, tenant: str | None = None) -> Turn | None:
+    """The turn whose reply went out under *response_id* (a Responses `resp_...` id, say), if it
+    is *tenant*'s (None: a turn of no tenant's)."""
+    mine = Session.tenant.is_(None) if tenant is None else Session.tenant == tenant
+    return db.scalars(select(Turn).join(Session, Session.id == Turn.session_id)
+                      .where(Turn.response_id == response_id, mine).limit(1)).first()
 
 
-def conversation_through(db: OrmSession, response_id: str) -> list[dict[str, Any]] | None:
+def conversation_through(db: OrmSession, response_id: str, tenant: str | None = None) -> list[dict[str, Any]] | None:
     """The messages of the turn that answered *response_id*, followed by its reply: what a
-    Responses client's `previous_response_id` continues. None if no such turn (yet)."""
-    t = turn_by_response_id(db, response_id)
+    Responses client's `previous_response_id` continues. None if no such turn (yet), or if it
+    is not *tenant*'s (a tenant continues only its own conversations)."""
+    t = turn_by_response_id(db, response_id, tenant)
     if t is None or not t.response or not t.response.get("choices"):
         return None
     reply = dict(t.response["choices"][0].get("message") or {})

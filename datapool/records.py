@@ -39,6 +39,7 @@ class TurnRecord:
     client: str | None = None  # the client profile that recognised the request (gateway.clients)
     # what redaction replaced (counts per detector) and masked (token positions); None: nothing
     redaction: dict[str, Any] | None = None
+    tenant: str | None = None  # the tenant of the client's key (gateway.tenants); None: no tenant's
 
     def to_json(self) -> dict[str, Any]:
         d = self.__dict__.copy()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, Row, bindparam, delete, insert, or_, select, text, update
+from sqlalchemy import Connection, Row, String, bindparam, delete, insert, inspect, literal, or_, select, text, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import as_utc, chunked, dialect_insert
@@ -279,12 +279,18 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
     turns whose hashes changed)."""
     turns = Turn.__table__
     continuations = TurnContinuation.__table__
+    # a tenant's turns hash with their tenant (tenant_hash); migration 0007 runs this before the
+    # pool has tenants (0014)
+    sessions = Session.__table__
+    tenant = (sessions.c.tenant if "tenant" in {c["name"] for c in inspect(conn).get_columns("sessions")}
+              else literal(None, String).label("tenant"))
     columns = (turns.c.id, turns.c.endpoint, turns.c.status, turns.c.turn_type, turns.c.request,
-               turns.c.response, turns.c.link_hash)
+               turns.c.response, turns.c.link_hash, tenant)
     seen = changed = 0
     last = ""
     while True:
-        rows = conn.execute(select(*columns).where(turns.c.id > last).order_by(turns.c.id).limit(chunk)).all()
+        rows = conn.execute(select(*columns).select_from(turns.join(sessions, sessions.c.id == turns.c.session_id))
+                            .where(turns.c.id > last).order_by(turns.c.id).limit(chunk)).all()
         if not rows:
             return seen, changed
         last = rows[-1].id
@@ -301,8 +307,8 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
                            model="", capture="", request=row.request or {}, turn_type=row.turn_type,
                            response=row.response)
             candidates = link_candidates(r.messages)
-            link = candidates[0][1] if candidates else None
-            fresh = {(c.hash, c.choice_index) for c in continuations_of(r)}
+            link = tenant_hash(row.tenant, candidates[0][1]) if candidates else None
+            fresh = {(tenant_hash(row.tenant, c.hash), c.choice_index) for c in continuations_of(r)}
             if link != row.link_hash:
                 links.append({"b_id": row.id, "b_link": link})
             if fresh != stored.get(row.id, set()):
@@ -328,6 +334,22 @@ class _Prepared(NamedTuple):
     continuations: list[Continuation]  # what a request continuing it starts with
     retries: list[tuple[int, str]]  # retry_candidates of its messages
     system_free: list[tuple[int, str]]  # system_free_candidates of its messages
+
+
+def tenant_hash(tenant: str | None, h: str) -> str:
+    """A stitching hash of a tenant's turn: only the same tenant's requests find it, so the same
+    conversation sent by two tenants never joins one session. Unchanged without a tenant."""
+    return h if tenant is None else hashlib.sha256(f"tenant\x1e{tenant}\x1e{h}".encode()).hexdigest()
+
+
+def _tenant_scoped(p: _Prepared) -> _Prepared:
+    t = p.record.tenant
+    if t is None:
+        return p
+    return _Prepared(p.record, [(i, tenant_hash(t, h)) for i, h in p.candidates],
+                     [c._replace(hash=tenant_hash(t, c.hash)) for c in p.continuations],
+                     [(k, tenant_hash(t, h)) for k, h in p.retries],
+                     [(i, tenant_hash(t, h)) for i, h in p.system_free])
 
 
 @dataclass(eq=False)
@@ -785,6 +807,7 @@ def _session_row(session_id: str, r: TurnRecord, source: str) -> dict[str, Any]:
         "updated_at": r.created_at,
         "metadata": {},
         "client": r.client,
+        "tenant": r.tenant,
     }
 
 
@@ -837,9 +860,9 @@ class Stitcher:
             unique.setdefault(r.id, r)
         stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
-        prepared = [_Prepared(r, link_candidates(r.messages), continuations_of(r),
-                              retry_candidates(r.messages) if r.turn_type == TurnKind.MAIN else [],
-                              system_free_candidates(r.messages)) for r in fresh]
+        prepared = [_tenant_scoped(_Prepared(r, link_candidates(r.messages), continuations_of(r),
+                                             retry_candidates(r.messages) if r.turn_type == TurnKind.MAIN else [],
+                                             system_free_candidates(r.messages))) for r in fresh]
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()

@@ -32,6 +32,7 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 from datapool.errors import NextstateError
 from gateway.errors import OpenAIError
 from gateway.state import gateway_of
+from gateway.tenants import check_tenant_route
 from datapool.settings import Settings
 
 COOKIE = "nextstate_admin"
@@ -46,7 +47,8 @@ class Admin:
 
     name: str
     csrf: str | None  # the session's CSRF token; None for bearer-token requests
-    via: str  # "cookie" | "bearer" | "open"
+    via: str  # "cookie" | "bearer" | "open" | "tenant"
+    tenant: str | None = None  # a tenant's key: only that tenant's data (gateway.tenants)
 
 
 class LoginRequired(NextstateError):
@@ -127,15 +129,14 @@ def _client_key(request: Request) -> str | None:
 
 
 async def require_api_key(request: Request) -> None:
-    """Dependency of the client routes: one of ``api_keys`` as the bearer token, when any is set."""
+    """Dependency of the client routes: a known client key (``api_keys``, a tenant's key) as the
+    bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None)."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    keys = gateway_of(request).settings.api_keys
-    if not keys:
-        return
-    token = _client_key(request) or ""
-    if not any(hmac.compare_digest(token, k) for k in keys):
+    accepted, tenant = await gateway_of(request).keys.lookup(_client_key(request))
+    if not accepted:
         raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")
+    request.state.tenant = tenant
 
 
 async def require_ui(request: Request) -> Admin:
@@ -154,11 +155,17 @@ async def require_ui(request: Request) -> Admin:
 
 async def require_api(request: Request) -> Admin:
     """Dependency of every /api route: the admin token, or the UI's session (with CSRF)."""
-    settings = gateway_of(request).settings
+    gw = gateway_of(request)
+    settings = gw.settings
     token = _bearer(request)
     if token is not None:
         if settings.admin_token and hmac.compare_digest(token.encode(), settings.admin_token.encode()):
             return Admin(name="token", csrf=None, via="bearer")
+        tenant = await gw.keys.tenant_of(token)
+        if tenant is not None:  # a tenant's key: its own data only
+            request.state.admin = Admin(name=f"tenant:{tenant}", csrf=None, via="tenant", tenant=tenant)
+            await check_tenant_route(request, tenant, gw.engine)
+            return request.state.admin
         if configured(settings):
             raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
     admin = read_session(request)

@@ -26,7 +26,9 @@ from datapool.redact import Redactor
 from datapool.settings import Settings
 from gateway.metrics import Metrics
 from gateway.redaction import decoders
+from gateway.tenants import KeyRing
 from gateway.upstream import ActiveVersion, Upstreams
+from gateway.vllm_watch import VLLMWatch, vllm_bases
 
 log = logging.getLogger("nextstate.gateway")
 
@@ -43,9 +45,12 @@ class Gateway:
     writer: CaptureWriter
     metrics: Metrics
     enqueuer: Enqueuer
+    keys: KeyRing
     #: bumped after every read of the alias from the pool (tests wait on it; no timing)
     policy_reads: int = 0
     policy_read: asyncio.Condition | None = None
+    #: each vLLM upstream through its restarts (503 while down, the active version reloaded)
+    vllm_watch: VLLMWatch | None = None
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -120,16 +125,21 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
     metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes)
     metrics.watch_pool(engine)
     metrics.watch_spool_error(lambda: spool.error)
-    gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, policy_read=asyncio.Condition())
+    gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, KeyRing(settings, engine),
+                 policy_read=asyncio.Condition())
+    gw.vllm_watch = VLLMWatch(engine, http, metrics, bases=lambda: vllm_bases(upstreams),
+                              active=lambda: upstreams.active_version)
     writer.start()
     wake = asyncio.Event()
     loop = asyncio.get_running_loop()
     watch = PolicyWatch(engine, lambda: loop.call_soon_threadsafe(wake.set)).start()
     follower = asyncio.create_task(_follow_policy(gw, wake), name="policy-alias")
+    watching = asyncio.create_task(gw.vllm_watch.run(), name="vllm-watch")
     try:
         yield gw
     finally:
         follower.cancel()
+        watching.cancel()
         await asyncio.to_thread(watch.stop)
         await writer.stop()
         await http.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from gateway.api import docs, labels, policy, sessions, turns
+from gateway.api import docs, labels, policy, sessions, tenants, turns
 
 
 def include(app: FastAPI) -> None:
@@ -14,4 +14,5 @@ def include(app: FastAPI) -> None:
     app.include_router(policy.router)
     app.include_router(labels.router)
     app.include_router(turns.router)
+    app.include_router(tenants.router)
     app.include_router(docs.router)

@@ -3,6 +3,7 @@ rest of /api (admin token, or the UI's session + CSRF)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -16,6 +17,7 @@ from gateway.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.protocol import read_model
 from gateway.state import gateway_of
+from gateway.tenants import tenant_of_request
 
 router = APIRouter(prefix="/api", dependencies=[Depends(require_api)])
 
@@ -58,11 +60,14 @@ async def turn_labels(request: Request, turn_id: str) -> dict[str, Any]:
 @router.get("/queue")
 async def annotation_queue(request: Request, limit: int = Query(50, ge=1, le=500)) -> dict[str, Any]:
     """Unlabeled judged turns, contested first (split votes, feedback vs judges, teacher gap)."""
-    items = await in_pool(gateway_of(request).engine, browse.queue, limit=limit)
+    items = await in_pool(gateway_of(request).engine, browse.queue, limit=limit, tenant=tenant_of_request(request))
     return {"data": [i | {"created_at": i["created_at"].isoformat()} for i in items]}
 
 
 @router.get("/export")
 async def export(request: Request, format: str = Query("jsonl", pattern="^(jsonl|parquet)$")) -> StreamingResponse:
     """The turns the filters select (same parameters as the UI's session list), streamed."""
-    return actions.export_response(gateway_of(request), browse.Browse.from_params(request.query_params), format)
+    f = browse.Browse.from_params(request.query_params)
+    if (tenant := tenant_of_request(request)) is not None:
+        f = dataclasses.replace(f, tenant=tenant)
+    return actions.export_response(gateway_of(request), f, format)

@@ -22,6 +22,7 @@ from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import SESSION_ID, OutcomeRequest, SessionTags, SessionUpdate, read_model
 from gateway.state import gateway_of
+from gateway.tenants import tenant_of_request
 
 router = APIRouter(prefix="/api", dependencies=[Depends(require_api)])
 
@@ -55,7 +56,8 @@ async def list_sessions(
             queries.decode_cursor(cursor)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="cursor") from exc
-    filters = queries.SessionFilter(task_id=task_id, capture=capture, model=model, since=since, until=until)
+    filters = queries.SessionFilter(task_id=task_id, capture=capture, model=model, since=since, until=until,
+                                    tenant=tenant_of_request(request))
     page, next_cursor = await _read(request, queries.list_sessions, limit=limit, cursor=cursor, filters=filters)
     return {"data": page, "next_cursor": next_cursor}
 
@@ -112,7 +114,8 @@ async def list_judgements(
     limit: int = Query(100, ge=1, le=1000),
 ) -> dict[str, Any]:
     """Scoring state of turns, newest change first; `status=dead` lists the dead-lettered ones."""
-    return {"data": await _read(request, queries.list_judgements, status=status, limit=limit)}
+    return {"data": await _read(request, queries.list_judgements, status=status, limit=limit,
+                                tenant=tenant_of_request(request))}
 
 
 def _summary(db: OrmSession, session: Session) -> dict[str, Any]:

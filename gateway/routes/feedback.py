@@ -24,7 +24,8 @@ async def feedback(request: Request) -> dict[str, Any]:
     gw = gateway_of(request)
     body = await read_model(request, FeedbackRequest, gw.settings.max_body_bytes)
     stored = await in_pool(gw.engine, record_feedback, write=True, turn_id=body.turn_id,
-                           response_id=body.response_id, value=body.value, text=body.text)
+                           response_id=body.response_id, value=body.value, text=body.text,
+                           tenant=getattr(request.state, "tenant", None))
     if stored is None:
         which = f"turn {body.turn_id!r}" if body.turn_id else f"response {body.response_id!r}"
         raise OpenAIError(404, f"no {which} in the pool (capture is write-behind: retry shortly "

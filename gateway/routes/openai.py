@@ -131,7 +131,7 @@ async def messages(request: Request, session_id: str | None = None) -> Response:
 async def get_response(request: Request, response_id: str, session_id: str | None = None) -> dict[str, Any]:
     """A stored Response, read back from the pool (any replica answers it)."""
     gw = gateway_of(request)
-    t = await in_pool(gw.engine, queries.turn_by_response_id, response_id)
+    t = await in_pool(gw.engine, queries.turn_by_response_id, response_id, getattr(request.state, "tenant", None))
     if t is None or t.response is None:
         raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id")
     usage = t.usage or {}

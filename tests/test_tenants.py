@@ -1,0 +1,181 @@
+"""Tenants, through a real gateway process: client keys map to tenants (settings and the admin
+API), sessions carry their tenant and stay apart (the same session id or the same conversation
+from two tenants never joins one session), and every route, called with one tenant's key on ids
+of its own, of another tenant or made up (hypothesis), answers nothing of another tenant's data.
+The admin token sees everything."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from datapool.settings import Settings
+from tests.openai_upstream import UpstreamProcess
+from tests.processes import GatewayProcess, wait_for
+
+ADMIN_TOKEN = "admin-token-for-tenants"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+CONFIGURED = {"key-acme": "acme", "key-globex": "globex"}
+
+
+class World:
+    """The gateway, each tenant's key, and what each tenant stored (ids and content markers)."""
+
+    def __init__(self, gw: GatewayProcess):
+        self.gw = gw
+        self.keys: dict[str, str] = {key: tenant for key, tenant in CONFIGURED.items()}
+        self.markers: dict[str, str] = {}
+        self.sessions: dict[str, list[str]] = {}
+        self.turns: dict[str, list[str]] = {}
+        self.responses: dict[str, list[str]] = {}
+
+    def key_of(self, tenant: str) -> str:
+        return next(k for k, t in self.keys.items() if t == tenant)
+
+    def secrets_of(self, tenant: str) -> list[str]:
+        """What must never reach another tenant: its marker, session, turn and response ids."""
+        return [self.markers[tenant], *self.sessions[tenant], *self.turns[tenant], *self.responses[tenant]]
+
+
+def _chat(world: World, tenant: str, content: str, session: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {world.key_of(tenant)}"}
+    if session:
+        headers["X-Session-Id"] = session
+    resp = httpx.post(f"{world.gw.base_url}/chat/completions", headers=headers, timeout=60, json={
+        "model": "fixed", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    d = tmp_path_factory.mktemp("tenants")
+    with UpstreamProcess(d / "upstream.log") as upstream:
+        models = d / "models.yaml"
+        models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
+            "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+        gw = GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
+                            env={"NEXTSTATE_ADMIN_TOKEN": ADMIN_TOKEN, "NEXTSTATE_TENANT_KEYS": json.dumps(CONFIGURED)})
+        gw.start(timeout=300)
+        try:
+            w = World(gw)
+            issued = httpx.post(f"{gw.url}/api/tenants/initech/keys", headers=ADMIN, timeout=30)
+            assert issued.status_code == 201, issued.text
+            w.keys[issued.json()["key"]] = "initech"
+            for tenant in ("acme", "globex", "initech"):
+                w.markers[tenant] = f"MARKER-{tenant}-{uuid.uuid4().hex}"
+                turns, responses = [], []
+                # the same explicit session id and the same inferred conversation for every tenant
+                for content, session in ((f"{w.markers[tenant]} first", "shared-session"),
+                                         ("the very same words from everyone", None)):
+                    r = _chat(w, tenant, content, session)
+                    turns.append(r.headers["x-turn-id"])
+                    responses.append(r.json()["id"])
+                w.turns[tenant], w.responses[tenant] = turns, responses
+            httpx.post(f"{gw.url}/api/capture/flush", headers=ADMIN, timeout=60)
+            for tenant in w.markers:
+                wait_for(lambda t=tenant: all(httpx.get(f"{gw.url}/api/turns/{i}", headers=ADMIN, timeout=10)
+                                              .status_code == 200 for i in w.turns[t]), timeout=60)
+                w.sessions[tenant] = sorted({httpx.get(f"{gw.url}/api/turns/{i}", headers=ADMIN, timeout=10)
+                                             .json()["session_id"] for i in w.turns[tenant]})
+            yield w
+        finally:
+            gw.stop()
+
+
+def test_sessions_carry_their_tenant_and_never_mix(world: World) -> None:
+    seen: dict[str, str] = {}
+    for tenant, sessions in world.sessions.items():
+        for sid in sessions:
+            detail = httpx.get(f"{world.gw.url}/api/sessions/{sid}", headers=ADMIN, timeout=10).json()
+            assert detail["tenant"] == tenant
+            assert sid not in seen, f"{tenant} and {seen.get(sid)} share session {sid}"
+            seen[sid] = tenant
+        assert f"{tenant}~shared-session" in sessions
+    everything = httpx.get(f"{world.gw.url}/api/sessions", headers=ADMIN, params={"limit": 500}, timeout=10).json()
+    assert {s["id"] for s in everything["data"]} >= set(seen)  # the admin sees every tenant's
+
+
+def test_a_tenant_key_sees_its_own(world: World) -> None:
+    for tenant in world.markers:
+        headers = {"Authorization": f"Bearer {world.key_of(tenant)}"}
+        listed = httpx.get(f"{world.gw.url}/api/sessions", headers=headers, timeout=10).json()
+        assert sorted(s["id"] for s in listed["data"]) == world.sessions[tenant]
+        exported = httpx.get(f"{world.gw.url}/api/export", headers=headers, timeout=30).text
+        assert world.markers[tenant] in exported and len(exported.splitlines()) == len(world.turns[tenant])
+
+
+def test_a_tenant_cannot_continue_another_tenants_response(world: World) -> None:
+    resp = httpx.post(f"{world.gw.base_url}/responses", headers={"Authorization": f"Bearer {world.key_of('globex')}"},
+                      timeout=30, json={"model": "fixed", "input": "go on",
+                                        "previous_response_id": world.responses["acme"][0]})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_tenant_keys_need_an_admin_credential() -> None:
+    with pytest.raises(ValueError, match="tenant_keys need admin_token"):
+        Settings(tenant_keys={"k": "acme"})
+    with pytest.raises(ValueError, match="tenant name"):
+        Settings(tenant_keys={"k": "no spaces"}, admin_token="t")
+
+
+def _routes(world: World) -> list[tuple[str, str]]:
+    schema = httpx.get(f"{world.gw.url}/openapi.json", headers=ADMIN, timeout=30).json()
+    out = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
+    assert len(out) >= 20 and ("GET", "/api/sessions/{session_id}") in out
+    # the admin UI: a tenant's key is no login
+    return out + [("GET", p) for p in ("/admin/sessions", "/admin/turns", "/admin/sessions/{session_id}",
+                                        "/admin/turns/{turn_id}", "/admin/export.jsonl", "/admin/queue")]
+
+
+BODIES = {"labels": {"kind": "thumb", "value": 1}, "outcome": {"outcome": 1.0},
+          "feedback": {"value": 1}, "sessions": {"end": True}}
+
+
+@pytest.fixture(scope="module")
+def routes(world: World) -> list[tuple[str, str]]:
+    return _routes(world)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(data=st.data())
+def test_no_route_answers_another_tenants_data(world: World, routes: list[tuple[str, str]], data: Any) -> None:
+    caller = data.draw(st.sampled_from(sorted(world.markers)), label="caller")
+    owner = data.draw(st.sampled_from(sorted(world.markers)), label="owner of the ids")
+    method, path = data.draw(st.sampled_from(routes), label="route")
+    ids = {"session_id": data.draw(st.sampled_from(world.sessions[owner] + ["shared-session", uuid.uuid4().hex])),
+           "turn_id": data.draw(st.sampled_from(world.turns[owner] + [uuid.uuid4().hex])),
+           "response_id": data.draw(st.sampled_from(world.responses[owner])),
+           "tenant": owner, "key_id": uuid.uuid4().hex, "name": "x", "fmt": "jsonl"}
+    url = re.sub(r"\{(\w+)\}", lambda m: str(ids.get(m[1], "x")), path)
+    body: dict[str, Any] = next((b for k, b in BODIES.items() if k in path), {})
+    if path.endswith("/feedback"):
+        body = {"value": 1, **data.draw(st.sampled_from([{"turn_id": ids["turn_id"]},
+                                                           {"response_id": ids["response_id"]}]))}
+    if "/v1/" in path and method == "POST" and not path.endswith("/feedback"):
+        return  # the proxy's calls answer from the model, not the pool (continuations: above)
+    resp = httpx.request(method, f"{world.gw.url}{url}", headers={"Authorization": f"Bearer {world.key_of(caller)}"},
+                         json=body if method in ("POST", "PUT", "PATCH") else None,
+                         params={"limit": 500}, timeout=30, follow_redirects=False)
+    assert resp.status_code < 500, (method, url, resp.text[:300])
+    text = resp.text
+    for other in world.markers:
+        if other == caller:
+            continue
+        # an id the caller sent itself may come back (a 404 names it, as for a made-up id)
+        sent = url + json.dumps(body)
+        leaked = [s for s in world.secrets_of(other) if s in text and s not in sent]
+        assert not leaked, (caller, method, url, resp.status_code, leaked)
+    about_ids = "{session_id}" in path or "{turn_id}" in path or path.endswith("/feedback")
+    if caller != owner and about_ids and method in ("POST", "PUT", "PATCH", "DELETE") and resp.status_code < 300:
+        pytest.fail(f"{caller} changed {owner}'s data: {method} {url} -> {resp.status_code} {text[:200]}")
