@@ -26,9 +26,6 @@ from pydantic_settings import (
 from datapool.redact import DEFAULT_CLASSES, parse_classes
 
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
 def loopback(host: str) -> bool:
     """Whether binding *host* reaches this machine only (127.0.0.0/8, ::1, ``localhost``)."""
     if host.strip().lower() == "localhost":
@@ -112,6 +109,41 @@ class SideTurnRule(BaseModel):
         return self
 
 
+class ClientProfile(BaseModel):
+    """A known agent (a rule of ``client_profiles``; docs/clients.md): how to recognise its
+    requests, where it carries its session id, which of its calls are housekeeping, and what it
+    adds to a person's words. Every recognition condition given must hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$",
+                      description="The client's name, stored on its sessions (the admin UI's Client column).")
+    user_agent: re.Pattern[str] | None = Field(default=None, description="Searched in the User-Agent header.")
+    header: str | None = Field(default=None, description="A header its requests carry.")
+    header_pattern: re.Pattern[str] | None = Field(default=None, description="Searched in that header's value.")
+    system_pattern: re.Pattern[str] | None = Field(
+        default=None, description="Searched in the first system (or developer) message.")
+    wire_format: Literal["chat", "completions", "responses", "messages"] | None = Field(
+        default=None, description="The API it speaks (chat completions, completions, responses, messages).")
+    session_keys: list[SessionKey] = Field(
+        default_factory=list, description="Where it carries its session id, tried before `session_keys`.")
+    side_turn_rules: list[SideTurnRule] = Field(
+        default_factory=list, description="Its housekeeping calls, tried before `side_turn_rules`.")
+    skip_text: list[re.Pattern[str]] = Field(
+        default_factory=list,
+        description="What it adds to a person's message (reminders, context blocks, timestamps): removed "
+        "where the admin UI shows a person's words; a user message left empty is skipped.")
+
+    @model_validator(mode="after")
+    def _recognisable(self) -> ClientProfile:
+        if self.header_pattern is not None and self.header is None:
+            raise ValueError(f"client profile {self.name}: `header_pattern` needs `header`")
+        if all(getattr(self, k) is None for k in ("user_agent", "header", "system_pattern")):
+            raise ValueError(f"client profile {self.name}: give `user_agent`, `header` or `system_pattern` "
+                             "to recognise it by")
+        return self
+
+
 # OpenClaw (npm `openclaw`) writes `Runtime: … | sessionId=S | …` into its system prompt; for
 # `openai-completions` providers it moves that line to the end of the first user message.
 OPENCLAW_SESSION_ID = r"(?m)^Runtime: .*?\bsessionId=([A-Za-z0-9][A-Za-z0-9._-]{0,127})(?=\s|\||$)"
@@ -188,13 +220,6 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(
         default=None, description="If set, the admin API requires `Authorization: Bearer <token>`."
     )
-    tenant_keys: dict[str, str] = Field(
-        default_factory=dict,
-        description="Client keys that belong to a tenant: key -> tenant name (letters, digits, . _ -, up to 64). "
-        "A request with one is that tenant's: its sessions carry the tenant, and the same key as the "
-        "bearer token of /api sees only that tenant's data. Needs admin_token or admin_password. A JSON "
-        "object in the environment; POST /api/tenants/{tenant}/keys issues more. See docs/security.md.",
-    )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body accepted.")
     session_keys: list[SessionKey] = Field(
         default_factory=lambda: list(DEFAULT_SESSION_KEYS),
@@ -211,6 +236,19 @@ class Settings(BaseSettings):
         "`header_pattern`, `system_pattern`, `user_pattern`, `user_messages`, `tools`). A JSON list "
         "in the environment; `[]` turns them off. Default: OpenClaw's compaction call. See "
         "docs/sessions.md.",
+    )
+    client_profiles: list[ClientProfile] = Field(
+        default_factory=list,
+        description="Your own agents' profiles (name, how to recognise it: `user_agent`, `header`, "
+        "`system_pattern`, `wire_format`; its `session_keys`, `side_turn_rules`, `skip_text`), tried before "
+        "the built-in ones (Claude Code, Codex CLI, OpenClaw, ...); one named like a built-in replaces it. "
+        "A JSON list in the environment. See docs/clients.md.",
+    )
+    fit_output_budget: bool = Field(
+        default=True,
+        description="Lower a request's max_tokens / max_output_tokens / max_completion_tokens to what its "
+        "prompt leaves of the served model's context (vLLM's max_model_len), instead of letting vLLM refuse "
+        "it; the turn records both, the reply says so in X-Output-Budget. See docs/clients.md.",
     )
     upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
     upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
@@ -375,21 +413,6 @@ class Settings(BaseSettings):
             except re.error as exc:
                 raise ValueError(f"redaction pattern {name}: {exc}") from exc
         return value
-
-    @field_validator("tenant_keys")
-    @classmethod
-    def _tenant_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for tenant in value.values():
-            if not TENANT_NAME.match(tenant):
-                raise ValueError(f"tenant name {tenant!r}: use 1-64 letters, digits, . _ - (a letter or digit first)")
-        return value
-
-    @model_validator(mode="after")
-    def _tenants_need_an_admin(self) -> Settings:
-        if self.tenant_keys and not (self.admin_token or self.admin_password):
-            raise ValueError("tenant_keys need admin_token or admin_password: with the admin API open, any "
-                             "tenant could read every other's data")
-        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod

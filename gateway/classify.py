@@ -40,7 +40,8 @@ def message_text(message: Any) -> str:
     return ""
 
 
-def _first(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
+def first_message(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
+    """The first message of one of *roles*."""
     if not isinstance(messages, list):
         return None
     return next((m for m in messages if isinstance(m, dict) and m.get("role") in roles), None)
@@ -55,7 +56,7 @@ def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any])
         metadata = body.get("metadata")
         value = metadata.get(key.name) if isinstance(metadata, dict) else None
     else:
-        message = _first(body.get("messages"), _SYSTEM_ROLES if key.source == "system" else ("user",))
+        message = first_message(body.get("messages"), _SYSTEM_ROLES if key.source == "system" else ("user",))
         value = message_text(message) if message is not None else None
     return value if isinstance(value, str) else None
 
@@ -111,7 +112,7 @@ def _matches(rule: SideTurnRule, headers: Mapping[str, str], body: dict[str, Any
     if rule.user_pattern is not None and not (users and rule.user_pattern.search(message_text(users[0]))):
         return False
     if rule.system_pattern is not None:
-        system = _first(messages, _SYSTEM_ROLES)
+        system = first_message(messages, _SYSTEM_ROLES)
         if system is None or not rule.system_pattern.search(message_text(system)):
             return False
     return True

@@ -27,9 +27,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
+from datapool.settings import ClientProfile
 from datapool.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
+from gateway.budget import HEADER as BUDGET_HEADER
+from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
+from gateway.clients import profiles, recognise
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
 from gateway.formats import (
     SENT_ARGUMENTS,
@@ -58,7 +62,6 @@ from gateway.recording import (
     white_box_body,
 )
 from gateway.state import Gateway, gateway_of
-from gateway.tenants import scoped_session_id
 from gateway.upstream import Target
 
 
@@ -120,22 +123,25 @@ class ProxyFastPath:
         await response(scope, receive, send)
 
 
-def _session(request: Request, path_session: str | None, body: dict[str, Any]) -> tuple[str | None, str | None]:
-    return session_of(request.headers, body, path_session, gateway_of(request).settings.session_keys)
+def _session(request: Request, path_session: str | None, body: dict[str, Any],
+             client: ClientProfile | None) -> tuple[str | None, str | None]:
+    keys = gateway_of(request).settings.session_keys
+    return session_of(request.headers, body, path_session, [*client.session_keys, *keys] if client else keys)
 
 
-def _turn_type(request: Request, body: dict[str, Any]) -> str:
-    return turn_kind_of(request.headers, body, gateway_of(request).settings.side_turn_rules)
+def _turn_type(request: Request, body: dict[str, Any], client: ClientProfile | None) -> str:
+    rules = gateway_of(request).settings.side_turn_rules
+    return turn_kind_of(request.headers, body, [*client.side_turn_rules, *rules] if client else rules)
 
 
-async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> list[dict[str, Any]]:
-    """The conversation a Responses `previous_response_id` continues, from the pool (the tenant's own)."""
+async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]:
+    """The conversation a Responses `previous_response_id` continues, from the pool."""
     if not response_id:
         return []
-    found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
+    found = await in_pool(gw.engine, queries.conversation_through, response_id)
     if found is None:
         await gw.writer.flushed()  # this replica may have answered it a moment ago
-        found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
+        found = await in_pool(gw.engine, queries.conversation_through, response_id)
     if found is None:
         raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
                           code="previous_response_not_found", param="previous_response_id")
@@ -161,12 +167,11 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
 async def proxy(request: Request, fmt: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
-    tenant = getattr(request.state, "tenant", None)
     raw = await read_body(request, gw.settings.max_body_bytes)
     reply: Reply | None = None
     if fmt == WireFormat.RESPONSES:
         asked = parse_body(raw, ResponsesRequest)
-        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id"), tenant))
+        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id")))
         reply = ResponsesReply(asked["model"], asked)
     elif fmt == WireFormat.MESSAGES:
         asked = parse_body(raw, MessagesRequest)
@@ -175,9 +180,9 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     else:
         body = parse_body(raw, _SCHEMAS[fmt])
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
-    session_id, source = _session(request, path_session, body)
-    session_id = scoped_session_id(tenant, session_id)  # a tenant's sessions are its own
-    turn_type = _turn_type(request, body)
+    client = recognise(profiles(gw.settings), request.headers, body, fmt)
+    session_id, source = _session(request, path_session, body, client)
+    turn_type = _turn_type(request, body, client)
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
         id=uuid.uuid4().hex,
@@ -196,13 +201,19 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
         upstream_model=target.served_name,
         policy_version=target.policy_version,
         wire_format=fmt,
-        tenant=tenant,
+        client=client.name if client else None,
     )
     if reply is not None and asked.get("previous_response_id"):
         record.request["params"]["previous_response_id"] = asked["previous_response_id"]
     headers = {"X-Turn-Id": record.id}
     if session_id:
         headers["X-Session-Id"] = session_id
+    if target.white_box and target.api_base and gw.settings.fit_output_budget:
+        budget = await fit_budget(gw.http, body, api_base=target.api_base, served_name=target.served_name,
+                                  api_key=target.api_key)
+        if budget is not None:
+            record.request["output_budget"] = budget.record()
+            headers[BUDGET_HEADER] = budget.header()
     call = _Call(gw, endpoint, body, target, record, started, headers, reply)
     if target.white_box:
         return await call.vllm()
