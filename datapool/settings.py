@@ -26,6 +26,9 @@ from pydantic_settings import (
 from datapool.redact import DEFAULT_CLASSES, parse_classes
 
 
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
 def loopback(host: str) -> bool:
     """Whether binding *host* reaches this machine only (127.0.0.0/8, ::1, ``localhost``)."""
     if host.strip().lower() == "localhost":
@@ -220,6 +223,13 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(
         default=None, description="If set, the admin API requires `Authorization: Bearer <token>`."
     )
+    tenant_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="Client keys that belong to a tenant: key -> tenant name (letters, digits, . _ -, up to 64). "
+        "A request with one is that tenant's: its sessions carry the tenant, and the same key as the "
+        "bearer token of /api sees only that tenant's data. Needs admin_token or admin_password. A JSON "
+        "object in the environment; POST /api/tenants/{tenant}/keys issues more. See docs/security.md.",
+    )
     max_body_bytes: int = Field(default=8 * 1024 * 1024, description="Largest request body accepted.")
     session_keys: list[SessionKey] = Field(
         default_factory=lambda: list(DEFAULT_SESSION_KEYS),
@@ -413,6 +423,21 @@ class Settings(BaseSettings):
             except re.error as exc:
                 raise ValueError(f"redaction pattern {name}: {exc}") from exc
         return value
+
+    @field_validator("tenant_keys")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for tenant in value.values():
+            if not TENANT_NAME.match(tenant):
+                raise ValueError(f"tenant name {tenant!r}: use 1-64 letters, digits, . _ - (a letter or digit first)")
+        return value
+
+    @model_validator(mode="after")
+    def _tenants_need_an_admin(self) -> Settings:
+        if self.tenant_keys and not (self.admin_token or self.admin_password):
+            raise ValueError("tenant_keys need admin_token or admin_password: with the admin API open, any "
+                             "tenant could read every other's data")
+        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -62,6 +62,7 @@ from gateway.recording import (
     white_box_body,
 )
 from gateway.state import Gateway, gateway_of
+from gateway.tenants import scoped_session_id
 from gateway.upstream import Target
 
 
@@ -134,14 +135,14 @@ def _turn_type(request: Request, body: dict[str, Any], client: ClientProfile | N
     return turn_kind_of(request.headers, body, [*client.side_turn_rules, *rules] if client else rules)
 
 
-async def _history(gw: Gateway, response_id: str | None) -> list[dict[str, Any]]:
-    """The conversation a Responses `previous_response_id` continues, from the pool."""
+async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> list[dict[str, Any]]:
+    """The conversation a Responses `previous_response_id` continues, from the pool (the tenant's own)."""
     if not response_id:
         return []
-    found = await in_pool(gw.engine, queries.conversation_through, response_id)
+    found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
     if found is None:
         await gw.writer.flushed()  # this replica may have answered it a moment ago
-        found = await in_pool(gw.engine, queries.conversation_through, response_id)
+        found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
     if found is None:
         raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
                           code="previous_response_not_found", param="previous_response_id")
@@ -167,11 +168,12 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
 async def proxy(request: Request, fmt: str, path_session: str | None) -> Response:
     gw = gateway_of(request)
     started = time.perf_counter()
+    tenant = getattr(request.state, "tenant", None)
     raw = await read_body(request, gw.settings.max_body_bytes)
     reply: Reply | None = None
     if fmt == WireFormat.RESPONSES:
         asked = parse_body(raw, ResponsesRequest)
-        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id")))
+        body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id"), tenant))
         reply = ResponsesReply(asked["model"], asked)
     elif fmt == WireFormat.MESSAGES:
         asked = parse_body(raw, MessagesRequest)
@@ -182,6 +184,7 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
     client = recognise(profiles(gw.settings), request.headers, body, fmt)
     session_id, source = _session(request, path_session, body, client)
+    session_id = scoped_session_id(tenant, session_id)  # a tenant's sessions are its own
     turn_type = _turn_type(request, body, client)
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
@@ -201,6 +204,7 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
         upstream_model=target.served_name,
         policy_version=target.policy_version,
         wire_format=fmt,
+        tenant=tenant,
         client=client.name if client else None,
     )
     if reply is not None and asked.get("previous_response_id"):
