@@ -51,6 +51,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gateway.redaction import AGENT_BODY  # noqa: E402
 from tests.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
 
 LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
@@ -245,6 +246,11 @@ def _pg_and_redis(stack: ExitStack) -> tuple[str, str]:
     return url, redis
 
 
+# --redaction's request (benchmarks/gateway/redaction.py): an agent's turn holding a key, an e-mail
+# address and a card number, its last message new in every request
+REDACT_ROWS = {"nextstate redact=none": "none", "nextstate redact=secrets": "secrets", "nextstate redact=all": "all"}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(), "args": vars(args),
                                "rows": {}, "notes": []}
@@ -283,7 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["notes"].append(f"vLLM at {args.vllm_url} not reachable: no vLLM row")
         models.write_text(yaml.safe_dump({"model_list": model_list, "policy_model": "fixed"}))
         worker = WorkerProcess(work / "worker", database_url=database_url, broker_url=broker, env=env)
-        gw = GatewayProcess(work / "gw", database_url=database_url, model_list=models, env=env)
+        gw = GatewayProcess(work / "gw", database_url=database_url, model_list=models,
+                            env={**env, "NEXTSTATE_REDACT": "none"} if args.redaction else env)
         gw.args = _pinned(proxy_cpu, gw.args)
         worker.start()
         stack.callback(worker.stop)
@@ -291,6 +298,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(gw.stop)
         rows: dict[str, tuple[str, int]] = {"direct": (upstream_url, upstream.pid),
                                             "nextstate": (gw.base_url, gw.proc.pid)}  # type: ignore[union-attr]
+        extra: dict[str, Any] | None = None
+        if args.redaction:
+            # the same gateway three times, on the same core, one at a time: redaction off, the
+            # default (secrets) and every class
+            extra = AGENT_BODY
+            rows = {"direct": rows["direct"], "nextstate redact=none": rows["nextstate"]}
+            for name, classes in REDACT_ROWS.items():
+                if classes == "none":
+                    continue
+                other = GatewayProcess(work / f"gw-{classes}", database_url=database_url, model_list=models,
+                                       env={**env, "NEXTSTATE_REDACT": classes})
+                other.args = _pinned(proxy_cpu, other.args)
+                other.start()
+                stack.callback(other.stop)
+                rows[name] = (other.base_url, other.proc.pid)  # type: ignore[union-attr]
         # the same gateway spoken to in the other wire formats (translated to chat upstream)
         fmt_of: dict[str, str] = {}
         for fmt in filter(None, args.formats.split(",")):
@@ -322,7 +344,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             mode = "stream" if stream else "whole"
             for name, (url, pid) in rows.items():
                 c0 = cpu_seconds(pid)
-                r = load(url, stream=stream, rate=args.rate, duration=args.duration, fmt=fmt_of.get(name, "chat"))
+                r = load(url, stream=stream, rate=args.rate, duration=args.duration, fmt=fmt_of.get(name, "chat"),
+                         extra=extra)
                 cpu = cpu_seconds(pid) - c0
                 entry = results["rows"].setdefault(name, {}).setdefault(mode, {})
                 entry["fixed_rate"] = _summary(r) | {"cpu_s_per_1k": cpu / max(r["ok"], 1) * 1000,
@@ -333,7 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       f"total p50 {entry['fixed_rate']['total_p50']:.2f} ms", file=sys.stderr, flush=True)
             for name, (url, pid) in rows.items():
                 r = load(url, stream=stream, concurrency=args.concurrency, duration=args.sat_duration,
-                         latencies=False, fmt=fmt_of.get(name, "chat"))
+                         latencies=False, fmt=fmt_of.get(name, "chat"), extra=extra)
                 results["rows"][name][mode]["saturation_rps"] = r["ok"] / r["elapsed_s"]
                 results["rows"][name][mode]["saturation_errors"] = r["errors"]
                 if name.startswith("nextstate"):
@@ -343,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         # memory after many requests (half whole, half streamed), for each proxy
         for name, (url, pid) in rows.items():
-            if name in ("direct", "asgi-floor") or name in fmt_of:
+            if name in ("direct", "asgi-floor") or name in fmt_of or args.redaction:
                 continue
             mem = [rss_mib(pid)]
             half = args.leak_requests // 2
@@ -380,6 +403,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except AssertionError:
             stored = _pool_turns(database_url)
         results["capture"] = {"requests_sent": sent_to_gateway, "turns_stored": stored}
+        if args.redaction:
+            results["redactions"] = {
+                name: {line.split('"')[1]: float(line.split()[-1])
+                       for line in httpx.get(f"{url.removesuffix('/v1')}/metrics", timeout=10).text.splitlines()
+                       if line.startswith("nextstate_redactions_total{")}
+                for name, (url, _) in rows.items() if name in REDACT_ROWS}
         metrics = httpx.get(f"{gw.url}/metrics", timeout=10).text
         for key, metric in (("spool_records", "nextstate_spool_records "),
                             ("queue_depth", "nextstate_capture_queue_depth ")):
@@ -420,7 +449,8 @@ def _summary(r: dict[str, Any]) -> dict[str, Any]:
 def table(results: dict[str, Any]) -> str:
     rows = results["rows"]
     out = []
-    hdr = (f"{'row':<20}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
+    w = max([20, *(len(n) + 1 for n in rows)])
+    hdr = (f"{'row':<{w}}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
            f"{'added total p50/p95/p99':>26}{'added TTFT p50/p99':>20}{'sat RPS':>9}{'CPU s/1k':>9}")
     out.append(hdr)
     out.append("-" * len(hdr))
@@ -435,7 +465,7 @@ def table(results: dict[str, Any]) -> str:
             ref = vbase if name.startswith("vllm") else base
             errs = sum(f["errors"].values())
             okerr = f"{f['ok']}/{errs}"
-            line = (f"{name:<20}{mode:<7}{okerr:>10}"
+            line = (f"{name:<{w}}{mode:<7}{okerr:>10}"
                     f"{f['ttft_p50']:>10.2f}/{f['ttft_p95']:>6.2f}/{f['ttft_p99']:>6.2f}"
                     f"{f['total_p50']:>10.2f}/{f['total_p95']:>6.2f}/{f['total_p99']:>6.2f}")
             if ref is not None and name not in ("direct", "vllm direct", "vllm direct+ids"):
@@ -455,6 +485,20 @@ def table(results: dict[str, Any]) -> str:
             m = row["memory_mib"]
             out.append(f"memory {name}: RSS {' -> '.join(f'{x:.1f}' for x in m)} MiB "
                        f"(start, after {results['args']['leak_requests'] // 2} whole, after as many streamed)")
+    off = rows.get("nextstate redact=none", {})
+    for name in ("nextstate redact=secrets", "nextstate redact=all"):
+        on = rows.get(name, {})
+        for mode in ("whole", "stream"):
+            if mode in on and mode in off and mode in rows.get("direct", {}):
+                d = rows["direct"][mode]["fixed_rate"]
+                a, b = on[mode]["fixed_rate"], off[mode]["fixed_rate"]
+                added = [(a[f"total_p{q}"] - d[f"total_p{q}"]) / (b[f"total_p{q}"] - d[f"total_p{q}"]) for q in (50, 99)]
+                out.append(f"redaction {name.split('=')[1]} / off ({mode}, {results['args']['rate']:.0f} RPS): added "
+                           f"latency p50 {added[0]:.2f}x, p99 {added[1]:.2f}x; CPU s/1k "
+                           f"{a['cpu_s_per_1k'] / b['cpu_s_per_1k']:.2f}x; saturation RPS "
+                           f"{on[mode]['saturation_rps'] / off[mode]['saturation_rps']:.2f}x")
+    if results.get("redactions"):
+        out.append(f"redactions counted (/metrics): {results['redactions']}")
     ns, ll = rows.get("nextstate", {}), rows.get("litellm-proxy", {})
     for mode in ("whole", "stream"):
         if mode in ns and mode in ll:
@@ -497,7 +541,14 @@ def main() -> None:
     ap.add_argument("--vllm-model", default="smollm2")
     ap.add_argument("--vllm-rate", type=float, default=2)
     ap.add_argument("--vllm-duration", type=float, default=10)
+    ap.add_argument("--redaction", action="store_true",
+                    help="measure redaction instead: gateways with NEXTSTATE_REDACT=none, secrets (the default) "
+                         "and all, side by side on the same core, sent an agent's turn with a key, an e-mail "
+                         "address and a card number, its last message new in every request; implies "
+                         "--skip-litellm --no-floor --formats '' --vllm-url '' and no memory check")
     args = ap.parse_args()
+    if args.redaction:
+        args.skip_litellm, args.floor, args.litellm_db, args.formats, args.vllm_url = True, False, False, "", ""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started on the way out
     results = run(args)

@@ -35,6 +35,9 @@ FORMATS = {
 }
 
 
+UNIQUE = b"@@N@@"
+
+
 def _body(model: str, stream: bool, extra: dict[str, Any], fmt: str = "chat") -> bytes:
     body = FORMATS[fmt][1](model) | {"stream": stream} | extra
     return json.dumps(body).encode()
@@ -44,14 +47,21 @@ class Run:
     def __init__(self, url: str, payload: bytes, headers: dict[str, str]):
         self.url = url
         self.payload = payload
+        # UNIQUE in the body becomes a counter: each request's text differs (nothing cached)
+        self.unique = UNIQUE in payload
+        self.sent = 0
         self.headers = {"content-type": "application/json", **headers}
         self.ttft: list[float] = []
         self.total: list[float] = []
         self.errors: dict[str, int] = {}
 
     async def one(self, session: aiohttp.ClientSession, start: float) -> None:
+        payload = self.payload
+        if self.unique:
+            self.sent += 1
+            payload = payload.replace(UNIQUE, str(self.sent).encode())
         try:
-            async with session.post(self.url, data=self.payload, headers=self.headers) as resp:
+            async with session.post(self.url, data=payload, headers=self.headers) as resp:
                 first = None
                 async for _ in resp.content.iter_any():
                     if first is None:
@@ -126,7 +136,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--api-key")
-    ap.add_argument("--extra", help="JSON object merged into the request body")
+    ap.add_argument("--extra", help="JSON object merged into the request body; @@N@@ in it becomes a "
+                                    "counter, so that every request's text differs")
     ap.add_argument("--no-latencies", dest="latencies", action="store_false")
     args = ap.parse_args()
     try:
