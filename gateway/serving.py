@@ -64,6 +64,7 @@ from gateway.recording import (
 from gateway.state import Gateway, gateway_of
 from gateway.tenants import scoped_session_id
 from gateway.upstream import Target
+from gateway.vllm_watch import unavailable
 
 
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
@@ -285,10 +286,22 @@ class _Call:
         auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
         payload = white_box_body(self.endpoint, self.body, t.served_name)
         data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        watch = self.gw.vllm_watch
+        try:
+            if watch is not None:
+                watch.refuse(t.api_base, t.served_name, t.group)
+        except OpenAIError as err:
+            raise self._fail(err.status, err.message, error=err) from None
         try:
             resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
         except TimeoutError as exc:
             raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            # gone (died, restarting): the client is told when to come back
+            if watch is not None and isinstance(exc, aiohttp.ClientConnectorError):
+                watch.mark_down(t.api_base)
+            err = unavailable(t.group, f"is unreachable ({type(exc).__name__})")
+            raise self._fail(err.status, err.message, error=err) from exc
         except aiohttp.ClientError as exc:
             raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
         self._observe_upstream()
@@ -337,6 +350,14 @@ class _Call:
         except ValueError:
             upstream = raw.decode(errors="replace")[:2000]
         fallback = f"upstream {self.target.group} answered HTTP {resp.status}"
+        active = self.gw.upstreams.active_version
+        if (resp.status == 404 and self.gw.vllm_watch is not None and active is not None and not active.full
+                and self.target.served_name == active.name):
+            # a restarted vLLM that has not got the active version yet: the watch loads it
+            self.gw.vllm_watch.mark_loading(self.target.api_base)
+            err = unavailable(self.target.group, f"restarted and is loading the active version {active.name}")
+            err = self._fail(err.status, err.message, upstream=upstream, error=err)
+            return err.response() if self.reply is None else error_response(err, self.label)
         # a 4xx is about the request: its status and message go back in OpenAI's shape (a prompt
         # over the context window as `context_length_exceeded`); a 5xx is the upstream's failure
         if resp.status < 500:

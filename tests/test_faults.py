@@ -275,7 +275,8 @@ def test_upstream_dying_mid_stream(pg_url: str, upstream: UpstreamProcess, tmp_p
         assert stored["response"]["content"] == "Hello! How"
 
         down = http.post(f"{gw.base_url}/chat/completions", json=_body(0))
-        assert down.status_code == 502 and down.json()["error"]["type"] == "upstream_error"
+        assert down.status_code == 503 and down.json()["error"]["type"] == "service_unavailable"
+        assert down.json()["error"]["code"] == "upstream_unavailable" and down.headers["retry-after"] == "2"
         upstream.start()
         assert _post(http, gw, _body(2))
         assert _post(http, gw, _body(3))

@@ -80,7 +80,7 @@ def test_error_cases_speak_openai_and_store_nothing_half_written(error_gateway: 
     assert "x-turn-id" not in httpx.post(url, json=ok | {"model": "gpt-17"}, timeout=10).headers
     turn_ids = []
     r = httpx.post(url, json=ok | {"model": "down"}, timeout=10)
-    assert "unreachable" in _error(r, 502)["message"]
+    assert "unreachable" in _error(r, 503)["message"] and r.headers["retry-after"] == "2"
     turn_ids.append(r.headers["x-turn-id"])  # a recorded call names its error turn
     r = httpx.post(url, json=ok | {"model": "slow"}, timeout=10)
     assert "timed out" in _error(r, 504)["message"]

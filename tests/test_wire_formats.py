@@ -391,9 +391,11 @@ def test_upstream_down_is_anthropics_overloaded_error(tmp_path: Any) -> None:
                 model="smollm2", max_tokens=4, messages=hi)  # type: ignore[arg-type]
         assert exc.value.status_code == 529
         assert exc.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+        assert exc.value.response.headers["retry-after"] == "2"
         r = httpx.post(f"{gw.url}/v1/responses", json={"model": "smollm2", "input": "hi"},
                        headers={"Authorization": f"Bearer {key}"})
-        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert r.headers["retry-after"] == "2"
 
 
 # --- black-box upstreams ------------------------------------------------------------------------

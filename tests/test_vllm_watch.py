@@ -1,0 +1,50 @@
+"""A vLLM upstream that dies and comes back, seen from a real gateway: requests get 503 with
+Retry-After in the client's dialect and are recorded as error turns, /readyz and /metrics say
+so, and the next request after the restart is served (the LoRA reload into a restarted real
+vLLM is measured by benchmarks/chaos.py and tests/test_up.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.openai_upstream import UpstreamProcess
+from tests.processes import GatewayProcess, wait_for
+
+
+def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_path: Path) -> None:
+    upstream = UpstreamProcess(tmp_path / "upstream.log").start()
+    try:
+        with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                            upstream_url=upstream.base_url) as gw, httpx.Client(timeout=30) as http:
+            chat = {"model": "fixed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
+            upstream.stop()
+            r = http.post(f"{gw.base_url}/chat/completions", json=chat)
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert r.json()["error"]["code"] == "upstream_unavailable"
+            turn = wait_for(lambda: (t := http.get(f"{gw.url}/api/turns/{r.headers['x-turn-id']}")).status_code
+                            == 200 and t.json())
+            assert turn["status"] == "error" and turn["error"]["status"] == 503
+            r = http.post(f"{gw.base_url}/responses", json={"model": "fixed", "input": "hi"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["type"] == "service_unavailable"
+            r = http.post(f"{gw.base_url}/messages", json={"model": "fixed", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 529 and r.headers["retry-after"] == "2"
+            assert r.json() == {"type": "error", "error": {"type": "overloaded_error",
+                                                          "message": r.json()["error"]["message"]}}
+            ready = http.get(f"{gw.url}/readyz")
+            assert ready.status_code == 503
+            assert "nextstate_upstream_up{upstream=" in http.get(f"{gw.url}/metrics").text
+
+            upstream.start()
+            wait_for(lambda: http.get(f"{gw.url}/readyz").status_code == 200, timeout=30)
+            assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
+            metrics = http.get(f"{gw.url}/metrics").text
+            base = upstream.base_url
+            assert f'nextstate_upstream_up{{upstream="{base}"}} 1.0' in metrics
+            assert f'nextstate_upstream_restarts_total{{upstream="{base}"}} 1.0' in metrics
+    finally:
+        upstream.stop()
