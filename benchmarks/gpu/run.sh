@@ -4,6 +4,7 @@
 # cuda), then the publish-under-load check and/or the learning benchmark.
 #
 #   benchmarks/gpu/run.sh publish|learn|all|up [bench.py args...]     (up: only start vLLM)
+#   benchmarks/gpu/run.sh chaos [chaos.py args...]     (kill -9 of a supervised vLLM under load: benchmarks/chaos.py)
 #       (learn on a lease that may end first: pass --deadline-min N, so that the jobs still running at
 #       N minutes are stopped and reported up to their last checkpoint)
 #   benchmarks/gpu/run.sh shape2 [shape2.py args...]   (2 GPUs: vLLM on GPU 0 in dev mode, the
@@ -33,9 +34,16 @@ if [ "$what" = shape2 ]; then
   dev() { python3 -c "import urllib.request,sys; urllib.request.urlopen(sys.argv[1], timeout=2)" "http://127.0.0.1:$port/is_paused" >/dev/null 2>&1; }
   if up && ! dev; then
     log "vLLM on $url has no dev mode: restarting it"
-    kill "$(cat $pidf)" 2>/dev/null
+    kill -- -"$(cat $pidf)" 2>/dev/null
     for _ in $(seq 60); do up || break; sleep 1; done; sleep 3
   fi
+fi
+if [ "$what" = chaos ]; then
+  # its own vLLM (nextstate's supervisor restarts it) on a free port, beside any shared one
+  log "chaos $*"
+  python3 benchmarks/chaos.py --vllm-python "$(command -v python3)" --model-dir $model --out "$out/chaos.json" "$@" \
+    2>&1 | tee "$out/chaos.log" | grep -v "^INFO\|Loading weights" | tail -40
+  exit "${PIPESTATUS[0]}"
 fi
 if ! up; then
   log "starting vLLM $(python3 -c 'import vllm; print(vllm.__version__)') on $url (eager; log $vlog)"
@@ -55,7 +63,20 @@ if ! up; then
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
   [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")
-  setsid nohup env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
+  # supervised as `nextstate vllm serve` is: a vLLM that dies is started again after 1, 2, 4 ... 30 s,
+  # at most VLLM_RESTARTS (5) times in a row (one that served 2 minutes starts the count again); the
+  # jobs' gateways and online trainers load their active versions into the new server. The pid
+  # file holds the supervisor's, which leads the process group (kill -- -PID stops both).
+  setsid nohup bash -c 'limit=$1; shift; n=0
+    while :; do
+      t=$(date +%s); "$@"; rc=$?
+      [ $(( $(date +%s) - t )) -ge 120 ] && n=0
+      n=$((n + 1))
+      [ $n -gt "$limit" ] && { echo "[supervisor] vLLM exited ($rc); gave up after $limit restarts in a row"; exit "$rc"; }
+      d=$(( 1 << (n - 1) )); [ $d -gt 30 ] && d=30
+      echo "[supervisor] vLLM exited ($rc); restarting in $d s ($n/$limit)"; sleep $d
+    done' vllm-supervisor "${VLLM_RESTARTS:-5}" \
+    env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
     "${lora[@]}" \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &

