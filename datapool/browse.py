@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -61,6 +61,7 @@ class Browse:
     until: datetime | None = None
     task_id: str | None = None
     wire_format: str | None = None  # the API the client spoke (chat, completions, responses, messages)
+    client: str | None = None  # the agent the session came from (a client profile's name)
     tenant: str | None = None  # only this tenant's sessions (gateway.tenants)
 
     @classmethod
@@ -178,6 +179,8 @@ def session_conditions(f: Browse) -> list[ColumnElement[bool]]:
         conds.append(Session.mode == f.mode)
     if f.task_id:
         conds.append(Session.task_id == f.task_id)
+    if f.client:
+        conds.append(Session.client == f.client)
     if f.tenant is not None:
         conds.append(Session.tenant == f.tenant)
     if f.since:
@@ -195,18 +198,23 @@ def _session_where(db: OrmSession, f: Browse) -> list[ColumnElement[bool]]:
     return conds
 
 
-def sessions_page(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
+# (client, messages) -> the first words a person said, without what the agent added (gateway.clients)
+Words = Callable[[str | None, list[dict[str, Any]]], str]
+
+
+def sessions_page(db: OrmSession, f: Browse, *, limit: int, cursor: str | None, words: Words | None = None
                   ) -> tuple[list[dict[str, Any]], str | None]:
     """Matching sessions, newest first, with a summary each; and the next page's cursor."""
-    page, next_cursor, _ = sessions_window(db, f, limit=limit, cursor=cursor)
+    page, next_cursor, _ = sessions_window(db, f, limit=limit, cursor=cursor, words=words)
     return page, next_cursor
 
 
-def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None = None, before: str | None = None
-                    ) -> tuple[list[dict[str, Any]], str | None, str | None]:
+def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None = None, before: str | None = None,
+                    words: Words | None = None) -> tuple[list[dict[str, Any]], str | None, str | None]:
     """A page of matching sessions, newest first: those older than ``cursor``, or (``before``)
     the ``limit`` sessions just newer than that key. Returns the page, the cursor of the older
-    page and the ``before`` key of the newer page (None where there is none)."""
+    page and the ``before`` key of the newer page (None where there is none). *words* gives each
+    session's preview (default: its first user message as sent)."""
     q = select(Session).where(*_session_where(db, f))
     if before:
         at, sid = decode_cursor(before)
@@ -215,7 +223,7 @@ def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
         page = list(reversed(rows[:limit]))
         newer = encode_cursor(page[0].created_at, page[0].id) if len(rows) > limit else None
         older = encode_cursor(page[-1].created_at, page[-1].id) if page else None
-        return _summaries(db, page), older, newer
+        return _summaries(db, page, words), older, newer
     if cursor:
         at, sid = decode_cursor(cursor)
         q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
@@ -223,7 +231,7 @@ def sessions_window(db: OrmSession, f: Browse, *, limit: int, cursor: str | None
     page = rows[:limit]
     older = encode_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
     newer = encode_cursor(page[0].created_at, page[0].id) if cursor and page else (cursor if cursor else None)
-    return _summaries(db, page), older, newer
+    return _summaries(db, page, words), older, newer
 
 
 def _preview(messages: list[dict[str, Any]]) -> str:
@@ -231,6 +239,11 @@ def _preview(messages: list[dict[str, Any]]) -> str:
         if m.get("role") == "user":
             return content_text(m.get("content"))[:200]
     return content_text(messages[0].get("content"))[:200] if messages else ""
+
+
+def _show(client: str | None, messages: list[dict[str, Any]], words: Words | None) -> str:
+    said = words(client, messages)[:200] if words is not None else ""
+    return said or _preview(messages)
 
 
 def content_text(content: Any) -> str:
@@ -244,7 +257,7 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
+def _summaries(db: OrmSession, sessions: list[Session], words: Words | None = None) -> list[dict[str, Any]]:
     ids = [s.id for s in sessions]
     if not ids:
         return []
@@ -286,7 +299,8 @@ def _summaries(db: OrmSession, sessions: list[Session]) -> list[dict[str, Any]]:
             "id": s.id, "mode": s.mode, "task_id": s.task_id, "group_id": s.group_id, "source": s.source,
             "created_at": s.created_at, "ended_at": s.ended_at, "end_reason": s.end_reason,
             "outcome": s.outcome, "labeled": s.id in labeled,
-            "preview": _preview(((previews.get(s.id) or {}).get("messages")) or []),
+            "client": s.client,
+            "preview": _show(s.client, ((previews.get(s.id) or {}).get("messages")) or [], words),
             **{k: (sorted(v) if isinstance(v, set) else v) for k, v in i.items()},
         })
     return out
@@ -305,7 +319,8 @@ def filter_choices(db: OrmSession, *, max_age_s: float = 10.0) -> dict[str, list
         return hit[1]
     models = [m for m in db.scalars(select(Turn.model).distinct().limit(200)) if m]
     versions = [v for v in db.scalars(select(Turn.policy_version).distinct().limit(200)) if v]
-    found = {"models": sorted(models), "versions": sorted(versions)}
+    clients = [c for c in db.scalars(select(Session.client).distinct().limit(200)) if c]
+    found = {"models": sorted(models), "versions": sorted(versions), "clients": sorted(clients)}
     _CHOICES[key] = (now, found)
     return found
 

@@ -16,6 +16,7 @@ from datapool import browse, labels, queries, training_view, versions
 from datapool.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
+from gateway.clients import profiles, words_of
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
@@ -166,7 +167,8 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
                 raise OpenAIError(400, str(exc), param=name) from exc
 
     def run(db: OrmSession) -> dict[str, Any]:
-        page, next_cursor, newer = browse.sessions_window(db, f, limit=50, cursor=cursor, before=before)
+        page, next_cursor, newer = browse.sessions_window(db, f, limit=50, cursor=cursor, before=before,
+                                                          words=words_of(profiles(gw.settings)))
         return {"sessions": page, "next_cursor": next_cursor, "newer_cursor": newer, "counts": browse.counts(db, f)}
 
     data = await in_pool(gw.engine, run)
