@@ -60,7 +60,7 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from datapool.settings import Settings  # noqa: E402
-from tests.processes import GatewayProcess, WorkerProcess, wait_for  # noqa: E402
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for  # noqa: E402
 
 FINAL = frozenset({"scored", "tie", "unparsable", "dead"})
 PYTHON_JUDGE = "tests.judges:verdict"

@@ -213,7 +213,7 @@ def database_maker(stack: ExitStack, work: Path) -> Callable[[str], str]:
     """A function giving a fresh, migrated database of a kind ("postgresql" | "sqlite"): a file
     in ``work``, or a database on the local PostgreSQL service (else a throwaway cluster),
     dropped when ``stack`` closes."""
-    from tests.pg import ThrowawayPostgres, fresh_database, service_dsn
+    from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn
 
     admin: list[str] = []
 

@@ -15,8 +15,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from datapool.db import upgrade  # noqa: E402
 from datapool.settings import Settings  # noqa: E402
-from tests.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
-from tests.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
+from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
+from nextstate.testing.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
 
 
 @dataclass(frozen=True)

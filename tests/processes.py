@@ -1,112 +1,16 @@
-"""Real processes the tests run: gateways (through the `nextstate` CLI) and tiny upstreams."""
+"""Test-only helpers around the processes of nextstate.testing.processes: an upstream that never
+answers, and talking to a gateway's `policy` alias (the publish tests)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _NextstateProcess:
-    """A `nextstate` subcommand in its own process group, logging to a file in its data dir."""
-
-    proc: subprocess.Popen[bytes] | None = None
-    log_path: Path
-
-    def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return self.proc
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, sig)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-class GatewayProcess(_NextstateProcess):
-    """`nextstate gateway` in its own process, on a free port, with its own data dir."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        *,
-        database_url: str,
-        upstream_url: str | None = None,
-        model_list: Path | None = None,
-        env: dict[str, str] | None = None,
-    ):
-        self.port = free_port()
-        self.data_dir = data_dir
-        self.log_path = data_dir / f"gateway-{self.port}.log"
-        args = [sys.executable, "-m", "nextstate.cli", "gateway", "--port", str(self.port),
-                "--database-url", database_url, "--migrate"]
-        if upstream_url:
-            args += ["--upstream", upstream_url]
-        if model_list:
-            args += ["--model-list", str(model_list)]
-        self.args = args
-        self.env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), **(env or {})}
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
-    def start(self, timeout: float = 60.0) -> "GatewayProcess":
-        self._spawn(self.args, self.env)
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"gateway not up after {timeout}s:\n{self.log_tail()}")
-
-    def __enter__(self) -> "GatewayProcess":
-        return self.start()
+from nextstate.testing.processes import GatewayProcess
 
 
 class SilentUpstream:
@@ -140,38 +44,6 @@ class SilentUpstream:
             c.close()
         self.sock.close()
 
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:
-    """Poll until predicate() is truthy; returns its value. Capture is write-behind."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
-
-
-class WorkerProcess(_NextstateProcess):
-    """`nextstate worker` (Celery, threads pool, with the sweep) in its own process."""
-
-    def __init__(self, data_dir: Path, *, database_url: str, broker_url: str, env: dict[str, str]):
-        self.data_dir = data_dir
-        self.log_path = data_dir / f"worker-{free_port()}.log"
-        self.args = [sys.executable, "-m", "nextstate.cli", "worker", "--database-url", database_url,
-                     "--broker-url", broker_url, "--log-level", "info"]
-        self.env = {**os.environ, "NEXTSTATE_DATA_DIR": str(data_dir), **env}
-
-    def start(self, timeout: float = 60.0) -> "WorkerProcess":
-        proc = self._spawn(self.args, self.env)
-        wait_for(lambda: proc.poll() is not None or b"ready." in self.log_path.read_bytes(), timeout)
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}:\n{self.log_tail()}")
-        return self
-
-    def __enter__(self) -> "WorkerProcess":
-        return self.start()
 
 
 # ------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from datapool.settings import AdminExposed, Settings, check_admin_exposure, loopback
 from gateway.app import create_app
-from tests.processes import GatewayProcess, SilentUpstream
+from nextstate.testing.processes import GatewayProcess
+from tests.processes import SilentUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -94,3 +94,10 @@ def test_routers_never_import_the_app() -> None:
     graph = _graph()
     importers = graph.find_modules_that_directly_import("gateway.app")
     assert importers == {"nextstate.gateway_server"}  # only the server that serves it (gateway, up)
+
+
+def test_nothing_that_serves_or_trains_imports_the_test_support() -> None:
+    """nextstate.testing (PostgreSQL, Redis, processes, a fake upstream) is for tests/ and benchmarks/."""
+    graph = _graph()
+    assert "nextstate.testing.pg" in graph.modules
+    assert graph.find_downstream_modules("nextstate.testing", as_package=True) == set()

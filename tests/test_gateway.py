@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 MAX_TOKENS = 12
 
@@ -23,7 +23,7 @@ def pool_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'pool.db'}"
         return
-    from tests.pg import fresh_database
+    from nextstate.testing.pg import fresh_database
 
     url, drop = fresh_database(request.getfixturevalue("pg_admin_dsn"))
     yield url

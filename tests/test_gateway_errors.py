@@ -13,7 +13,8 @@ import yaml
 from openai import OpenAI
 
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, SilentUpstream, free_port, wait_for
+from nextstate.testing.processes import GatewayProcess, free_port, wait_for
+from tests.processes import SilentUpstream
 
 
 def _error(resp: httpx.Response, status: int) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from sqlalchemy import text
 
 from datapool.db import make_engine
 from tests.conftest import RunningVLLM
-from tests.pg import ThrowawayPostgres
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.pg import ThrowawayPostgres
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 
 def _client(gw: GatewayProcess) -> OpenAI:

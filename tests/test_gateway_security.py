@@ -1,7 +1,7 @@
 """Bad input and security: fuzzing the OpenAPI schema, hostile bodies and session ids, credentials
 on every route, and no secret in the pool or the logs.
 
-The upstream is tests/openai_upstream.py (fast, fixed reply), so the fuzzer's hundreds of valid
+The upstream is nextstate/testing/upstream.py (fast, fixed reply), so the fuzzer's hundreds of valid
 requests do not queue behind the shared vLLM; the gateway, PostgreSQL, Redis and the Celery
 worker are the real processes.
 """
@@ -28,9 +28,9 @@ from starlette.routing import Route
 
 from datapool.db import make_engine, upgrade
 from datapool.settings import Settings
-from tests.openai_upstream import UpstreamProcess
-from tests.processes import GatewayProcess, WorkerProcess, wait_for
-from tests.redis_server import unique_queue
+from nextstate.testing.upstream import UpstreamProcess
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for
+from nextstate.testing.redis_server import unique_queue
 
 LIMIT = 65536
 

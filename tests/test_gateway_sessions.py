@@ -13,7 +13,7 @@ import pytest
 
 from datapool.settings import DEFAULT_SESSION_KEYS, DEFAULT_SIDE_TURN_RULES
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 CUSTOM_KEYS = [
     {"source": "header", "name": "session-id"},  # as Codex names its header

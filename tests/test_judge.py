@@ -16,8 +16,8 @@ from openai import OpenAI
 
 from datapool.scoring.teacher import teacher_messages
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, WorkerProcess, wait_for
-from tests.redis_server import unique_queue
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for
+from nextstate.testing.redis_server import unique_queue
 
 
 class Stack:
@@ -67,7 +67,7 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(vllm_server: RunningVLLM, teacher_server: RunningVLLM, redis_url: str, pg_admin_dsn: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    from tests.pg import fresh_database
+    from nextstate.testing.pg import fresh_database
 
     database_url, drop = fresh_database(pg_admin_dsn)
     data = tmp_path_factory.mktemp("judge")

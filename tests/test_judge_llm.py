@@ -11,7 +11,7 @@ import httpx
 from openai import OpenAI
 
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, WorkerProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for
 
 
 def test_llm_judge_votes_on_a_turn(vllm_server: RunningVLLM, teacher_server: RunningVLLM, tmp_path: Path) -> None:

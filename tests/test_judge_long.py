@@ -27,7 +27,7 @@ from datapool.scoring.score import score_turn
 from datapool.settings import Settings
 from gateway.metrics import PoolCollector
 from tests.conftest import RunningVLLM
-from tests.processes import WorkerProcess, wait_for
+from nextstate.testing.processes import WorkerProcess, wait_for
 
 TOOLS = ["read", "write", "edit", "exec", "process", "browser", "canvas", "nodes", "cron", "message",
          "sessions_list", "web_search"]

@@ -29,9 +29,9 @@ from datapool.db import make_engine
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingLease, TrainingRun, TrainingStep, Turn
 from tests.conftest import RunningVLLM
 from tests.holds import HeldTrainingStep
-from tests.pg import fresh_database
-from tests.processes import GatewayProcess, WorkerProcess, wait_for
-from tests.redis_server import unique_queue
+from nextstate.testing.pg import fresh_database
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for
+from nextstate.testing.redis_server import unique_queue
 from datapool import evals, versions
 from vllm_client.adapters import served_models, unload
 from vllm_client.http import server_root
@@ -441,7 +441,7 @@ class SwitchableVLLM:
     from a dead or restarting server) and opens again on :meth:`up`."""
 
     def __init__(self, target: str):
-        from tests.processes import free_port
+        from nextstate.testing.processes import free_port
 
         self.root = server_root(target)
         self.port = free_port()

@@ -28,7 +28,7 @@ import pytest
 
 from tests.conftest import RunningVLLM
 from tests.openclaw_agent import AgentRun, OpenClawAgent, OpenClawInstall, ensure_openclaw, lean_config
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 OPENCLAW_SYSTEM_MARK = "You are a personal assistant running inside OpenClaw."
 COMPACTION_SYSTEM_MARK = "You are a context summarization assistant."

@@ -1,4 +1,4 @@
-"""Tests for the PostgreSQL test helpers in ``tests/pg.py``."""
+"""Tests for the PostgreSQL test helpers in ``nextstate/testing/pg.py``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.pg import (
+from nextstate.testing.pg import (
     PG_BIN_ENV,
     SERVICE_URL_ENV,
     ThrowawayPostgres,

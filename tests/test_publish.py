@@ -22,7 +22,8 @@ from click.testing import CliRunner
 
 from datapool.db import make_engine
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, PolicyStream, alias_root, free_port, greedy_reply, wait_for
+from nextstate.testing.processes import GatewayProcess, free_port, wait_for
+from tests.processes import PolicyStream, alias_root, greedy_reply
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 

@@ -26,7 +26,8 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.models import Judgement, PolicyEvent
 from datapool.settings import Settings
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, PolicyStream, alias_root, greedy_reply, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
+from tests.processes import PolicyStream, alias_root, greedy_reply
 
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
@@ -348,7 +349,7 @@ class Vllm026Routes:
         from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
-        from tests.processes import free_port
+        from nextstate.testing.processes import free_port
 
         root = server_root(target)
         self.seen: list[str] = []

@@ -4,7 +4,7 @@ never appear in the pool, the spool, the exports (JSONL and Parquet), the logs, 
 admin API, and /metrics counts them per detector; with a real vLLM, the stored token ids do not
 decode to them.
 
-The upstream is tests/openai_upstream.py (fast; its `FAKE TOOL CALL:` cue makes the reply carry
+The upstream is nextstate/testing/upstream.py (fast; its `FAKE TOOL CALL:` cue makes the reply carry
 the planted text as tool-call arguments), so hypothesis can send many requests; the last test runs
 the real vLLM (CPU, SmolLM2) for the token ids.
 """
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import RunningVLLM
-from tests.openai_upstream import UpstreamProcess
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.upstream import UpstreamProcess
+from nextstate.testing.processes import GatewayProcess, wait_for
 from tests.test_redaction import PERSONAL, SECRETS
 
 TOKEN = "admin-secret-token"

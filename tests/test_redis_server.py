@@ -1,4 +1,4 @@
-"""Tests for the Redis test helpers in ``tests/redis_server.py``."""
+"""Tests for the Redis test helpers in ``nextstate/testing/redis_server.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.redis_server import (
+from nextstate.testing.redis_server import (
     REDIS_SERVER_ENV,
     SERVICE_URL_ENV,
     ThrowawayRedis,

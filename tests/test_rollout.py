@@ -20,7 +20,7 @@ import pytest
 
 from nextstate import rollout as ro
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, free_port, wait_for
+from nextstate.testing.processes import GatewayProcess, free_port, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 GATEWAY_START_S = 180.0  # a loaded 2-core machine takes a while to import LiteLLM
@@ -400,8 +400,8 @@ def test_then_train_trains_on_the_run_s_sessions(vllm_server: RunningVLLM, teach
 
     from datapool.db import make_engine
     from datapool.models import Turn, TrainingLease, TrainingRun
-    from tests.processes import WorkerProcess
-    from tests.redis_server import unique_queue
+    from nextstate.testing.processes import WorkerProcess
+    from nextstate.testing.redis_server import unique_queue
 
     common = {"NEXTSTATE_BROKER_URL": redis_url, "NEXTSTATE_QUEUE": unique_queue()}
     worker_env = common | {"NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nextstate.supervisor import process_group_alive
 from nextstate.supervisor import Command, RestartPolicy, Supervisor, describe_exit
-from tests.processes import wait_for
+from nextstate.testing.processes import wait_for
 
 FAST = RestartPolicy(limit=2, backoff_s=0.05, backoff_max_s=0.1, healthy_s=60)
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapool.settings import Settings
-from tests.openai_upstream import UpstreamProcess
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.upstream import UpstreamProcess
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 ADMIN_TOKEN = "admin-token-for-tenants"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -22,7 +22,7 @@ from datapool.models import Judgement, Session, TrainingLease, TrainingStep, Tur
 from datapool.scoring.teacher import teacher_logprobs, teacher_messages
 from tests.conftest import RunningVLLM
 from tests.holds import HeldTrainingStep
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 from datapool.leases import Filters
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig

@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.models import PolicyEvent
 from tests.conftest import RunningVLLM
 from tests.browser import require_chromium
-from tests.processes import GatewayProcess, alias_root, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
+from tests.processes import alias_root
 from tests.ui_seed import TOOL_WORD, XSS_USER, seed
 from datapool import leases as lease
 

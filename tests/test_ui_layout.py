@@ -23,9 +23,9 @@ from datapool import leases as lease
 from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, Session, Turn, Vote
 from datapool.vocab import CaptureKind, JudgementStatus
-from tests.pg import fresh_database
+from nextstate.testing.pg import fresh_database
 from tests.browser import require_chromium
-from tests.processes import GatewayProcess
+from nextstate.testing.processes import GatewayProcess
 from tests.ui_fill import CONTENTS, TurnSpec, every_state, write_session
 
 ARTIFACTS = Path(__file__).parent / "artifacts"

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import judgements
 from datapool.models import Judgement, Label, Session, Turn
 from tests.browser import require_chromium
-from tests.processes import GatewayProcess
+from nextstate.testing.processes import GatewayProcess
 
 TOKEN = "tasks-token-" + uuid.uuid4().hex[:6]
 DEAD_ERROR = "judge timed out after 60 s (attempt 3 of 3)"

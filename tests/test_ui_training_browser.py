@@ -21,9 +21,9 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import evals, leases
 from datapool.db import make_engine, upgrade
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, Turn
-from tests.pg import fresh_database
+from nextstate.testing.pg import fresh_database
 from tests.browser import require_chromium
-from tests.processes import GatewayProcess
+from nextstate.testing.processes import GatewayProcess
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 TOKEN = "ui-train-token-" + uuid.uuid4().hex[:6]

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.processes import free_port, wait_for
+from nextstate.testing.processes import free_port, wait_for
 
 
 class Up:

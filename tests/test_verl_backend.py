@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 from datapool import leases
 from trainer import objectives
 from trainer.local import LocalConfig, LocalTrainer

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.openai_upstream import UpstreamProcess
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.upstream import UpstreamProcess
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 
 def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_path: Path) -> None:

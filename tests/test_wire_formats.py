@@ -25,7 +25,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.formats import MessagesReply, ResponsesReply, messages_to_chat, responses_to_chat
 from tests.conftest import RunningVLLM
-from tests.processes import GatewayProcess, free_port, wait_for
+from nextstate.testing.processes import GatewayProcess, free_port, wait_for
 
 MAX_TOKENS = 12
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
@@ -39,7 +39,7 @@ def pool_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'pool.db'}"
         return
-    from tests.pg import fresh_database
+    from nextstate.testing.pg import fresh_database
 
     url, drop = fresh_database(request.getfixturevalue("pg_admin_dsn"))
     yield url
@@ -436,10 +436,10 @@ def test_a_tool_calls_own_arguments_come_back_through_another_replica(pg_url: st
     object) to another: the second finds the model's own arguments text in the pool, so the next
     prompt holds it and the turn stitches to its parent, also where the text was not a JSON
     object (the client was given `{}`). The upstream answers with the arguments text asked for
-    (tests/openai_upstream.py), so both spellings are sure to differ from LiteLLM's `json.dumps`."""
+    (nextstate/testing/upstream.py), so both spellings are sure to differ from LiteLLM's `json.dumps`."""
     import yaml
 
-    from tests.openai_upstream import TOOL_CALL_MARK, UpstreamProcess
+    from nextstate.testing.upstream import TOOL_CALL_MARK, UpstreamProcess
 
     with UpstreamProcess(tmp_path / "upstream.log") as up:
         models = tmp_path / "models.yaml"

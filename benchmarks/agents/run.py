@@ -238,7 +238,7 @@ class Job:
                              epochs=1, output_root=self.work / "runs")
 
     def run(self, base: float) -> dict[str, Any]:
-        from tests.processes import GatewayProcess
+        from nextstate.testing.processes import GatewayProcess
         from trainer.local import LocalTrainer
 
         a = self.args
@@ -315,7 +315,7 @@ def policy_root(gateway_url: str) -> str | None:
 def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[str, dict[str, Any]]:
     """Each suite's held-out tasks answered by the base model, through a gateway of its own."""
     from datapool.db import upgrade
-    from tests.processes import GatewayProcess
+    from nextstate.testing.processes import GatewayProcess
 
     pool = f"sqlite:///{work / 'base.db'}"
     upgrade(pool)

@@ -4,7 +4,7 @@
     python -m benchmarks.gateway --leak-requests 100000 --duration 20
 
 One run starts, on this machine:
-- a fast OpenAI-wire-format upstream with a fixed reply (tests/openai_upstream.py);
+- a fast OpenAI-wire-format upstream with a fixed reply (nextstate/testing/upstream.py);
 - nextstate's gateway in front of it, capturing into a fresh PostgreSQL database, with a
   Celery scoring worker (Redis broker) running;
 - LiteLLM's proxy server (``litellm[proxy]``) in front of the same upstream, installed into its
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gateway.redaction import AGENT_BODY  # noqa: E402
-from tests.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
+from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
 
 LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
 LITELLM_SPEC = "litellm[proxy]"
@@ -234,8 +234,8 @@ def _pool_turns(database_url: str) -> int:
 
 
 def _pg_and_redis(stack: ExitStack) -> tuple[str, str]:
-    from tests.pg import ThrowawayPostgres, fresh_database, service_dsn
-    from tests.redis_server import ThrowawayRedis, service_redis_url
+    from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn
+    from nextstate.testing.redis_server import ThrowawayRedis, service_redis_url
 
     admin = service_dsn()
     if admin is None:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
         # the upstream
         up_port = free_port()
-        upstream = Proc(_pinned(other_cpus, [sys.executable, "-m", "tests.openai_upstream", "--port", str(up_port)]),
+        upstream = Proc(_pinned(other_cpus, [sys.executable, "-m", "nextstate.testing.upstream", "--port", str(up_port)]),
                         work / "upstream.log", {"PYTHONPATH": str(ROOT)})
         stack.callback(upstream.stop)
         upstream_url = f"http://127.0.0.1:{up_port}/v1"
@@ -422,7 +422,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _try_litellm_db(exe: Path, upstream_url: str, work: Path, cpu: int | None, stack: ExitStack) -> dict[str, Any]:
     """LiteLLM's PostgreSQL spend logs need Prisma's query engine, which Prisma downloads from
     its own servers at first use. Try it and report what happened."""
-    from tests.pg import fresh_database, service_dsn
+    from nextstate.testing.pg import fresh_database, service_dsn
 
     admin = service_dsn()
     if admin is None:

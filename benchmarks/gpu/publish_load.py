@@ -41,7 +41,7 @@ from datapool import versions  # noqa: E402
 from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.vocab import PauseMode, VersionKind  # noqa: E402
-from tests.processes import GatewayProcess  # noqa: E402
+from nextstate.testing.processes import GatewayProcess  # noqa: E402
 from trainer.publish import PublishRequest, publish  # noqa: E402
 
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "How do vaccines work?", "What is gravity?",

@@ -81,7 +81,7 @@ from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingRun, TrainingStep, Turn  # noqa: E402
 from datapool.scoring.judge import PythonJudge  # noqa: E402
 from datapool.scoring.score import score_turn  # noqa: E402
-from tests.processes import GatewayProcess, wait_for  # noqa: E402
+from nextstate.testing.processes import GatewayProcess, wait_for  # noqa: E402
 
 T0 = time.time()
 

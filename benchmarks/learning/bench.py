@@ -88,7 +88,7 @@ from datapool.models import Judgement, Turn, Vote
 from datapool.scoring.judge import LLMJudge, PythonJudge
 from datapool.scoring.score import TeacherConfig, score_turn
 from datapool.vocab import VersionKind
-from tests.processes import GatewayProcess, wait_for
+from nextstate.testing.processes import GatewayProcess, wait_for
 from trainer.config import COMPUTE_DTYPES, RL_BASELINES
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig

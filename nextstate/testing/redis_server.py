@@ -1,4 +1,4 @@
-"""Redis helpers for the test suite.
+"""Redis for the test suite and the benchmarks.
 
 Two ways of getting a Redis for tests:
 

@@ -1,6 +1,6 @@
 """A small, fast upstream speaking vLLM's OpenAI wire format with a fixed reply.
 
-    python -m tests.openai_upstream --port 9100
+    python -m nextstate.testing.upstream --port 9100
 
 It answers ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` (streamed and not),
 with ``prompt_token_ids`` / ``token_ids`` / ``logprobs`` when asked for them, exactly where
@@ -261,7 +261,7 @@ class UpstreamProcess:
     same port)."""
 
     def __init__(self, log_path: "os.PathLike[str] | str", port: int | None = None):
-        from tests.processes import free_port
+        from nextstate.testing.processes import free_port
 
         self.port = port or free_port()
         self.log_path = str(log_path)
@@ -277,10 +277,8 @@ class UpstreamProcess:
 
         import httpx
 
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.openai_upstream", "--port", str(self.port)],
-                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "nextstate.testing.upstream", "--port", str(self.port)],
+                                     stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

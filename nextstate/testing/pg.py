@@ -1,4 +1,4 @@
-"""PostgreSQL helpers for the test suite.
+"""PostgreSQL for the test suite and the benchmarks.
 
 Two ways of getting a database for tests:
 
