@@ -24,7 +24,7 @@ from examples.agents import swe, terminal, toolcall  # noqa: E402
 HERE = Path(__file__).resolve().parent
 SUITES: dict[str, Callable[[random.Random, int], dict[str, Any]]] = {
     "toolcall": toolcall.generate, "terminal": terminal.generate, "swe": swe.generate}
-LEVEL1 = {"toolcall": 0.5, "terminal": 0.5, "swe": 0.5}
+LEVEL1 = {"toolcall": 0.5, "terminal": 0.4, "swe": 0.5}
 TEXT = {"toolcall": "question", "terminal": "instruction", "swe": "instruction"}
 
 

@@ -41,47 +41,47 @@ def sandbox_root() -> Path:
 
 
 def generate(rng: random.Random, level: int) -> dict[str, Any]:
-    """Level 1 names the command's shape (``echo WORD > FILE``) with the task's own words left to
-    fill in; level 2 only says what to do (sort, count, search, edit, create, copy)."""
+    """Level 1 gives the command (``Run: echo grape > out.txt``): the base model copies what it is
+    shown, and fills in no placeholder (``echo WORD > FILE`` came back as is); level 2 only says
+    what to do (sort, count, search, edit, create, copy)."""
     words = rng.sample(WORDS, 6)
     lines = "\n".join(words) + "\n"
     kind = rng.choice(["create", "copy", "sort", "count", "search", "edit"])
     task = _task(rng, kind, words, lines)
     if level == 1:
-        task["instruction"] += f" Use: {SHAPES[kind]}"
+        task["instruction"] += f" Run: {task['command']}"
     return task
-
-
-SHAPES = {"create": "echo WORD > FILE", "copy": "cp SOURCE TARGET", "sort": "sort INPUT > OUTPUT",
-          "count": "wc -l < INPUT > OUTPUT", "search": "grep TEXT INPUT > OUTPUT", "edit": "sed -i 's/OLD/NEW/' FILE"}
 
 
 def _task(rng: random.Random, kind: str, words: list[str], lines: str) -> dict[str, Any]:
     if kind == "create":
         out = f"{rng.choice(['note', 'word', 'out', 'hello'])}.txt"
         return {"kind": kind, "instruction": f"Create a file named {out} that contains the word {words[0]}.",
-                "files": {}, "expect": {out: words[0] + "\n"}}
+                "files": {}, "expect": {out: words[0] + "\n"}, "command": f"echo {words[0]} > {out}"}
     if kind == "copy":
         return {"kind": kind, "instruction": "Copy the file data.txt to backup.txt.", "files": {"data.txt": lines},
-                "expect": {"backup.txt": lines}}
+                "expect": {"backup.txt": lines}, "command": "cp data.txt backup.txt"}
     if kind == "sort":
         return {"kind": kind, "instruction": "Write the lines of names.txt, sorted alphabetically, to sorted.txt.",
-                "files": {"names.txt": lines}, "expect": {"sorted.txt": "\n".join(sorted(words)) + "\n"}}
+                "files": {"names.txt": lines}, "expect": {"sorted.txt": "\n".join(sorted(words)) + "\n"},
+                "command": "sort names.txt > sorted.txt"}
     if kind == "count":
         n = rng.randint(3, 9)
         data = "\n".join(rng.choice(WORDS) for _ in range(n)) + "\n"
         return {"kind": kind, "instruction": "Write the number of lines of data.txt to count.txt.",
-                "files": {"data.txt": data}, "expect": {"count.txt": f"{n}\n"}}
+                "files": {"data.txt": data}, "expect": {"count.txt": f"{n}\n"}, "command": "wc -l < data.txt > count.txt"}
     if kind == "search":
         log = [f"{rng.choice(['INFO', 'ERROR'])} {w}" for w in words]
         found = [line for line in log if line.startswith("ERROR")] or [log[0]]
         log[log.index(found[0])] = "ERROR " + found[0].split()[1]
         found = [line for line in log if line.startswith("ERROR")]
         return {"kind": kind, "instruction": "Write the lines of log.txt that contain ERROR to errors.txt.",
-                "files": {"log.txt": "\n".join(log) + "\n"}, "expect": {"errors.txt": "\n".join(found) + "\n"}}
+                "files": {"log.txt": "\n".join(log) + "\n"}, "expect": {"errors.txt": "\n".join(found) + "\n"},
+                "command": "grep ERROR log.txt > errors.txt"}
     old, new = words[1], rng.choice([w for w in WORDS if w not in words])
     return {"kind": kind, "instruction": f"In list.txt, replace the word {old} with {new}.",
-            "files": {"list.txt": lines}, "expect": {"list.txt": lines.replace(old, new)}}
+            "files": {"list.txt": lines}, "expect": {"list.txt": lines.replace(old, new)},
+            "command": f"sed -i 's/{old}/{new}/' list.txt"}
 
 
 def check(task: dict[str, Any], sandbox: Sandbox) -> tuple[bool, str]:
