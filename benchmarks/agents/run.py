@@ -78,8 +78,8 @@ LLM_VOTES = 3
 PRESETS: dict[str, dict[str, Any]] = {
     # proves the path on a shared 2-core machine in under 20 minutes
     "cpu": {"suites": "toolcall", "arms": "outcome,integrated", "seeds": 1, "iterations": 2, "tasks": 4, "n": 8,
-            "heldout": 16, "concurrency": 16, "batch_size": 16, "micro_batch_size": 8, "lr": 2e-3, "jobs": 1,
-            "timeout": 300.0},
+            "heldout": 16, "concurrency": 16, "batch_size": 16, "micro_batch_size": 4, "lr": 2e-3, "jobs": 1,
+            "timeout": 900.0},  # a loaded 2-core machine took over 300 s for a 4-turn episode
     # one H100: 16 tasks x 8 samples = 128 environments at once per job
     "gpu": {"suites": "toolcall,terminal,swe", "arms": "outcome,integrated,integrated+opd", "seeds": 3,
             "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
@@ -400,12 +400,16 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, 
     print("\n" + text)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (args.out / f"{args.tag}.json").write_text(json.dumps(
-        {"config": config | {"minutes": round(minutes, 1), "failed": failed, "command": " ".join(sys.argv)},
+        {"config": config | {"minutes": round(minutes, 1), "failed": failed, "command": command()},
          "base": base, "results": rows}, indent=1, default=str))
-    (args.out / f"{args.tag}.md").write_text(f"`python -m benchmarks.agents.run {' '.join(sys.argv[1:])}`\n\n{text}\n")
+    (args.out / f"{args.tag}.md").write_text(f"`{command()}`\n\n{text}\n")
     if rows:
         plot(rows, args.out / f"{args.tag}.png", title)
     print(f"\nwrote {args.out / args.tag}.json, .md" + (", .png" if rows else ""))
+
+
+def command() -> str:
+    return "python -m benchmarks.agents.run " + " ".join(sys.argv[1:])
 
 
 # -- main -------------------------------------------------------------------------------------------
@@ -484,7 +488,7 @@ def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path
         print(json.dumps({s: {k: v for k, v in b.items() if k in ("pass_at_1", "by_kind", "sent", "captured")}
                           for s, b in base.items()}, indent=1))
         (args.out / f"{args.tag}.json").write_text(json.dumps(
-            {"command": " ".join(sys.argv), "heldout": args.heldout, "minutes": round((time.monotonic() - t0) / 60, 1),
+            {"command": command(), "heldout": args.heldout, "minutes": round((time.monotonic() - t0) / 60, 1),
              "base": base}, indent=1))
         return
     if not torch.cuda.is_available():
