@@ -80,6 +80,16 @@ class OpenAIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
+#: seconds a client is told to wait (Retry-After) while its vLLM upstream is down or reloading
+RETRY_AFTER_S = 2
+
+
+def unavailable(upstream: str, why: str) -> OpenAIError:
+    """503 with Retry-After: the upstream is down or restarting, the client should come back."""
+    return OpenAIError(503, f"upstream {upstream} {why}; try again in {RETRY_AFTER_S} s", code="upstream_unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request over the model's context
 # How vLLM (and most OpenAI-compatible servers) word it: "This model's maximum context length is
 # 8192 tokens. However, your prompt contains 9000 input tokens ..." / "Input length (9000) exceeds

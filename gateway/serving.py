@@ -34,7 +34,7 @@ from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream, unavailable
 from gateway.formats import (
     SENT_ARGUMENTS,
     MessagesReply,
@@ -64,7 +64,6 @@ from gateway.recording import (
 from gateway.state import Gateway, gateway_of
 from gateway.tenants import scoped_session_id
 from gateway.upstream import Target
-from gateway.vllm_watch import unavailable
 
 
 _SCHEMAS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest}

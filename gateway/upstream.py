@@ -21,7 +21,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map dow
 
 from litellm import Router  # noqa: E402
 
-from gateway.errors import OpenAIError  # noqa: E402
+from gateway.errors import OpenAIError, unavailable  # noqa: E402
 from datapool.vocab import VersionKind
 
 POLICY_ALIAS = "policy"
@@ -141,7 +141,7 @@ class Upstreams:
                                      raise_for_status=True) as resp:
                 names = [m["id"] for m in (await resp.json(content_type=None))["data"]]
         except (TimeoutError, aiohttp.ClientError, KeyError, TypeError, ValueError) as exc:
-            raise OpenAIError(502, f"upstream {self.upstream_url} unreachable: {exc}") from exc
+            raise unavailable(str(self.upstream_url), f"is unreachable ({type(exc).__name__}: {exc})") from exc
         if not names:
             raise OpenAIError(502, f"upstream {self.upstream_url} serves no models")
         return names

@@ -26,17 +26,13 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from datapool import versions
-from gateway.errors import OpenAIError
+from gateway.errors import unavailable
 from gateway.metrics import Metrics
 from gateway.upstream import VLLM_PREFIX, ActiveVersion, Upstreams
 from vllm_client.adapters import ensure_loaded
 from vllm_client.http import AdminError
 
 log = logging.getLogger("nextstate.gateway")
-
-#: seconds a client is told to wait (Retry-After) while its upstream is down or reloading
-RETRY_AFTER_S = 2
-
 
 class State(StrEnum):
     OK = "ok"
@@ -140,9 +136,3 @@ def vllm_bases(upstreams: Upstreams) -> dict[str, bool]:
             base = str(params["api_base"]).rstrip("/")
             bases[base] = bases.get(base, False) or d["model_name"] == upstreams.policy_model
     return bases
-
-
-def unavailable(group: str, why: str) -> OpenAIError:
-    """503 with Retry-After: the upstream is down or restarting, the client should come back."""
-    return OpenAIError(503, f"upstream {group} {why}; try again in {RETRY_AFTER_S} s", code="upstream_unavailable",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
