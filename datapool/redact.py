@@ -202,10 +202,6 @@ class Found:
     def __bool__(self) -> bool:
         return bool(self.counts)
 
-    def update(self, other: Found) -> None:
-        self.counts.update(other.counts)
-        self.originals |= other.originals
-
 
 class Redactor:
     """Finds and replaces sensitive text. Build once per process (the expressions compile here)."""
