@@ -295,7 +295,7 @@ class _Call:
             resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
         except TimeoutError as exc:
             raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:  # refused, reset, dropped
             # gone (died, restarting): the client is told when to come back
             if watch is not None and isinstance(exc, aiohttp.ClientConnectorError):
                 watch.mark_down(t.api_base)
