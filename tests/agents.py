@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -171,9 +172,17 @@ def run_agent(install: AgentInstall, args: list[str], *, home: Path, env: dict[s
                 **(env or {})}
     argv = [*install.command, *args]
     started = time.monotonic()
-    proc = subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout_s,
-                          stdin=subprocess.DEVNULL, cwd=cwd or home)
-    return AgentRun(argv, proc.returncode, time.monotonic() - started, proc.stdout, proc.stderr)
+    # its own process group: npm agents run their real binary as a child, which a timeout must
+    # end too (it would hold the output pipes open)
+    proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, cwd=cwd or home, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[killed after {timeout_s} s]"
+    return AgentRun(argv, proc.returncode, time.monotonic() - started, stdout, stderr)
 
 
 def main(argv: list[str]) -> int:
