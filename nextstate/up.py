@@ -15,6 +15,7 @@ import importlib.util
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -171,14 +172,24 @@ class Up:
 
         def reload() -> None:
             from datapool.db import make_engine
-            from datapool.versions import activate, active_version
+            from datapool.versions import PublishError, activate, active_version
+            from vllm_client.http import AdminError
 
             engine = make_engine(self.settings.resolved_database_url)
             try:
                 current = active_version(engine)
-                if current is not None:
-                    activate(engine, current["name"], [server.base_url], actor="up", reason=f"{server.name} started")
-                    self.echo(f"{server.name}: policy {current['name']} loaded")
+                if current is None:
+                    return
+                for attempt in range(3):  # the gateway's watch may be loading it at the same moment
+                    try:
+                        activate(engine, current["name"], [server.base_url], actor="up",
+                                 reason=f"{server.name} started")
+                        break
+                    except (PublishError, AdminError):
+                        if attempt == 2:
+                            raise
+                        time.sleep(2)
+                self.echo(f"{server.name}: policy {current['name']} loaded")
             finally:
                 engine.dispose()
         return reload
