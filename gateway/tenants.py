@@ -124,6 +124,7 @@ TENANT_ROUTES = frozenset({
     ("GET", "/api/sessions"), ("GET", "/api/sessions/{session_id}"), ("PUT", "/api/sessions/{session_id}"),
     ("PATCH", "/api/sessions/{session_id}"), ("POST", "/api/sessions/{session_id}/outcome"),
     ("POST", "/api/sessions/{session_id}/end"), ("POST", "/api/sessions/{session_id}/labels"),
+    ("GET", "/api/sessions/{session_id}/lineage"),
     ("GET", "/api/turns"), ("GET", "/api/turns/{turn_id}"), ("GET", "/api/turns/{turn_id}/labels"),
     ("POST", "/api/turns/{turn_id}/labels"), ("GET", "/api/judgements"), ("GET", "/api/queue"),
     ("GET", "/api/export"), ("POST", "/api/capture/flush"),

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import queries
+from datapool import lineage, queries
 from datapool.db import dialect_insert, utcnow
 from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
@@ -66,6 +66,14 @@ async def list_sessions(
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     """One session with its turns in order."""
     return await _found(request, queries.get_session, session_id, "session")
+
+
+@router.get("/sessions/{session_id}/lineage")
+async def get_lineage(request: Request, session_id: str) -> dict[str, Any]:
+    """The policy versions that learned from the session's turns: trained on them (a step used
+    one), or inherited from such a version (datapool.lineage)."""
+    await _found(request, queries.get_session, session_id, "session")
+    return await _read(request, lineage.session_lineage, session_id)
 
 
 @router.get("/turns/{turn_id}")
