@@ -53,6 +53,31 @@ def _device(cfg: LocalConfig) -> torch.device:
     return torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+#: ``LocalConfig.micro_batch_size`` on the CPU when it is None (the value it always had)
+CPU_MICRO_BATCH = 4
+#: the largest micro-batch chosen on a GPU: one H100 trains the 1.7 B shape fastest with 8 turns
+#: of 768 tokens in one micro-batch (benchmarks/trainer/README.md); beyond 8 was not measured
+GPU_MICRO_BATCH_MAX = 8
+#: tokens a turn is assumed to hold when the micro-batch is sized
+TURN_TOKENS = 1024
+
+
+def gpu_micro_batch(free_bytes: int, layers: int, hidden: int, trainable: int, *, turn_tokens: int = TURN_TOKENS,
+                    cap: int = GPU_MICRO_BATCH_MAX) -> int:
+    """The micro-batch for a GPU with *free_bytes* free once the model is on it: the largest power
+    of two up to *cap* whose activations fit half of what the optimizer leaves. A turn of
+    *turn_tokens* tokens keeps ~34 bytes per hidden unit, token and layer for backward (bf16, no
+    recomputation; Korthikanti et al. 2022, an over-estimate with torch.compile's fusion); each
+    trainable parameter adds ~18 bytes (its gradient, fp32 master and master gradient, AdamW's
+    two moments). At least 1. On an H100 (80 GB) the 1.7 B shape gets 8, full or LoRA."""
+    budget = (free_bytes - 18 * trainable) // 2
+    fit = budget // (34 * hidden * layers * turn_tokens) if budget > 0 else 1
+    mb = 1
+    while mb * 2 <= min(fit, cap):
+        mb *= 2
+    return mb
+
+
 class LocalTrainer:
     def __init__(self, cfg: LocalConfig, objective: objectives.ObjectiveConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,7 +106,9 @@ class LocalTrainer:
                     lora_dropout=0.0, task_type="CAUSAL_LM"), autocast_adapter_dtype=autocast)
         self.model = model.to(self.device)
         self.model.train()
-        if cfg.compile and not cfg.legacy:
+        #: whether the decoder layers are compiled: LocalConfig.compile, by default on with CUDA
+        self.compile = (cfg.compile if cfg.compile is not None else self.device.type == "cuda") and not cfg.legacy
+        if self.compile:
             if cfg.activation_memory_budget is not None:
                 import torch._functorch.config as functorch_config
 
@@ -89,6 +116,12 @@ class LocalTrainer:
             for layer in self._causal_lm().model.layers:
                 layer.compile(mode=cfg.compile_mode)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        #: turns per forward pass: LocalConfig.micro_batch_size, by default sized to the GPU's free memory
+        self.micro_batch_size = cfg.micro_batch_size or CPU_MICRO_BATCH
+        if cfg.micro_batch_size is None and self.device.type == "cuda":
+            lm = self._causal_lm().config
+            self.micro_batch_size = gpu_micro_batch(torch.cuda.mem_get_info(self.device)[0], lm.num_hidden_layers,
+                                                    lm.hidden_size, sum(p.numel() for p in params))
         # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
         # fine-tuning too unless ``fp32_master`` is off (then bf16 weights and AdamW states; a 1.7 B
         # model's fp32 masters and states add 20 GB)
@@ -230,8 +263,8 @@ class LocalTrainer:
         width = max(len(s.response_ids) for s in samples)
         parts, masks = [], []
         with torch.no_grad():
-            for lo in range(0, len(samples), self.cfg.micro_batch_size):
-                part = samples[lo: lo + self.cfg.micro_batch_size]
+            for lo in range(0, len(samples), self.micro_batch_size):
+                part = samples[lo: lo + self.micro_batch_size]
                 lp, mask = self.response_logprobs(part)
                 parts.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
@@ -242,7 +275,7 @@ class LocalTrainer:
         """Whether a step over *n* samples takes the current policy's log-probs before the step
         from its own forward instead of a separate no-grad pass: when the batch is one
         micro-batch (the whole graph is held anyway), off on the legacy path."""
-        return not self.cfg.legacy and n <= self.cfg.micro_batch_size
+        return not self.cfg.legacy and n <= self.micro_batch_size
 
     def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
              ratio_cap: float = 2.0, progress: Callable[[StepProgress], None] | None = None) -> dict[str, float]:
@@ -271,7 +304,7 @@ class LocalTrainer:
         # no-grad pass is skipped and samples without captured log-probs take the step's own
         # (detached) forward values, the same policy's
         needs_student = self.cfg.legacy or cfg.objective != "rl" or stale
-        n, mb = len(samples), self.cfg.micro_batch_size
+        n, mb = len(samples), self.micro_batch_size
         # a batch of one micro-batch: the step's own forward (with gradients) is that pass, its
         # values detached are the no-grad pass's (same weights, same inputs), so it runs once
         fused = needs_student and self._fuse_no_grad_pass(n)

@@ -288,8 +288,9 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         torch.set_num_threads(args.threads)
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     cfg = LocalConfig(model_dir=Path(args.model_dir), lora=(mode == "lora"), lora_rank=args.lora_rank,
-                      micro_batch_size=args.micro_batch_size, device=args.device, bf16=bf16, seed=args.seed,
-                      legacy=args.path == "main", compile=args.path.startswith("compile"),
+                      micro_batch_size=None if args.path == "default" else args.micro_batch_size,
+                      device=args.device, bf16=bf16, seed=args.seed, legacy=args.path == "main",
+                      compile=None if args.path == "default" else args.path.startswith("compile"),
                       compile_mode="reduce-overhead" if args.path == "compile-cg" else None,
                       fp32_master=args.fp32_master if mode == "full" else True,
                       **({"logprob_chunk": args.logprob_chunk} if args.logprob_chunk else {}),
@@ -319,9 +320,11 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         reset_ok = _reset_peak_rss()
         base_mem = _rss_kib() * 1024
     metrics = {}
+    t_warm = time.perf_counter()
     for _ in range(args.warmup):
         metrics = trainer.step(samples)
     sync()
+    warmup_s = time.perf_counter() - t_warm
     times, cpu_times = [], []
     for _ in range(args.steps):
         sync()
@@ -347,8 +350,8 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
         "arch": base.config.architectures[0] if base.config.architectures else type(base).__name__,
         "n_params": n_total, "n_matmul": n_matmul, "n_trainable": n_trainable, "tied_embeddings": tied,
         "batch": args.batch_size, "prompt_len": args.prompt_len, "response_len": args.response_len,
-        "micro_batch": args.micro_batch_size, "steps": args.steps, "warmup": args.warmup,
-        "load_s": load_s, "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
+        "micro_batch": trainer.micro_batch_size, "compiled": trainer.compile, "steps": args.steps, "warmup": args.warmup,
+        "load_s": load_s, "warmup_s": warmup_s, "step_s": step_s, "step_s_min": min(times), "step_s_max": max(times),
         "cpu_s": sum(cpu_times) / len(cpu_times), "threads": torch.get_num_threads(),
         "tokens_per_s": all_tokens / step_s, "response_tokens_per_s": resp_tokens / step_s,
         "mem_base": base_mem, "mem_peak": peak_mem, "mem_kind": "cuda allocated" if cuda else "RSS",
@@ -403,7 +406,7 @@ def table(results: list[dict], model_label: str) -> str:
         head += ["GPU busy", "matmul share of GPU time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        mode = r["mode"] + {"main": " (main)", "compile": " +compile", "compile-cg": " +compile+CUDA graphs"}.get(r.get("path", ""), "") + (
+        mode = r["mode"] + ({"main": " (main)", "compile": " +compile", "compile-cg": " +compile+CUDA graphs"}.get(r.get("path", ""), "") or (" (defaults" + (", compiled)" if r.get("compiled") else ")") if r.get("path") == "default" else "")) + (
             " +fp32 master" if r.get("fp32_master") and r["mode"] == "full" else "") + (
             f" +act. budget {r['activation_memory_budget']}" if "activation_memory_budget" in r else "") + (
             f" (round {r['round']})" if "round" in r else "")
@@ -450,8 +453,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="LocalConfig.micro_batch_size (default: %(default)s)")
     p.add_argument("--paths", default="new",
-                   help="comma-separated code paths, each mode run once per path: new (the trainer's "
-                        "default), main (LocalConfig.legacy: main's path before issue #20 — full-vocabulary "
+                   help="comma-separated code paths, each mode run once per path: default (LocalConfig's own "
+                        "choices: torch.compile on CUDA, the micro-batch sized to the device; --micro-batch-size "
+                        "ignored), new (the fast path without compile), main (LocalConfig.legacy: main's path before issue #20 — full-vocabulary "
                         "log_softmax, padding, fp32 adapters, the no-grad pass), compile (new + torch.compile "
                         "of each decoder layer), compile-cg (the same with CUDA graphs: mode "
                         "reduce-overhead) (default: %(default)s)")
@@ -515,8 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in ("lora", "full") for m in modes):
         raise SystemExit(f"--modes takes lora and/or full, got {args.modes!r}")
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if any(x not in ("new", "main", "compile", "compile-cg") for x in paths):
-        raise SystemExit(f"--paths takes new, main, compile and/or compile-cg, got {args.paths!r}")
+    if any(x not in ("default", "new", "main", "compile", "compile-cg") for x in paths):
+        raise SystemExit(f"--paths takes default, new, main, compile and/or compile-cg, got {args.paths!r}")
     with tempfile.TemporaryDirectory(prefix="nextstate-bench-") as tmp:
         if args.random_config:
             model_dir = Path(args.keep_dir) if args.keep_dir else Path(tmp) / "model"
@@ -547,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                      ).write_text(r.pop("profile"))
             results.append(r)
             print(f"# {mode} ({path}): {r['step_s']:.3f} s/step (min {r['step_s_min']:.3f}, max {r['step_s_max']:.3f}), "
-                  f"load {r['load_s']:.1f} s, last loss {r['last_loss']:.4f}, peak from {r['peak_source']}",
+                  f"load {r['load_s']:.1f} s, warm-up {r.get('warmup_s', float('nan')):.1f} s, last loss {r['last_loss']:.4f}, peak from {r['peak_source']}",
                   flush=True)
     import torch
     import transformers

@@ -42,10 +42,12 @@ def optimisation_options() -> Any:
         click.option("--batch-size", type=int, default=_rl("batch_size"), show_default=True,
                      help="Turns per optimizer step."),
         click.option("--micro-batch-size", type=click.IntRange(min=1),
-                     default=opt.field_default(LocalConfig, "micro_batch_size"), show_default=True,
+                     default=opt.field_default(LocalConfig, "micro_batch_size"),
                      help="Turns per forward pass (gradients accumulate over the micro-batches of a step). On a "
                           "GPU larger is faster while it fits: one H100 trains a 1.7 B model fastest with the whole "
-                          "batch of 8 turns × 768 tokens in one micro-batch (benchmarks/trainer/README.md)."),
+                          "batch of 8 turns × 768 tokens in one micro-batch (benchmarks/trainer/README.md). "
+                          "Default: local backend 4 on the CPU, on a GPU the largest power of two up to 8 that its "
+                          "free memory holds (8 on an H100); veRL backend 4 per GPU."),
         click.option("--lr", type=float, default=opt.field_default(LocalConfig, "lr"), show_default=True),
         click.option("--full", is_flag=True,
                      help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
@@ -72,10 +74,9 @@ def local_speed_options() -> Any:
     """The local backend's speed settings (``LocalConfig``; issue #20)."""
     return opt.group(
         click.option("--compile/--no-compile", "compile_layers", default=opt.field_default(LocalConfig, "compile"),
-                     show_default=True,
-                     help="Local backend: torch.compile each decoder layer (fused kernels; the first steps compile "
-                          "for a minute or so). On an H100 it doubles a 1.7 B model's tokens/s; on the CPU it "
-                          "rarely pays."),
+                     help="Local backend: torch.compile each decoder layer (fused kernels; the first step compiles: "
+                          "10-20 s longer for a 1.7 B model on an H100). On an H100 it doubles a 1.7 B model's "
+                          "tokens/s; on the CPU it rarely pays. Default: on with CUDA, off on the CPU."),
         click.option("--compile-mode", type=click.Choice(["default", "reduce-overhead", "max-autotune",
                                                           "max-autotune-no-cudagraphs"]),
                      help="Local backend, with --compile: torch.compile's mode; reduce-overhead adds CUDA graphs "
@@ -367,7 +368,8 @@ def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objecti
 
     verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not p["full"],
                       lora_rank=p["lora_rank"], lora_alpha=2 * p["lora_rank"], lr=p["lr"],
-                      micro_batch_size=p["micro_batch_size"], gradient_checkpointing=p["gradient_checkpointing"],
+                      micro_batch_size=p["micro_batch_size"] or opt.field_default(VerlConfig, "micro_batch_size"),
+                      gradient_checkpointing=p["gradient_checkpointing"],
                       strategy=p["fsdp_strategy"], param_offload=p["offload"], optimizer_offload=p["offload"],
                       fused_kernels=p["verl_fused_kernels"], ray_address=p["ray_address"], overrides=p["verl_overrides"])
     return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=p["steps"],

@@ -1,0 +1,61 @@
+"""LocalTrainer's defaults (``LocalConfig.compile`` and ``micro_batch_size`` left at None): on the
+CPU no torch.compile and 4 turns a micro-batch, as before; on a GPU torch.compile and the
+micro-batch sized to the free memory (``gpu_micro_batch``, checked here with an H100's numbers:
+the measured fastest configuration, compile and 8 turns, for the 1.7 B shape)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from trainer.config import LocalConfig  # noqa: E402
+from trainer.local import CPU_MICRO_BATCH, GPU_MICRO_BATCH_MAX, LocalTrainer, gpu_micro_batch  # noqa: E402
+from trainer.objectives import ObjectiveConfig  # noqa: E402
+
+GB = 10**9
+QWEN3_1_7B = {"layers": 28, "hidden": 2048}  # benchmarks/trainer/bench.py --random-config qwen3-1.5b
+H100_FREE = 81 * GB  # 81,559 MiB less the 1.7 B model's 3.5 GB and the CUDA context
+
+
+def test_cpu_defaults_unchanged(model_dir: Path) -> None:
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu"), ObjectiveConfig())
+    assert trainer.compile is False and trainer.micro_batch_size == CPU_MICRO_BATCH == 4
+
+
+def test_explicit_settings_win(model_dir: Path) -> None:
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", micro_batch_size=2, compile=False),
+                           ObjectiveConfig())
+    assert trainer.compile is False and trainer.micro_batch_size == 2
+    # legacy (main's code path before the speed work) never compiles, whatever the device
+    legacy = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", legacy=True, compile=True), ObjectiveConfig())
+    assert legacy.compile is False
+
+
+def test_h100_gets_the_measured_micro_batch() -> None:
+    full = gpu_micro_batch(H100_FREE, QWEN3_1_7B["layers"], QWEN3_1_7B["hidden"], trainable=1_720_574_976)
+    lora = gpu_micro_batch(H100_FREE, QWEN3_1_7B["layers"], QWEN3_1_7B["hidden"], trainable=3_211_264)
+    assert full == lora == 8
+    # a 24 GB card cannot hold the 1.7 B model's full fine-tuning state with room to spare: 1 turn at a time
+    assert gpu_micro_batch(20 * GB, QWEN3_1_7B["layers"], QWEN3_1_7B["hidden"], trainable=1_720_574_976) == 1
+    # ... but LoRA on it gets 4
+    assert gpu_micro_batch(20 * GB, QWEN3_1_7B["layers"], QWEN3_1_7B["hidden"], trainable=3_211_264) == 4
+
+
+sizes = st.integers(min_value=0, max_value=200 * GB)
+shapes = st.tuples(st.integers(1, 96), st.sampled_from([576, 1024, 2048, 4096, 8192]))
+params = st.integers(min_value=0, max_value=20 * GB)
+
+
+@given(free=sizes, more=sizes, shape=shapes, trainable=params, extra=params)
+def test_micro_batch_is_a_bounded_power_of_two_that_grows_with_memory(
+        free: int, more: int, shape: tuple[int, int], trainable: int, extra: int) -> None:
+    layers, hidden = shape
+    mb = gpu_micro_batch(free, layers, hidden, trainable)
+    assert 1 <= mb <= GPU_MICRO_BATCH_MAX and mb & (mb - 1) == 0
+    assert gpu_micro_batch(free + more, layers, hidden, trainable) >= mb
+    assert gpu_micro_batch(free, layers, hidden, trainable + extra) <= mb
