@@ -9,10 +9,11 @@ TORCH  ?= torch==2.13.0
 GPU    := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-# The suite in tiers (docs/testing.md): tests/conftest.py marks each test `vllm`, `browser` or `agent`
-# by the fixtures it uses. `make test` runs every tier; `make test-fast`, while you change code, only
-# the tests that need none of them (no vLLM, no chromium, no npm agent).
-FAST   ?= not vllm and not browser and not agent
+# The suite in tiers (docs/testing.md): tests/conftest.py marks each test `vllm`, `browser`, `agent` or
+# `processes` by the fixtures it uses and what its module imports. `make test` runs every tier;
+# `make test-fast`, while you change code, only the tests that need none of them (no vLLM, no chromium,
+# no npm agent, no gateway/worker/upstream process or throwaway database of their own).
+FAST   ?= not vllm and not browser and not agent and not processes
 
 .PHONY: up test test-fast install install-test torch browser openclaw clean
 

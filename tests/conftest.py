@@ -193,17 +193,28 @@ def browser() -> Iterator[Any]:
 
 # The tiers (docs/testing.md; the markers are registered in pyproject.toml). A test is marked by what
 # it uses, so a new test lands in its tier without saying so: a fixture below (directly or through
-# another fixture), or, for real agents, a module that imports an agent installer.
+# another fixture), or what its module imports.
 TIER_FIXTURES = {
     "vllm": {"vllm_server", "teacher_server", "model_dir"},
     "browser": {"browser"},
     "agent": {"openclaw"},
+    "processes": {"pg_cluster"},
 }
-AGENT_INSTALLERS = {"tests.agents", "tests.openclaw_agent"}
+# what a module imports: an agent installer, or a class that starts a process (nextstate.testing)
+TIER_IMPORTS = {
+    "agent": {("tests.agents", None), ("tests.openclaw_agent", None)},
+    "processes": {("nextstate.testing.processes", "GatewayProcess"), ("nextstate.testing.processes", "WorkerProcess"),
+                  ("nextstate.testing.upstream", "UpstreamProcess"), ("nextstate.testing.pg", "ThrowawayPostgres"),
+                  ("nextstate.testing.redis_server", "ThrowawayRedis")},
+}
 
 
-def _imports_agent_installer(module: Any) -> bool:
-    return any(getattr(v, "__module__", None) in AGENT_INSTALLERS for v in vars(module).values())
+def _imports(module: Any, wanted: set[tuple[str, str | None]]) -> bool:
+    for value in vars(module).values():
+        where = getattr(value, "__module__", None)
+        if (where, None) in wanted or (where, getattr(value, "__qualname__", None)) in wanted:
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -213,5 +224,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             if used & fixtures:
                 item.add_marker(marker)
         module = getattr(item, "module", None)
-        if module is not None and _imports_agent_installer(module):
-            item.add_marker("agent")
+        for marker, wanted in TIER_IMPORTS.items():
+            if module is not None and _imports(module, wanted):
+                item.add_marker(marker)
