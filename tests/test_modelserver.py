@@ -73,9 +73,11 @@ def test_serve_command_and_env() -> None:
         "--enable-lora",
         "--max-lora-rank 16",
         "--max-loras 4",
+        "--lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
         "--tool-call-parser hermes",
     ):
         assert flag in joined
+    assert "lm_head" not in joined
     assert cmd[-1] == "--x"
     env = serve_env({"PATH": "/bin"})
     assert env["PATH"] == "/bin"
@@ -145,3 +147,43 @@ def test_chat_template_matches_server_tokenization(
     ).json()["prompt"]
     assert text == rendered["text"]
     assert _chat(vllm_server, max_tokens=1, return_token_ids=True)["prompt_token_ids"] == tokens
+
+
+def test_prompt_logprobs_beside_lora_requests(vllm_server: RunningVLLM, model_dir: Path, tmp_path: Path) -> None:
+    """With serve_command's --lora-target-modules, prompt_logprobs requests share batches with
+    streamed LoRA requests and every request is answered. With vLLM's default targets (lm_head
+    included) the CPU build's engine dies here (einsum in punica_cpu.add_lora_logits) and the GPU
+    build's with a CUDA illegal memory access (benchmarks/gpu/results/README.md)."""
+    import asyncio
+
+    from benchmarks.gpu.lora_churn import write_adapter
+
+    write_adapter(model_dir, tmp_path / "adapter", seed=3)
+    root = vllm_server.base_url.removesuffix("/v1")
+    name = f"pl-beside-{tmp_path.name}"
+    httpx.post(f"{root}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp_path / "adapter")},
+               timeout=120).raise_for_status()
+
+    async def stream(client: httpx.AsyncClient, i: int) -> bool:
+        body = {"model": name, "prompt": f"Story {i}: once upon a time", "max_tokens": 24, "stream": True,
+                "ignore_eos": True}
+        async with client.stream("POST", f"{root}/v1/completions", json=body) as r:
+            return r.status_code == 200 and any([line.strip() == "data: [DONE]" async for line in r.aiter_lines()])
+
+    async def prompt_logprobs(client: httpx.AsyncClient, n: int) -> bool:
+        await asyncio.sleep(0.3)  # while the streams decode
+        ids = list(range(1000, 1000 + n))
+        r = await client.post(f"{root}/v1/completions", json={"model": "smollm2", "prompt": ids, "max_tokens": 1,
+                                                               "prompt_logprobs": 0})
+        return r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == n
+
+    async def run() -> list[bool]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*[stream(client, i) for i in range(4)],
+                                        *[prompt_logprobs(client, n) for n in (37, 61)])
+
+    try:
+        assert asyncio.run(run()) == [True] * 6
+        assert httpx.get(f"{root}/health", timeout=30).status_code == 200
+    finally:
+        httpx.post(f"{root}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)

@@ -21,12 +21,15 @@ Celery worker can import this without the gateway or the trainer.
 
 Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextstate):
 
-* With ``--enable-lora``, a ``prompt_logprobs`` request that is scheduled in the same step as
-  any other running request kills the EngineCore (``einsum(): subscript b has size N ...`` in
+* With ``--enable-lora`` and LoRA on ``lm_head`` (vLLM's default ``--lora-target-modules``), a
+  ``prompt_logprobs`` request that is scheduled in the same step as any other running request
+  kills the EngineCore (``einsum(): subscript b has size N ...`` in
   ``punica_cpu.add_lora_logits``: the LoRA logits mapping has one row per request, prompt
-  logprobs one per prompt token); every in-flight request then fails with 500 and the server
-  must be restarted. A lone request is fine (size 1 broadcasts). Send teacher requests only to
-  a replica that gets no concurrent traffic, one at a time. Related upstream reports:
+  logprobs one per prompt token; the GPU build dies of the same mismatch with a CUDA illegal
+  memory access); every in-flight request then fails with 500 and the server must be restarted.
+  The servers nextstate starts leave ``lm_head`` out (``nextstate.modelserver.LORA_TARGET_MODULES``);
+  teacher requests still go to a replica of their own, one at a time (``TEACHER_ARGS`` there says
+  why). Related upstream reports:
   vllm-project/vllm#17766, #16668, #29955.
 * When a LoRA adapter targets ``lm_head``, vLLM's ``prompt_logprobs`` may omit the adapter's
   lm_head delta (vllm-project/vllm#51594, open); adapters that leave ``lm_head`` alone are
