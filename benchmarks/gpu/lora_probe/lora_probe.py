@@ -5,8 +5,8 @@ registers ``register`` under ``vllm.general_plugins``). It wraps the three punic
 ``PunicaWrapperGPU`` (``add_lora_linear``, ``add_lora_embedding``, ``add_lora_logits``): before
 each call it reads the kernel metadata back (which rows of the input the LoRA kernels will touch)
 and logs a line when a row lies past the input's end; after it, it synchronises, so a CUDA error
-is raised by the call that caused it (Triton launches are not checked even with
-CUDA_LAUNCH_BLOCKING=1). Slow: a GPU round trip per LoRA layer. Diagnosis only.
+that the call itself causes is raised there (and logged) rather than at a later synchronising
+call. Slow: a GPU round trip per LoRA layer. Diagnosis only.
 """
 
 from __future__ import annotations
