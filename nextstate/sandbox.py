@@ -8,7 +8,7 @@ extra packages (util-linux's ``unshare`` and ``setpriv``, the kernel's rlimits a
 - **its own processes**: a new PID namespace (``--pid --fork --kill-child``): killing the
   command's ``unshare`` kills everything it started, daemons and double forks included;
 - **its own user** (as root): the command runs as a uid of its own (``setpriv``; one per
-  sandbox alive at once, 42000 upwards), so ``RLIMIT_NPROC`` caps the processes of this sandbox
+  sandbox alive at once on the machine, 42000 upwards, held by a lock file), so ``RLIMIT_NPROC`` caps the processes of this sandbox
   alone (the kernel ignores that limit for root) and it cannot touch the host's files beyond
   what any user may;
 - **rlimits** on every process: CPU seconds, address space (memory), the size of one file,
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import re
 import resource
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -71,21 +73,34 @@ class SandboxUnavailable(RuntimeError):
 
 
 _uids_lock = threading.Lock()
-_uids_taken: set[int] = set()
+_uids_taken: dict[int, int] = {}  # uid -> the fd of its lock file, held while the sandbox lives
+UID_LOCKS = Path(tempfile.gettempdir()) / "nextstate-sandbox-uids"
 
 
 def _take_uid() -> int:
+    """A uid no other live sandbox has, in this process or another one on the machine: each is
+    held by an flock on ``UID_LOCKS/<uid>``, which the kernel drops when its holder dies."""
+    UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
     with _uids_lock:
         for uid in range(FIRST_UID, FIRST_UID + MAX_SANDBOXES):
-            if uid not in _uids_taken:
-                _uids_taken.add(uid)
-                return uid
+            if uid in _uids_taken:
+                continue
+            fd = os.open(UID_LOCKS / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            _uids_taken[uid] = fd
+            return uid
     raise SandboxUnavailable(f"more than {MAX_SANDBOXES} sandboxes alive at once")
 
 
 def _give_uid(uid: int) -> None:
     with _uids_lock:
-        _uids_taken.discard(uid)
+        fd = _uids_taken.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing drops the flock
 
 
 _probe: str | None = None

@@ -140,3 +140,22 @@ def _processes_of(sandbox: Sandbox) -> list[int]:
             if uid == sandbox.uid and "State:\tZ" not in status:
                 found.append(int(d.name))
     return found
+
+
+def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("one uid per sandbox only as root")
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from nextstate.sandbox import Sandbox; "
+        f"b = Sandbox({str(tmp_path / 'other')!r}); print(b.uid, flush=True); time.sleep(30)")],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        other = int(holder.stdout.readline())
+        with Sandbox(tmp_path / "mine", LIMITS) as box:
+            assert box.uid != other
+    finally:
+        holder.kill()
+        holder.wait()
