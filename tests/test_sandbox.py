@@ -159,3 +159,4 @@ def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path: Path) -> No
     finally:
         holder.kill()
         holder.wait()
+        subprocess.run(["umount", "-l", str(tmp_path / "other")], capture_output=True)  # its tmpfs
