@@ -92,7 +92,9 @@ class ResponsesRequest(BaseModel):
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: what Claude Code sends with Anthropic's
+    # mid-conversation-tool-changes beta (LiteLLM's adapter passes it on as a marked user note)
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import anthropic
+import pytest
 from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.errors import OpenAIError, from_upstream
 from gateway.formats import MessagesReply, ResponsesReply, anthropic_error, messages_to_chat, responses_to_chat
+from gateway.protocol import MessagesRequest, parse_body
 
 PROMPT = [1, 2, 3, 4, 5]
 
@@ -160,6 +162,21 @@ def test_messages_request_becomes_the_chat_the_pool_keeps() -> None:
     assert chat["messages"][2]["tool_calls"][0]["id"] == "t1" and "thinking_blocks" not in chat["messages"][2]
     assert chat["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "2"}
     assert chat["stop"] == ["X"] and chat["max_tokens"] == 5 and chat["top_k"] == 3 and chat["user"] == "u1"
+
+
+def test_a_system_message_mid_conversation_is_accepted_and_kept_in_place() -> None:
+    """Claude Code's first request, with Anthropic's mid-conversation-tool-changes beta, carries a
+    `role: "system"` message inside `messages`; refusing it cost every run one failed call."""
+    raw = json.dumps({"model": "m", "max_tokens": 5, "system": "S0", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Tools changed: grep is gone."}]},
+        {"role": "user", "content": "go on"}]}).encode()
+    chat = messages_to_chat(parse_body(raw, MessagesRequest))
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "user", "user"]
+    assert "Tools changed: grep is gone." in json.dumps(chat["messages"][2])
+    with pytest.raises(OpenAIError) as refused:  # any other role is still the client's error
+        parse_body(raw.replace(b'"role": "system", "content": [', b'"role": "tool", "content": ['), MessagesRequest)
+    assert refused.value.status == 400
 
 
 def test_responses_request_continues_the_stored_history() -> None:
