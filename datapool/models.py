@@ -7,12 +7,14 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     Float,
     ForeignKey,
     Index,
     Integer,
     String,
     Text,
+    false,
     literal_column,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -192,6 +194,8 @@ class PolicyVersion(Base):
     status: Mapped[str] = mapped_column(String(16), index=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     stats: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)
+    # learned from data that was forgotten (``nextstate forget --taint``): never served again
+    tainted: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
 
 
 class Vote(Base):
@@ -335,3 +339,17 @@ class EvalReply(Base):
     reply: Mapped[str] = mapped_column(Text)
     score: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class AuditEntry(Base):
+    """Who did what to the pool or the policy, when (``datapool.audit``): written in the
+    transaction of the action it records."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(256))  # "token", "tenant:<name>", "cli:<user>", ...
+    action: Mapped[str] = mapped_column(String(32), index=True)  # vocab.AuditAction
+    target: Mapped[str | None] = mapped_column(String(512))
+    details: Mapped[dict[str, Any]] = mapped_column(Json, default=dict)  # counts, versions, dry run

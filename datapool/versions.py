@@ -13,7 +13,9 @@ on the version it started on.
 Statuses (:class:`datapool.vocab.VersionStatus`): ``candidate`` (published, not activated),
 ``active``, ``retired`` (was active, replaced by a promotion or a newer publish),
 ``rolled_back`` (was active and was rolled back from; never chosen again by a plain
-:func:`rollback`), ``refused`` (a candidate the eval gate refused). :func:`activate` and
+:func:`rollback`), ``refused`` (a candidate the eval gate refused). Apart from its status, a
+version may be ``tainted`` (it learned from data that was forgotten, ``datapool.forget``):
+:func:`activate` and :func:`rollback` refuse a tainted target, and a plain rollback skips them. :func:`activate` and
 :func:`rollback` change no row unless the target is served everywhere; each status change
 writes a ``policy_events`` row in the same transaction.
 
@@ -41,14 +43,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.errors import NextstateError
-from datapool import policy_signal
+from datapool import audit, policy_signal
 from vllm_client.adapters import ensure_loaded
 from vllm_client.http import AdminError, openai_bases
 from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, check_checkpoint, require_weight_labels, switch_weights, weight_label
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
-from datapool.vocab import PauseMode, PolicyAction, VersionKind, VersionStatus
+from datapool.vocab import AuditAction, PauseMode, PolicyAction, VersionKind, VersionStatus
 
 log = logging.getLogger("nextstate.publish")
 
@@ -68,6 +70,12 @@ class PublishError(NextstateError, RuntimeError):
     """A version could not be published, promoted or rolled back; nothing in the pool changed."""
 
     status, code = 409, "publish_failed"
+
+
+class VersionTainted(PublishError):
+    """The version learned from forgotten data (``nextstate forget --taint``); it is never served again."""
+
+    status, code = 409, "version_tainted"
 
 
 class VersionNotFound(PublishError, LookupError):
@@ -93,6 +101,7 @@ def version_dict(row: PolicyVersion, parent_name: str | None = None) -> dict[str
         "status": row.status,
         "created_at": iso(row.created_at),
         "stats": dict(row.stats or {}),
+        "tainted": bool(row.tainted),
     }
 
 
@@ -378,6 +387,9 @@ def serve_pool_state(engine: Engine, urls: Sequence[str], *, pause_mode: str, ti
 # promote / rollback
 
 
+_AUDIT = {PolicyAction.PROMOTE: AuditAction.PROMOTE, PolicyAction.ROLLBACK: AuditAction.ROLLBACK}
+
+
 def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, demoted_status: str,
                timeout_s: float, action: str, actor: str, reason: str | None,
                pause_mode: str = PauseMode.WAIT, event_metrics: dict[str, Any] | None = None
@@ -389,6 +401,9 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
     with OrmSession(engine) as db:
         if target is not None:
             row = _get(db, target)
+            if row.tainted:
+                raise VersionTainted(f"version {target!r} is tainted: it learned from forgotten data "
+                                     "(nextstate forget --taint) and is never served again")
             kind, path, base_model = row.kind, row.path, row.base_model
             if kind in (VersionKind.LORA, VersionKind.FULL) and not path:
                 raise PublishError(f"version {target!r} has no {'adapter' if kind == 'lora' else 'checkpoint'} path")
@@ -409,13 +424,17 @@ def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, 
         if target is None or kind == VersionKind.BASE:
             demoted = _demote_active(db, demoted_status)
             event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
+            audit.record(db, actor, _AUDIT[action], BASE, {"from": demoted, "reason": reason})
             policy_signal.announce(db, None)
             return None, demoted
         row = _get(db, target)
+        if row.tainted:  # tainted while vLLM was loading it
+            raise VersionTainted(f"version {target!r} is tainted: it learned from forgotten data")
         demoted = _demote_active(db, demoted_status, keep_id=row.id)
         row.status = VersionStatus.ACTIVE
         db.flush()
         event(db, row.id, action, actor, reason, {"to": row.name, "from": demoted, **metrics})
+        audit.record(db, actor, _AUDIT[action], row.name, {"from": demoted, "reason": reason})
         policy_signal.announce(db, row.name)
         return _dict(db, row), demoted
 
@@ -472,6 +491,7 @@ def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
                 select(PolicyVersion)
                 .where(
                     PolicyVersion.status.in_(ROLLBACK_TARGET_STATUSES),
+                    PolicyVersion.tainted.is_(False),
                     PolicyVersion.kind.in_((VersionKind.LORA, VersionKind.FULL)),
                     PolicyVersion.created_at < current.created_at,
                 )

@@ -166,3 +166,15 @@ class LabelKind(StrEnum):
 def values(enum: type[StrEnum]) -> tuple[str, ...]:
     """The strings of an enum, in order (for ``click.Choice`` and regex-free validation)."""
     return tuple(m.value for m in enum)
+
+
+class AuditAction(StrEnum):
+    """What an ``audit_log`` row records."""
+
+    FORGET = "forget"
+    PROMOTE = "promote"
+    ROLLBACK = "rollback"
+    TAINT = "taint"
+    EXPIRE = "expire"
+    KEY_ISSUE = "key_issue"
+    KEY_REVOKE = "key_revoke"

@@ -23,9 +23,11 @@ from sqlalchemy import Engine, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
+from datapool import audit
 from datapool.db import utcnow
 from datapool.models import ApiKey, Session, Turn
 from datapool.settings import TENANT_NAME, Settings
+from datapool.vocab import AuditAction
 from gateway.errors import OpenAIError
 
 SEPARATOR = "~"  # between a tenant and its own session id; not in any tenant name
@@ -100,6 +102,7 @@ def issue(db: OrmSession, tenant: str, actor: str) -> dict[str, Any]:
     key = "nsk-" + uuid.uuid4().hex + uuid.uuid4().hex
     row = ApiKey(id=uuid.uuid4().hex, tenant=tenant, key_hash=key_hash(key), created_at=utcnow(), created_by=actor)
     db.add(row)
+    audit.record(db, actor, AuditAction.KEY_ISSUE, tenant, {"key_id": row.id})
     return {"id": row.id, "tenant": tenant, "key": key, "created_at": row.created_at.isoformat()}
 
 
@@ -109,11 +112,12 @@ def list_keys(db: OrmSession, tenant: str) -> list[dict[str, Any]]:
             for k in db.scalars(select(ApiKey).where(ApiKey.tenant == tenant).order_by(ApiKey.created_at))]
 
 
-def revoke(db: OrmSession, tenant: str, key_id: str) -> bool:
+def revoke(db: OrmSession, tenant: str, key_id: str, actor: str) -> bool:
     row = db.get(ApiKey, key_id)
     if row is None or row.tenant != tenant or row.revoked_at is not None:
         return False
     row.revoked_at = utcnow()
+    audit.record(db, actor, AuditAction.KEY_REVOKE, tenant, {"key_id": key_id})
     return True
 
 
@@ -127,7 +131,7 @@ TENANT_ROUTES = frozenset({
     ("GET", "/api/sessions/{session_id}/lineage"),
     ("GET", "/api/turns"), ("GET", "/api/turns/{turn_id}"), ("GET", "/api/turns/{turn_id}/labels"),
     ("POST", "/api/turns/{turn_id}/labels"), ("GET", "/api/judgements"), ("GET", "/api/queue"),
-    ("GET", "/api/export"), ("POST", "/api/capture/flush"),
+    ("GET", "/api/export"), ("POST", "/api/capture/flush"), ("POST", "/api/forget"),
     ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
 })
 

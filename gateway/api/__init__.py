@@ -1,11 +1,11 @@
 """The JSON admin API under ``/api``: sessions and judgements, labels, the queue and export,
-policy versions, and the API's docs (/docs, /redoc, /openapi.json). Every route takes the admin token or an admin UI login (``gateway.auth``)."""
+policy versions, tenants' keys, forgetting and the audit log, and the API's docs (/docs, /redoc, /openapi.json). Every route takes the admin token or an admin UI login (``gateway.auth``)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from gateway.api import docs, labels, policy, sessions, tenants, turns
+from gateway.api import docs, labels, policy, privacy, sessions, tenants, turns
 
 
 def include(app: FastAPI) -> None:
@@ -15,4 +15,5 @@ def include(app: FastAPI) -> None:
     app.include_router(labels.router)
     app.include_router(turns.router)
     app.include_router(tenants.router)
+    app.include_router(privacy.router)
     app.include_router(docs.router)

@@ -40,9 +40,10 @@ async def list_keys(request: Request, tenant: str) -> dict[str, Any]:
 
 
 @router.delete("/{tenant}/keys/{key_id}")
-async def revoke_key(request: Request, tenant: str, key_id: str) -> dict[str, Any]:
+async def revoke_key(request: Request, tenant: str, key_id: str, admin: Admin = Depends(require_api)
+                     ) -> dict[str, Any]:
     gw = gateway_of(request)
-    if not await in_pool(gw.engine, tenants.revoke, _tenant(tenant), key_id, write=True):
+    if not await in_pool(gw.engine, tenants.revoke, _tenant(tenant), key_id, admin.name, write=True):
         raise OpenAIError(404, f"no active key {key_id!r} of tenant {tenant!r}", code="key_not_found")
     await gw.keys.refresh(force=True)
     return {"id": key_id, "tenant": tenant, "revoked": True}

@@ -10,6 +10,7 @@ import click
 
 from nextstate.cli import options
 from nextstate.cli.policy import policy_cli
+from nextstate.cli.privacy import audit_cmd, forget
 from nextstate.cli.rollout import rollout
 from nextstate.cli.serve import config_group, db, gateway, up, worker
 from nextstate.cli.train import train
@@ -30,5 +31,5 @@ def main() -> None:
     """
 
 
-for command in (gateway, worker, train, db, up, config_group, rollout, vllm_cli, policy_cli):
+for command in (gateway, worker, train, db, up, config_group, rollout, vllm_cli, policy_cli, forget, audit_cmd):
     main.add_command(command)
