@@ -204,10 +204,15 @@ def register(engine: Engine, *, name: str, kind: str, base_model: str, path: Pat
     try:
         with OrmSession(engine) as db, db.begin():
             _lock(db)
+            parent = db.get(PolicyVersion, parent_id) if parent_id is not None else None
+            tainted = bool(parent is not None and parent.tainted)  # it learned what its parent did
+            if tainted and activate:
+                raise VersionTainted(f"{name!r} was trained from tainted version {parent.name!r} "  # type: ignore[union-attr]
+                                     "(it learned from forgotten data): it may not be served")
             retired = _demote_active(db, VersionStatus.RETIRED) if activate else []
             row = PolicyVersion(name=name, base_model=base_model, kind=kind, path=str(path),
                                 parent_id=parent_id, status=VersionStatus.ACTIVE if activate else VersionStatus.CANDIDATE,
-                                stats=dict(stats or {}))
+                                stats=dict(stats or {}), tainted=tainted)
             db.add(row)
             db.flush()
             event(db, row.id, PolicyAction.PUBLISH, actor, reason,

@@ -220,3 +220,16 @@ def test_spool_files_lose_the_records(database_url: str, tmp_path: Path) -> None
     assert (spool / "rejected.jsonl").read_text() == ""
     running.close()
     engine.dispose()
+
+
+def test_a_version_trained_from_a_tainted_one_is_tainted(database_url: str, tmp_path: Path) -> None:
+    engine, tag, a1, *_ = _pool(database_url, tmp_path)
+    forget(engine, session_id=a1.session_id, actor="token", taint=True)
+    parent = versions.check_new(engine, f"next-{tag}", f"v1-{tag}")
+    with pytest.raises(versions.VersionTainted, match="tainted version"):
+        versions.register(engine, name=f"next-{tag}", kind="lora", base_model="b", path=tmp_path / "n",
+                          parent_id=parent, activate=True, stats={}, actor="trainer", reason=None, metrics={})
+    row, _ = versions.register(engine, name=f"next-{tag}", kind="lora", base_model="b", path=tmp_path / "n",
+                               parent_id=parent, activate=False, stats={}, actor="trainer", reason=None, metrics={})
+    assert row["tainted"] and row["status"] == "candidate"
+    engine.dispose()
