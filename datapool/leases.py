@@ -80,7 +80,8 @@ def _release(db: OrmSession, run_id: str) -> None:
 def _candidates(run_id: str, filters: Filters, now: datetime) -> Any:
     q = (select(Judgement.turn_id).join(Turn, Turn.id == Judgement.turn_id)
          .where(Judgement.reward.is_not(None) | Judgement.teacher_logprobs.is_not(None),
-                Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK))
+                Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK,
+                Turn.request[("expired_at",)].as_string().is_(None)))  # retention took its content
     if filters.needs_teacher:
         q = q.where(Judgement.teacher_logprobs.is_not(None))
     else:

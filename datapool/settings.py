@@ -353,6 +353,12 @@ class Settings(BaseSettings):
     session_idle_timeout_s: float = Field(
         default=1800.0, description="A session with no new turn for this long has ended."
     )
+    retention_days: float | None = Field(
+        default=None, gt=0,
+        description="Expire the raw content of turns older than this many days (request, reply, next state, "
+        "token ids, hints; rows, rewards and counts stay: docs/security.md). Run by every worker's sweep and "
+        "by `nextstate db expire`. Default: off, content kept.",
+    )
     sweep_interval_s: float = Field(
         default=30.0,
         description="How often a worker re-queues lost scoring tasks and ends idle sessions.",

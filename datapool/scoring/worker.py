@@ -1,4 +1,5 @@
-"""The Celery workers that score turns (`nextstate worker`): the score task and the periodic sweep."""
+"""The Celery workers that score turns (`nextstate worker`): the score task and the periodic sweep
+(which also expires old content when ``retention_days`` is set)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from celery import Celery, Task
 
+from datapool import retention
 from datapool.db import make_engine
 from datapool.judgements import mark_dead, record_failure, sweep
 from datapool.queue import SCORE_TASK, SWEEP_TASK, Enqueuer, make_celery
@@ -71,6 +73,11 @@ def build_worker_app(settings: Settings) -> Celery:
                        requeue_after_s=settings.requeue_after_s)
         if result.requeue:
             enqueuer.send(result.requeue)
+        if settings.retention_days:
+            expired = retention.expire(engine, settings.retention_days, actor="worker")
+            if expired["turns"] or expired["eval_replies"]:
+                log.info("retention: expired %d turns, %d eval replies before %s", expired["turns"],
+                         expired["eval_replies"], expired["cutoff"])
         return len(result.requeue)
 
     return app

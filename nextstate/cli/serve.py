@@ -129,6 +129,33 @@ def db_current(database_url: str | None) -> None:
     click.echo(current_revision(opt.settings(database_url=database_url).resolved_database_url) or "empty")
 
 
+@db.command("expire")
+@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@click.option("--days", type=click.FloatRange(min=0, min_open=True),
+              help="Expire content older than this. Default: NEXTSTATE_RETENTION_DAYS.")
+@click.option("--dry-run", is_flag=True, help="Count what would expire; change nothing.")
+def db_expire(database_url: str | None, days: float | None, dry_run: bool) -> None:
+    """Expire the raw content of turns older than the retention period (docs/security.md):
+    requests, replies, next states, token ids, hints and tool-call arguments go; the rows, their
+    rewards, usage and timestamps stay, and no training batch takes an expired turn again. The
+    eval gate's stored replies older than that are deleted. Each chunk is one transaction with
+    its audit entry. The worker's sweep does the same periodically when retention_days is set."""
+    from datapool import audit, retention
+    from datapool.db import make_engine
+
+    settings = opt.settings(database_url=database_url)
+    days = days or settings.retention_days
+    if not days:
+        raise click.UsageError("no retention period: pass --days or set NEXTSTATE_RETENTION_DAYS")
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        done = retention.expire(engine, days, actor=audit.cli_actor(), dry_run=dry_run)
+    finally:
+        engine.dispose()
+    verb = "would expire" if dry_run else "expired"
+    click.echo(f"{verb} {done['turns']} turn(s) and {done['eval_replies']} eval reply(ies) created before {done['cutoff']}")
+
+
 @db.command("rehash")
 @click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
 def db_rehash(database_url: str | None) -> None:
