@@ -63,7 +63,8 @@ def policy_cli() -> None:
     serves it, so the alias never names a model vLLM lacks.
 
     Statuses: candidate (published, never activated), active, retired (replaced by a newer
-    one), rolled_back (rolled back from; a plain `rollback` never returns to it).
+    one), rolled_back (rolled back from; a plain `rollback` never returns to it). A version
+    tainted by `nextstate forget --taint` (it learned from forgotten data) is never served again.
     """
 
 
