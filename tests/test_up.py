@@ -22,6 +22,10 @@ import pytest
 
 from nextstate.testing.processes import free_port, wait_for
 
+# `up` runs vLLM from the shared cache: the install first (model_dir), which also puts these tests in
+# the vllm tier (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("model_dir")
+
 
 class Up:
     """`nextstate up` in its own session on free ports, its data (SQLite pool and broker, logs)
