@@ -3,6 +3,7 @@ tenant's key for its own tenant's data) and ``GET /api/audit`` (the admin's alon
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -18,6 +19,8 @@ from gateway.state import gateway_of
 from vllm_client.http import policy_servers
 
 router = APIRouter(prefix="/api", dependencies=[Depends(require_api)])
+
+FLUSH_TIMEOUT_S = 30.0
 
 
 class ForgetRequest(BaseModel):
@@ -40,10 +43,10 @@ class ForgetRequest(BaseModel):
 
 @router.post("/forget")
 async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[str, Any]:
-    """Delete a session's, a tenant's or an end user's turns and everything keyed to them, and
-    their records in this machine's idle spool files; report the versions that learned from
-    them; with ``taint``, mark those versions never to be served again and roll the policy back
-    off a tainted active version. A tenant's key forgets within its own tenant only, and may
+    """Delete a session's, a tenant's or an end user's turns and everything keyed to them (once
+    this gateway's captured turns are written), and their records in this machine's idle spool
+    files; report the versions that learned from them; with ``taint``, mark those versions
+    never to be served again and roll the policy back off a tainted active version. A tenant's key forgets within its own tenant only, and may
     not taint (versions are shared)."""
     gw = gateway_of(request)
     body = await read_model(request, ForgetRequest, gw.settings.max_body_bytes, invalid_status=400)
@@ -53,6 +56,12 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
                               code="admin_only", param="taint")
         if body.tenant is not None and body.tenant != admin.tenant:
             raise OpenAIError(404, f"no tenant {body.tenant!r}", code="tenant_not_found", param="tenant")
+    # what this gateway captured and has not written yet goes first, so the forget finds it
+    # (other replicas: POST /api/capture/flush on each before, or forget again after)
+    try:
+        await asyncio.wait_for(gw.writer.flushed(), FLUSH_TIMEOUT_S)
+    except TimeoutError:
+        pass  # the pool is slow or away; the report's counts are what it holds now
     report = await in_thread(
         forgetting.forget, gw.engine, session_id=body.session_id, tenant=body.tenant, end_user=body.user,
         actor=admin.name, within_tenant=admin.tenant, dry_run=body.dry_run, taint=body.taint,
