@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import retention
+from datapool import export, queries, retention
+from datapool.browse import Browse
 from datapool.db import make_engine, upgrade
 from datapool.leases import lease, start_run
 from datapool.models import AuditEntry, Judgement, ToolCallArguments, Turn, Vote
@@ -56,6 +57,12 @@ def test_old_content_expires_and_the_numbers_stay(database_url: str) -> None:
         assert "PRIVATE" in str(n.request) and n.token_ids == [4, 5] and db.get(Judgement, new.id).hint == "do X"
         assert db.scalar(select(AuditEntry.details).where(AuditEntry.action == "expire")
                          .order_by(AuditEntry.id.desc()).limit(1))["turns"] == done["turns"]
+    # what reads turns still reads an expired one: the API's turn and session, the export
+    with OrmSession(engine) as db:
+        assert queries.get_turn(db, old.id)["request"] == db.get(Turn, old.id).request
+        assert queries.get_session(db, old.session_id) is not None
+    exported = b"".join(export.jsonl(engine, Browse())).decode()
+    assert old.id in exported and new.id in exported and old.request["messages"][0]["content"] not in exported
     run = start_run(engine, objective="rl", backend="local", config={}, base_version=None)
     leased = lease(engine, run, limit=1000)
     assert new.id in leased and old.id not in leased
@@ -93,4 +100,24 @@ def test_the_workers_sweep_expires(sqlite_url: str) -> None:
     with OrmSession(engine) as db:
         assert set(db.get(Turn, old.id).request) == {"expired_at"}
         assert db.scalar(select(AuditEntry.actor).where(AuditEntry.action == "expire")) == "worker"
+    engine.dispose()
+
+
+def test_the_admin_ui_shows_an_expired_turn(sqlite_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from fastapi.testclient import TestClient
+
+    from datapool.settings import Settings
+    from gateway.app import create_app
+
+    upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    old = _turn(3)
+    with OrmSession(engine) as db, db.begin():
+        Stitcher(db).write([old])
+    retention.expire(engine, 2, actor="cli:t")
+    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=sqlite_url, data_dir=tmp_path / "d")
+    with TestClient(create_app(settings)) as client:
+        for page in (f"/admin/sessions/{old.session_id}", "/admin/turns", "/admin/sessions"):
+            r = client.get(page)
+            assert r.status_code == 200 and old.request["messages"][0]["content"] not in r.text, page
     engine.dispose()
