@@ -12,6 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
@@ -233,3 +235,42 @@ def test_a_version_trained_from_a_tainted_one_is_tainted(database_url: str, tmp_
                                parent_id=parent, activate=False, stats={}, actor="trainer", reason=None, metrics={})
     assert row["tainted"] and row["status"] == "candidate"
     engine.dispose()
+
+
+_WORLD = st.lists(st.tuples(st.sampled_from(["t1", "t2", None]), st.sampled_from(["u1", "u2", None]),
+                            st.integers(1, 3)), min_size=1, max_size=6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(world=_WORLD, kind=st.sampled_from(["session", "tenant", "user"]), pick=st.integers(0, 5),
+       value=st.sampled_from(["t1", "t2", "u1", "u2"]), caller=st.sampled_from([None, "t1", "t2"]))
+def test_forget_takes_exactly_what_it_names(sqlite_engine, world, kind, pick, value, caller) -> None:  # type: ignore[no-untyped-def]
+    """Any mix of sessions (tenant, end user, turns) and any target, by the admin or a tenant:
+    exactly the named sessions within the caller's tenant go, whole; the others keep every turn."""
+    tag = uuid.uuid4().hex[:8]
+    sessions: dict[str, tuple[str | None, str | None, list[str]]] = {}
+    records = []
+    for i, (tenant, user, n) in enumerate(world):
+        sid = f"{tag}-{i}"
+        t = f"{tenant}-{tag}" if tenant else None
+        u = f"{user}-{tag}" if user else None
+        turns = [_turn(sid, tenant=t, user=u if j == n - 1 else None) for j in range(n)]  # the user in one turn
+        sessions[sid] = (t, u, [r.id for r in turns])
+        records += turns
+    with OrmSession(sqlite_engine) as db, db.begin():
+        Stitcher(db).write(records)
+    target = {"session": {"session_id": sorted(sessions)[pick % len(sessions)]},
+              "tenant": {"tenant": f"{value}-{tag}"}, "user": {"end_user": f"{value}-{tag}"}}[kind]
+    within = f"{caller}-{tag}" if caller else None
+    rep = forget(sqlite_engine, actor="token", within_tenant=within, **target)
+
+    def named(sid: str) -> bool:
+        t, u, _ = sessions[sid]
+        hit = {"session": sid == target.get("session_id"), "tenant": t == target.get("tenant"),
+               "user": u is not None and u == target.get("end_user")}[kind]
+        return hit and (within is None or t == within)
+    gone = {sid for sid in sessions if named(sid)}
+    assert rep["deleted"]["sessions"] == len(gone)
+    assert rep["deleted"]["turns"] == sum(len(sessions[s][2]) for s in gone)
+    for sid, (_, _, turns) in sessions.items():
+        assert _count(sqlite_engine, Turn, Turn.id.in_(turns)) == (0 if sid in gone else len(turns)), sid
