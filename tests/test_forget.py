@@ -274,3 +274,24 @@ def test_forget_takes_exactly_what_it_names(sqlite_engine, world, kind, pick, va
     assert rep["deleted"]["turns"] == sum(len(sessions[s][2]) for s in gone)
     for sid, (_, _, turns) in sessions.items():
         assert _count(sqlite_engine, Turn, Turn.id.in_(turns)) == (0 if sid in gone else len(turns)), sid
+
+
+def test_the_forget_and_audit_commands(sqlite_url: str, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from nextstate.cli import main
+
+    engine, tag, a1, *_ = _pool(sqlite_url, tmp_path)
+    runner = CliRunner()
+    out = runner.invoke(main, ["forget", "--database-url", sqlite_url])
+    assert out.exit_code == 2 and "exactly one of" in out.output
+    out = runner.invoke(main, ["forget", "--database-url", sqlite_url, "--session", a1.session_id, "--dry-run",
+                               "--spool-dir", str(tmp_path / "none")])
+    assert out.exit_code == 0, out.output
+    assert "would delete: 1 sessions, 2 turns" in out.output and f"v1-{tag} (active, trained)" in out.output
+    assert _count(engine, Turn, Turn.session_id == a1.session_id) == 2
+    out = runner.invoke(main, ["forget", "--database-url", sqlite_url, "--session", a1.session_id])
+    assert out.exit_code == 0 and "deleted: 1 sessions, 2 turns" in out.output and "[tainted]" not in out.output
+    out = runner.invoke(main, ["audit", "--database-url", sqlite_url, "--action", "forget"])
+    assert out.exit_code == 0 and f"forget     session:{a1.session_id}" in out.output, out.output
+    engine.dispose()
