@@ -17,8 +17,9 @@ whose request named that user is forgotten whole.
 Spool files (``capture-N.jsonl``, ``rejected.jsonl`` in the spool directory of this machine)
 are rewritten without the matching records when no running gateway holds them; a file a
 running gateway holds is reported (``spool.held``), since rewriting it under the gateway's
-replay cursor would corrupt it: its records reach the pool once it replays, so run forget again
-after that. Other machines' spools are not reachable from here.
+replay cursor would corrupt it: its records reach the pool once it replays, which
+:func:`forget_waiting` waits for before it forgets again. Other machines' spools are not
+reachable from here.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -160,6 +162,35 @@ def _pairs(turns: list[str], sids: list[str]) -> Iterable[tuple[list[str], list[
     t, s = list(chunked(turns)), list(chunked(sids))
     for i in range(max(len(t), len(s))):
         yield (t[i] if i < len(t) else []), (s[i] if i < len(s) else [])
+
+
+def forget_waiting(engine: Engine, wait_s: float, *, poll_s: float = 0.5, **kw: Any) -> dict[str, Any]:
+    """:func:`forget`, then, while a running gateway's spool file still holds matching records
+    (``spool.held``), wait up to *wait_s* for that gateway to replay them into the pool and
+    forget again; the report adds up both passes (``passes``: how many ran)."""
+    report = forget(engine, **kw)
+    report["passes"] = 1
+    if kw.get("dry_run") or not report["spool"]["held"]:
+        return report
+    kind, value = _target(kw.get("session_id"), kw.get("tenant"), kw.get("end_user"))
+    spool_dir, within = kw.get("spool_dir"), kw.get("within_tenant")
+    deadline = time.monotonic() + wait_s
+    sids = {v for v in (kw.get("session_id"),) if v}
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        if scrub_spool(spool_dir, kind, value, sids, within, dry_run=True)["held"]:
+            continue
+        again = forget(engine, **kw)
+        for table, n in again["deleted"].items():
+            report["deleted"][table] += n
+        known = {v["name"] for v in report["versions"]}
+        report["versions"] += [v for v in again["versions"] if v["name"] not in known]
+        report["tainted"] = sorted(set(report["tainted"]) | set(again["tainted"]))
+        report["active_tainted"] = report["active_tainted"] or again["active_tainted"]
+        report["spool"] = {**again["spool"], "removed": report["spool"]["removed"] + again["spool"]["removed"]}
+        report["passes"] = 2
+        break
+    return report
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import audit, evals, versions
 from datapool.capture import Spool
 from datapool.db import make_engine, upgrade
-from datapool.forget import ForgetError, forget, rollback_tainted
+from datapool.forget import ForgetError, forget, forget_waiting, rollback_tainted
 from datapool.leases import ack, start_run
 from datapool.models import (
     AuditEntry,
@@ -294,4 +295,36 @@ def test_the_forget_and_audit_commands(sqlite_url: str, tmp_path: Path) -> None:
     assert out.exit_code == 0 and "deleted: 1 sessions, 2 turns" in out.output and "[tainted]" not in out.output
     out = runner.invoke(main, ["audit", "--database-url", sqlite_url, "--action", "forget"])
     assert out.exit_code == 0 and f"forget     session:{a1.session_id}" in out.output, out.output
+    engine.dispose()
+
+
+def test_forget_waits_for_a_running_gateways_spool(database_url: str, tmp_path: Path) -> None:
+    """A running gateway's spool holds a record of the session (the pool was away): forget leaves
+    its file alone, waits while the gateway replays it into the pool, and forgets it then."""
+    engine, tag, a1, a2, b, other = _pool(database_url, tmp_path)
+    late = _turn(a1.session_id, tenant=a1.tenant)
+    spool_dir = tmp_path / "spool"
+    running = Spool(spool_dir)
+    running.append([late])
+
+    def replay() -> None:  # what the gateway's writer does once the pool answers
+        time.sleep(1.0)
+        chunk = running.chunk(None)
+        with OrmSession(engine) as db, db.begin():
+            Stitcher(db).write(chunk.records)
+        running.advance(chunk)
+    t = threading.Thread(target=replay)
+    t.start()
+    rep = forget_waiting(engine, 30, session_id=a1.session_id, actor="token", spool_dir=spool_dir, poll_s=0.2)
+    t.join()
+    assert rep["passes"] == 2 and rep["spool"]["held"] == {}
+    assert rep["deleted"]["turns"] == 3  # a1, a2, then the replayed one
+    assert _count(engine, Turn, Turn.session_id == a1.session_id) == 0
+    # no gateway replays: the wait ends and the report says what is still held
+    stuck = Spool(tmp_path / "spool2")
+    stuck.append([_turn(b.session_id, tenant=b.tenant)])
+    rep = forget_waiting(engine, 0.5, session_id=b.session_id, actor="token", spool_dir=tmp_path / "spool2", poll_s=0.1)
+    assert rep["passes"] == 1 and rep["spool"]["held"] == {str(stuck.path): 1}
+    running.close()
+    stuck.close()
     engine.dispose()

@@ -22,8 +22,8 @@ def _summary(report: dict[str, Any]) -> str:
     if spool.get("dir"):
         lines.append(f"spool {spool['dir']}: {spool['removed']} record(s) {'to remove' if report['dry_run'] else 'removed'}")
         for path, n in (spool.get("held") or {}).items():
-            lines.append(f"  {path}: {n} record(s) held by a running gateway; they reach the pool when it "
-                         "replays its spool: run forget again after that")
+            lines.append(f"  {path}: {n} record(s) still held by a running gateway (not replayed within "
+                         "--wait-spool); they reach the pool when it replays its spool: run forget again then")
     if report["versions"]:
         lines.append("versions that learned from it:")
         for v in report["versions"]:
@@ -51,31 +51,37 @@ def _summary(report: dict[str, Any]) -> str:
                    "(or the base model).")
 @click.option("--spool-dir", type=click.Path(file_okay=False, path_type=Path),
               help="The gateway's spool directory on this machine. Default: NEXTSTATE_SPOOL_DIR, or data_dir/spool.")
+@click.option("--wait-spool", type=click.FloatRange(min=0), default=60.0, show_default=True, metavar="SECONDS",
+              help="When a running gateway's spool file holds matching records, wait this long for it to "
+                   "replay them into the pool, then forget again.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @opt.database_url(opt.DB_HELP)
 @opt.vllm_urls(_VLLM_HELP + " Used only to roll back off a tainted active version.")
 def forget(session_id: str | None, tenant: str | None, end_user: str | None, dry_run: bool, taint: bool,
-           spool_dir: Path | None, as_json: bool, database_url: str | None, vllm_urls: tuple[str, ...]) -> None:
+           spool_dir: Path | None, wait_spool: float, as_json: bool, database_url: str | None,
+           vllm_urls: tuple[str, ...]) -> None:
     """Delete a session's, a tenant's or an end user's data, and report the versions that learned from it.
 
     Name exactly one of --session, --tenant, --user. Deleted, in one transaction: the sessions,
     their turns and everything keyed to them (votes, judgements, labels, tool-call arguments,
     continuations, training leases) and the eval gate's stored replies to their prompts. The
-    records of this machine's spool files that no running gateway holds are removed too (a
-    running gateway's own file is reported: run forget again once it has replayed). An audit
+    records of this machine's spool files that no running gateway holds are removed too; a
+    running gateway's own file is left to it: forget waits (--wait-spool) for it to replay the
+    matching records into the pool and forgets again. An audit
     entry records who ran it (cli:<os user>) and the counts. docs/security.md says what is not
     deleted (trained weights, other machines' spools, exports already written).
     """
     from datapool import audit
     from datapool.errors import NextstateError
-    from datapool.forget import forget as run_forget, rollback_tainted
+    from datapool.forget import forget_waiting, rollback_tainted
 
     settings = _settings(database_url)
     actor = audit.cli_actor()
     with _engine(database_url) as engine:
         try:
-            report = run_forget(engine, session_id=session_id, tenant=tenant, end_user=end_user, actor=actor,
-                                dry_run=dry_run, taint=taint, spool_dir=spool_dir or settings.resolved_spool_dir)
+            report = forget_waiting(engine, wait_spool, session_id=session_id, tenant=tenant, end_user=end_user,
+                                    actor=actor, dry_run=dry_run, taint=taint,
+                                    spool_dir=spool_dir or settings.resolved_spool_dir)
         except NextstateError as exc:
             raise click.UsageError(str(exc)) from exc
         if report["active_tainted"] and not dry_run:
