@@ -48,7 +48,10 @@ def error_gateway(vllm_server: RunningVLLM, silent: SilentUpstream,
                                                   "api_base": f"http://127.0.0.1:{free_port()}/v1"}},
     ]}))
     with GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=model_list,
-                        env={"NEXTSTATE_MAX_BODY_BYTES": "4096", "NEXTSTATE_UPSTREAM_TIMEOUT_S": "1.5"}) as gw:
+                        # budget fitting off: the max_tokens case below is vLLM's own refusal passed
+                        # through (tests/test_budget.py covers the fitted budget)
+                        env={"NEXTSTATE_MAX_BODY_BYTES": "4096", "NEXTSTATE_UPSTREAM_TIMEOUT_S": "1.5",
+                             "NEXTSTATE_FIT_OUTPUT_BUDGET": "false"}) as gw:
         yield gw
 
 
