@@ -237,7 +237,9 @@ def test_batch_baseline_properties(data: st.DataObject, values: list[float], cen
 
 
 @hsettings(max_examples=100, deadline=None)
-@given(value=st.sampled_from([-1.0, 0.0, 1.0]), n=st.integers(2, 16), centre_only=st.booleans())
+@given(value=st.one_of(st.sampled_from([-1.0, 0.0, 1.0, 0.05860195308923721]),
+                       st.floats(-3, 3, allow_nan=False, width=32)),
+       n=st.integers(2, 16), centre_only=st.booleans())
 def test_batch_baseline_equal_rewards_give_zeros(value: float, n: int, centre_only: bool) -> None:
     r, mask = _batch([value] * n, [3] * n)
     adv, _ = compute_binary_advantage(scores_to_token_rewards(r, mask), mask,

@@ -284,9 +284,11 @@ def compute_binary_advantage(
             ids[i] = _BATCH_GROUP
         grouped = np.ones(batch, dtype=bool)
     if grouped.any():
+        # in float64: a group's mean of equal fp32 rewards is then exactly that reward, so equal
+        # rewards give A = 0 (in fp32 the mean is off by an ulp, which (std + eps) blows up)
         grpo, _ = ca.compute_grpo_outcome_advantage(
-            token_level_rewards=token_level_rewards.to(torch.float32),
-            response_mask=mask,
+            token_level_rewards=token_level_rewards.to(torch.float64),
+            response_mask=mask.to(torch.float64),
             index=ids,
             epsilon=cfg.grpo_eps,
             norm_adv_by_std_in_grpo=cfg.grpo_norm_by_std,
