@@ -60,6 +60,9 @@ class Requester:
             if params == {"fmt"}:
                 for fmt in ("jsonl", "parquet"):
                     self.get(route, route.replace("{fmt}", fmt))
+            elif params == {"tenant"}:  # a tenant's keys: one with none, and a name never seen
+                for tenant in ("acme", "no-such-tenant"):
+                    self.get(route, route.replace("{tenant}", tenant))
             elif params == {"run_id"} or params == {"version"}:
                 continue  # asked with the pool's runs/versions by the training tests
             elif not params:
