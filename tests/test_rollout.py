@@ -283,6 +283,22 @@ def _rollout_cli(gw: GatewayProcess, tasks: Path, *args: str, env: dict[str, str
         start_new_session=True, **popen)
 
 
+def test_a_sandbox_limit_fails_the_rollout_with_its_reason(gateway: GatewayProcess, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent whose environment hit a limit (a fork bomb here) returns ``failure``: the rollout is
+    recorded as failed with that reason, and still gets its verifier's outcome."""
+    monkeypatch.setenv("NEXTSTATE_TEST_MARKER_DIR", str(tmp_path / "boxes"))
+    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="bomb", n=1, concurrency=1, timeout_s=120,
+                           workdir=tmp_path / "work")
+    verify = ro.load_callable("tests.rollout_agents:zero")
+    summary = _run(cfg, ro.PythonAgent("tests.rollout_agents:sandboxed_fork_bomb", api_key=None), WORDS[:1], verify)
+    (record,) = summary.records
+    assert (record.status, record.outcome) == ("failed", 0.0)
+    meta = _session(gateway, record.session_id)["metadata"]["rollout"]
+    assert meta["result"] == "failed" and meta["error"].startswith("processes: over 16 processes"), meta
+    assert _session(gateway, record.session_id)["end_reason"] == "failed"
+
+
 def test_interrupted_run_resumes_without_duplicating_sessions(gateway: GatewayProcess, tmp_path: Path) -> None:
     tasks = _tasks(tmp_path / "tasks.jsonl", WORDS)
     args = ["--n", "2", "--concurrency", "2", "--agent", "tests.rollout_agents:one_call",

@@ -81,7 +81,6 @@ from sqlalchemy.orm import Session as OrmSession
 
 from benchmarks.learning import preference
 from datapool import versions
-from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade
 from datapool.leases import Filters
 from datapool.models import Judgement, Turn, Vote
@@ -94,6 +93,7 @@ from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import OnlineConfig, OnlineTrainer
 from trainer.publish import PublishRequest, publish
+from vllm_client.adapters import unload
 
 TRAIN = [
     "What is photosynthesis?", "How do airplanes stay in the air?", "Why is the sky blue?",
