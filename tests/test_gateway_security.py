@@ -73,26 +73,38 @@ def fast_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream
         yield up
 
 
-@pytest.fixture(scope="module")
-def open_gateway(fast_upstream: UpstreamProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    """No keys: every route reachable, so the fuzzer exercises all of them."""
-    d = tmp_path_factory.mktemp("gw")
+def _open(upstream: UpstreamProcess, d: Path) -> Gateway:
     models = d / "models.yaml"
     models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-        "model": "hosted_vllm/fixed", "api_base": fast_upstream.base_url}}]}))
-    with Gateway(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
-                        env={"NEXTSTATE_MAX_BODY_BYTES": str(LIMIT)}) as gw:
+        "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+    return Gateway(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
+                   env={"NEXTSTATE_MAX_BODY_BYTES": str(LIMIT)})
+
+
+@pytest.fixture(scope="module")
+def open_gateway(fast_upstream: UpstreamProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+    """No keys: every route reachable without one."""
+    with _open(fast_upstream, tmp_path_factory.mktemp("gw")) as gw:
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def fuzzed_gateway(fast_upstream: UpstreamProcess, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[GatewayProcess]:
+    """The same, for the fuzzer alone: what it POSTs (a tenant's key, say, after which every
+    request needs a key) must not change what the other tests of the open gateway see."""
+    with _open(fast_upstream, tmp_path_factory.mktemp("fuzzgw")) as gw:
         yield gw
 
 
 # --- schemathesis over every route of the OpenAPI schema ---------------------------------------
 
 
-def test_fuzzed_requests_never_5xx_and_errors_speak_openai(open_gateway: GatewayProcess) -> None:
+def test_fuzzed_requests_never_5xx_and_errors_speak_openai(fuzzed_gateway: GatewayProcess) -> None:
     """schemathesis generates requests for every operation of the gateway's own OpenAPI schema,
     valid and not; none may get a 5xx, and every 4xx must be an error in the route's dialect
     (Anthropic's on /v1/messages, OpenAI's everywhere else)."""
-    schema = schemathesis.openapi.from_url(f"{open_gateway.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{fuzzed_gateway.url}/openapi.json")
     failures: list[str] = []
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 10

@@ -79,7 +79,8 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
 
 @router.get("/audit")
 async def audit_log(request: Request, action: AuditAction | None = None,
-                    limit: int = Query(100, ge=1, le=1000), before_id: int | None = None) -> dict[str, Any]:
+                    limit: int = Query(100, ge=1, le=1000),
+                    before_id: int | None = Query(None, ge=1, le=2**63 - 1)) -> dict[str, Any]:
     """Who did what, newest first: forget, taint, promote, rollback, expire, key_issue, key_revoke."""
     rows = await in_pool(gateway_of(request).engine, audit.entries, action=action, limit=limit, before_id=before_id)
     return {"data": rows}
