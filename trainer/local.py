@@ -258,8 +258,11 @@ class LocalTrainer:
 
     # -- one optimizer step ---------------------------------------------------------------------
 
-    def _no_grad_logprobs(self, samples: Sequence[Sample], done: Callable[[Sequence[Sample]], None]
+    def _no_grad_logprobs(self, samples: Sequence[Sample],
+                          done: Callable[[Sequence[Sample]], None] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response log-probs of *samples* without a graph, a micro-batch at a time; *done* is
+        told each micro-batch as it finishes (the step's progress)."""
         width = max(len(s.response_ids) for s in samples)
         parts, masks = [], []
         with torch.no_grad():
@@ -268,7 +271,8 @@ class LocalTrainer:
                 lp, mask = self.response_logprobs(part)
                 parts.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
-                done(part)
+                if done is not None:
+                    done(part)
         return torch.cat(parts), torch.cat(masks)
 
     def _fuse_no_grad_pass(self, n: int) -> bool:
