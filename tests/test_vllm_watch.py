@@ -42,9 +42,10 @@ def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_
             upstream.start()
             wait_for(lambda: http.get(f"{gw.url}/readyz").status_code == 200, timeout=30)
             assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
-            metrics = http.get(f"{gw.url}/metrics").text
             base = upstream.base_url
-            assert f'nextstate_upstream_up{{upstream="{base}"}} 1.0' in metrics
+            # the watch looks once a second, on its own: /readyz may see the server first
+            up = f'nextstate_upstream_up{{upstream="{base}"}} 1.0'
+            metrics = wait_for(lambda: m if up in (m := http.get(f"{gw.url}/metrics").text) else None, timeout=30)
             assert f'nextstate_upstream_restarts_total{{upstream="{base}"}} 1.0' in metrics
     finally:
         upstream.stop()
