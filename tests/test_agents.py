@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ import pytest
 
 from tests.agents import AgentInstall, AgentRun, ensure_agent, run_agent
 from tests.conftest import RunningVLLM
-from nextstate.testing.processes import GatewayProcess
+from nextstate.testing.processes import GatewayProcess, wait_for
 
 pytestmark = pytest.mark.agent
 
@@ -145,7 +146,17 @@ def _drive(name: str, gateway: tuple[GatewayProcess, Path, str], tmp_path_factor
         run = run_agent(install, agent.args(message, more), home=home, env=env, cwd=work, timeout_s=420)
         agent.runs.append(run)
         print(f"\n{name}: run {message[:40]!r}: {run.seconds:.1f}s rc={run.returncode}")
-    turns = [t for t in pool_turns(db) if t.id not in before]
+    def written() -> list[PoolTurn] | None:
+        """The runs' turns once the gateway has written them: each run made at least one main
+        call, and the capture writer batches, so wait for both and for the count to hold."""
+        first = [t for t in pool_turns(db) if t.id not in before]
+        if sum(t.turn_type == "main" for t in first) < 2:
+            return None
+        time.sleep(1.0)
+        again = [t for t in pool_turns(db) if t.id not in before]
+        return again if len(again) == len(first) else None
+
+    turns = wait_for(written, timeout=60)
     for t in turns:
         print(f"{name}: turn {t.turn_type:4} {t.status:9} client={t.client} session={t.session_id[:12]} "
               f"prompt_tokens={len(t.prompt_token_ids or [])} reply_tokens={len(t.token_ids or [])} "
