@@ -75,7 +75,7 @@ async def sandboxed_fork_bomb(task: dict[str, Any], client: openai.AsyncOpenAI) 
 
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     with Sandbox(Path(os.environ["NEXTSTATE_TEST_MARKER_DIR"]) / task["id"], Limits(wall_s=5, processes=16)) as box:
-        ran = await box.run(["bash", "-c", ":(){ :|:& };: ; wait"])
+        ran = await box.run(["bash", "-c", ":(){ :|:& };: ; sleep 30"])
         return {"exit_code": ran.exit_code, "failure": box.failure}
 
 
