@@ -14,6 +14,12 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test-fast`, while you change code, only the tests that need none of them (no vLLM, no chromium,
 # no npm agent, no gateway/worker/upstream process or throwaway database of their own).
 FAST   ?= not vllm and not browser and not agent and not processes
+# Workers (pytest-xdist, a module at a time on each: docs/testing.md): the fast tier on JOBS (2; 0 runs
+# it in one process); the whole suite on TEST_JOBS (0, one process: on 2 workers each would start its own
+# vLLM servers)
+JOBS      ?= 2
+TEST_JOBS ?= 0
+xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist loadfile)
 
 .PHONY: up test test-fast install install-test torch browser openclaw clean
 
@@ -22,10 +28,10 @@ up: install
 
 test: install-test browser openclaw
 	$(VENV)/bin/nextstate vllm setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(TEST_JOBS)) $(PYTEST_ARGS)
 
 test-fast: install-test
-	$(VENV)/bin/python -m pytest -m "$(FAST)" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(JOBS)) -m "$(FAST)" $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
@@ -43,7 +49,7 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(MAKE) --no-print-directory torch
 	$(PIP) install -e '.[test,train,rollout,bench]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/python -c "import pytest, openai, nextstate.cli, torch, peft, verl, matplotlib"
+	$(VENV)/bin/python -c "import pytest, xdist, openai, nextstate.cli, torch, peft, verl, matplotlib"
 	touch $(VENV)/.installed $@
 
 torch: | $(VENV)/bin/python

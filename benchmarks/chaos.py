@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -156,6 +157,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", type=Path, help="python with vLLM (default: nextstate's vLLM venv)")
     ap.add_argument("--model-dir", type=Path, help="the model vLLM serves (default: the converted SmolLM2)")
     ap.add_argument("--database-url", help="the pool (default: SQLite in a temporary directory)")
+    ap.add_argument("--vllm-args", default="", help="extra vLLM arguments, one string (e.g. '--enforce-eager')")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
 
@@ -170,7 +172,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nextstate-chaos-"))
     database_url = args.database_url or f"sqlite:///{work / 'pool.db'}"
     upgrade(database_url)
-    server = VLLMServer(python, model_dir, served_name="smollm2", port=free_port(), log_path=work / "vllm.log")
+    server = VLLMServer(python, model_dir, served_name="smollm2", port=free_port(), log_path=work / "vllm.log",
+                        extra_args=shlex.split(args.vllm_args))
     supervisor = Supervisor(echo=lambda line: print(f"[supervisor] {line}", flush=True),
                             policy=RestartPolicy(limit=5))
     supervisor.add(server)
@@ -181,6 +184,7 @@ def main() -> None:
     try:
         print(f"starting vLLM (log {work / 'vllm.log'}) ...", flush=True)
         assert supervisor.start(), supervisor.fatal
+        first_start_s = time.monotonic() - started
         gateway = subprocess.Popen(
             [sys.executable, "-m", "nextstate.cli", "gateway", "--upstream", server.base_url, "--port", str(gw_port),
              "--database-url", database_url],
@@ -215,6 +219,19 @@ def main() -> None:
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         print(f"SIGKILL to vLLM (pid {pid}) at {killed - started:.1f} s", flush=True)
+        answering: list[float] = []  # kill -> the new vLLM's /v1/models answers (before the version loads)
+
+        def watch_answering() -> None:
+            while not answering and time.monotonic() - killed < args.timeout_s:
+                try:
+                    if server.pid != pid and httpx.get(f"{server.base_url}/models", timeout=2).status_code == 200:
+                        answering.append(time.monotonic() - killed)
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+
+        threading.Thread(target=watch_answering, daemon=True).start()
 
         def served_by(turn_id: str) -> str | None:
             r = httpx.get(f"{gw}/api/turns/{turn_id}", timeout=10)
@@ -263,6 +280,10 @@ def main() -> None:
         "requests": len(clients.outcomes),
         "failed": counts["failed"],
         "recovered_s": round(recovered_s, 2) if recovered_s is not None else None,
+        "first_start_s": round(first_start_s, 1),
+        "restart_answering_s": round(answering[0], 1) if answering else None,
+        "vllm_args": args.vllm_args,
+        "vllm_startup_log": _startup_lines(work / "vllm.log"),
         **{k: counts[k] for k in ("ok", "unavailable", "interrupted")},
         "lost_turns": len(lost),
         "restarts": report["vllm"]["restarts"],
@@ -286,6 +307,19 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.out}")
+
+
+STARTUP_WORDS = ("took", "Graph capturing", "torch.compile", "compile", "Loading weights took", "init engine",
+                 "Starting vLLM", "Application startup complete", "cache")
+
+
+def _startup_lines(log: Path) -> list[str]:
+    """The vLLM log's lines that time its start-ups (both: the first and the restart)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[-300:] for line in lines if any(w in line for w in STARTUP_WORDS)][:80]
 
 
 def _gpu() -> str | None:

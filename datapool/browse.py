@@ -35,7 +35,7 @@ from datapool.vocab import JudgementStatus, TurnKind, WireFormat, values
 MODES = ("online", "offline", "eval")
 CAPTURES = ("white-box", "black-box")
 REWARDS = ("positive", "negative", "tie", "unscored")
-TURN_TYPES = ("main", "side")
+TURN_TYPES = ("main", "side", "sibling")
 WIRE_FORMATS = values(WireFormat)
 
 
@@ -268,12 +268,16 @@ def _summaries(db: OrmSession, sessions: list[Session], words: Words | None = No
         .outerjoin(Judgement, Judgement.turn_id == Turn.id)
         .where(Turn.session_id.in_(ids)).order_by(Turn.created_at, Turn.id)).all()
     first: dict[str, str] = {}
-    info: dict[str, dict[str, Any]] = {sid: {"turns": 0, "main": 0, "positive": 0, "negative": 0, "tie": 0,
-                                              "neutral": 0, "unscored": 0, "models": set(), "versions": set(), "captures": set()}
+    info: dict[str, dict[str, Any]] = {sid: {"turns": 0, "main": 0, "siblings": 0, "positive": 0, "negative": 0,
+                                              "tie": 0, "neutral": 0, "unscored": 0, "models": set(), "versions": set(),
+                                              "captures": set()}
                                        for sid in ids}
     for sid, tid, ttype, model, version, capture, status, reward in turns:
-        first.setdefault(sid, tid)
         i = info[sid]
+        if ttype == TurnKind.SIBLING:  # no part of the session's history (datapool.siblings): counted apart
+            i["siblings"] += 1
+            continue
+        first.setdefault(sid, tid)
         i["turns"] += 1
         i["models"].add(model)
         i["captures"].add(capture)
@@ -299,34 +303,42 @@ def _summaries(db: OrmSession, sessions: list[Session], words: Words | None = No
             "id": s.id, "mode": s.mode, "task_id": s.task_id, "group_id": s.group_id, "source": s.source,
             "created_at": s.created_at, "ended_at": s.ended_at, "end_reason": s.end_reason,
             "outcome": s.outcome, "labeled": s.id in labeled,
-            "client": s.client,
+            "client": s.client, "tenant": s.tenant,
             "preview": _show(s.client, ((previews.get(s.id) or {}).get("messages")) or [], words),
             **{k: (sorted(v) if isinstance(v, set) else v) for k, v in i.items()},
         })
     return out
 
 
-_CHOICES: dict[str, tuple[float, dict[str, list[str]]]] = {}
+_CHOICES: dict[tuple[str, str | None], tuple[float, dict[str, list[str]]]] = {}
 
 
-def filter_choices(db: OrmSession, *, max_age_s: float = 10.0) -> dict[str, list[str]]:
-    """The models and policy versions the filter forms list (200 of each at most). Each is a
-    DISTINCT over every turn, so a page load reuses the answer for *max_age_s* seconds."""
-    key = db.get_bind().url.render_as_string(hide_password=True)
+def filter_choices(db: OrmSession, *, max_age_s: float = 10.0, tenant: str | None = None) -> dict[str, list[str]]:
+    """The models, policy versions, clients and tenants the filter forms list (200 of each at
+    most): of *tenant*'s sessions only when given (and then no tenants). Each is a DISTINCT over
+    every turn, so a page load reuses the answer for *max_age_s* seconds."""
+    key = (db.get_bind().url.render_as_string(hide_password=True), tenant)
     now = time.monotonic()
     hit = _CHOICES.get(key)
     if hit is not None and now - hit[0] < max_age_s:
         return hit[1]
-    models = [m for m in db.scalars(select(Turn.model).distinct().limit(200)) if m]
-    versions = [v for v in db.scalars(select(Turn.policy_version).distinct().limit(200)) if v]
-    clients = [c for c in db.scalars(select(Session.client).distinct().limit(200)) if c]
-    found = {"models": sorted(models), "versions": sorted(versions), "clients": sorted(clients)}
+    mine = [] if tenant is None else [Session.tenant == tenant]
+    turns = [] if tenant is None else [Turn.session_id.in_(select(Session.id).where(*mine))]
+    models = [m for m in db.scalars(select(Turn.model).where(*turns).distinct().limit(200)) if m]
+    versions = [v for v in db.scalars(select(Turn.policy_version).where(*turns).distinct().limit(200)) if v]
+    clients = [c for c in db.scalars(select(Session.client).where(*mine).distinct().limit(200)) if c]
+    tenants = [] if tenant is not None else [
+        t for t in db.scalars(select(Session.tenant).distinct().limit(200)) if t]
+    found = {"models": sorted(models), "versions": sorted(versions), "clients": sorted(clients),
+             "tenants": sorted(tenants)}
     _CHOICES[key] = (now, found)
     return found
 
 
 def counts(db: OrmSession, f: Browse) -> dict[str, int]:
-    """How many sessions match and how many turns are selected, by reward bucket."""
+    """How many sessions match and how many turns are selected, by reward bucket; shadow
+    siblings the filter selects (``datapool.siblings``, which an export writes too, with turn
+    type ``sibling``) are no session's own turns: counted apart, as ``siblings``."""
     sessions = db.scalar(select(func.count()).select_from(Session).where(*_session_where(db, f))) or 0
     r = effective_reward()
     sconds, tconds = session_conditions(f), turn_conditions(db, f)
@@ -337,15 +349,17 @@ def counts(db: OrmSession, f: Browse) -> dict[str, int]:
 
     # the buckets read the turns' own column; ties (no reward, judges split) are counted from
     # the judgements in that state, which are few
+    own = Turn.turn_type != TurnKind.SIBLING
     rows = db.execute(selected(select(
-        func.count(), func.count().filter(r > 0), func.count().filter(r < 0), func.count().filter(r == 0),
+        func.count().filter(own), func.count().filter(own, r > 0), func.count().filter(own, r < 0),
+        func.count().filter(own, r == 0), func.count().filter(~own),
     ).select_from(Turn))).one()
     tie = db.scalar(selected(select(func.count()).select_from(Turn).join(Judgement, Judgement.turn_id == Turn.id)
-                             .where(Judgement.status == JudgementStatus.TIE, r.is_(None))))
-    total, pos, neg, neutral = (int(x or 0) for x in rows)
+                             .where(own, Judgement.status == JudgementStatus.TIE, r.is_(None))))
+    total, pos, neg, neutral, siblings = (int(x or 0) for x in rows)
     tie = int(tie or 0)
     return {"sessions": int(sessions), "turns": total, "positive": pos, "negative": neg, "neutral": neutral,
-            "tie": tie, "unscored": total - pos - neg - tie - neutral}
+            "tie": tie, "unscored": total - pos - neg - tie - neutral, "siblings": siblings}
 
 
 def selected_turns(db: OrmSession, f: Browse, *, after: tuple[datetime, str] | None, limit: int) -> list[Turn]:
@@ -438,10 +452,12 @@ def _queue_where() -> tuple[Any, ...]:
             ~labels.matches("labeled", Turn.id, Turn.session_id))
 
 
-def queue_size(db: OrmSession) -> int:
-    """How many turns the annotation queue holds in all (not only the ones :func:`queue` ranks)."""
+def queue_size(db: OrmSession, *, tenant: str | None = None) -> int:
+    """How many turns the annotation queue holds in all (not only the ones :func:`queue` ranks),
+    of *tenant*'s sessions only when given."""
+    mine = [] if tenant is None else [Turn.session_id.in_(select(Session.id).where(Session.tenant == tenant))]
     return db.scalar(select(func.count()).select_from(Turn).join(Judgement, Judgement.turn_id == Turn.id)
-                     .where(*_queue_where())) or 0
+                     .where(*_queue_where(), *mine)) or 0
 
 
 
@@ -524,8 +540,9 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
                 Turn.usage["prompt_tokens"].as_float().label("prompt_tokens"), completion.label("completion_tokens"),
                 Turn.response[("choices", 0, "finish_reason")].as_string().label("finish_reason"),
                 Turn.response[("choices", 0, "message", "tool_calls")].label("tool_calls"),
-                Judgement.status.label("judge_status"), r.label("reward"))
+                Judgement.status.label("judge_status"), r.label("reward"), Session.tenant.label("tenant"))
          .select_from(Turn).join(page, page.c.id == Turn.id).outerjoin(Judgement, Judgement.turn_id == Turn.id)
+         .join(Session, Session.id == Turn.session_id)
          .order_by(primary, tie))
     rows = db.execute(q).all()
     more = len(rows) > limit
@@ -541,7 +558,7 @@ def turns_page(db: OrmSession, f: Browse, p: TurnPage, *, limit: int) -> tuple[l
             "prompt_tokens": _int(row.prompt_tokens), "completion_tokens": _int(row.completion_tokens),
             "finish_reason": row.finish_reason if isinstance(row.finish_reason, str) else None,
             "tool_calls": len(calls) if isinstance(calls, list) else 0,
-            "judge_status": row.judge_status, "reward": row.reward,
+            "judge_status": row.judge_status, "reward": row.reward, "tenant": row.tenant,
             "labels": _label_words((labs.get(row.id) or {}).get("effective") or {}),
         })
     return out, more

@@ -211,6 +211,7 @@ class CaptureWriter:
         redactor: Redactor | None = None,
         decoder_for: DecoderFor | None = None,
         on_redacted: Callable[[Mapping[str, int]], None] | None = None,
+        on_stored: Callable[[Sequence[TurnRecord], Mapping[str, str]], None] | None = None,
     ):
         self.engine = engine
         self.spool = spool
@@ -227,6 +228,10 @@ class CaptureWriter:
         self.redactor = redactor if redactor is not None and redactor.active else None
         self.decoder_for = decoder_for
         self.on_redacted = on_redacted  # called with the counts per detector of each batch
+        # called, in the writer's thread, with each batch just committed and the session of each
+        # turn it stored (turn id -> session id; turns already in the pool are left out): the
+        # trace exporter (datapool.traces). What it raises is logged, never in capture's way.
+        self.on_stored = on_stored
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
         self.last_db_error: str | None = None
         self._last_failure = 0.0
@@ -404,6 +409,11 @@ class CaptureWriter:
             self.on_written(written)
         if self.on_ready and stitcher.ready:
             self.on_ready(stitcher.ready)
+        if self.on_stored and stitcher.sessions:
+            try:
+                self.on_stored(batch, stitcher.sessions)
+            except Exception:
+                log.exception("exporting the spans of %d stored turns failed", len(stitcher.sessions))
 
     def _failed(self, exc: Exception) -> None:
         self._last_failure = time.monotonic()

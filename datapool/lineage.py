@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import chunked
 from datapool.models import PolicyVersion, TrainingLease, TrainingRun, Turn
+from datapool.vocab import TurnKind
 
 
 def versions_trained_on(db: OrmSession, turn_ids: Sequence[str]) -> list[dict[str, Any]]:
@@ -65,6 +66,10 @@ def versions_trained_on(db: OrmSession, turn_ids: Sequence[str]) -> list[dict[st
 
 
 def session_lineage(db: OrmSession, session_id: str) -> dict[str, Any]:
-    """A session's turns and the versions that learned from them."""
-    turns = list(db.scalars(select(Turn.id).where(Turn.session_id == session_id)))
-    return {"session_id": session_id, "turns": len(turns), "versions": versions_trained_on(db, turns)}
+    """A session's turns and the versions that learned from them: ``turns`` counts its own
+    turns, ``siblings`` its shadow siblings (``datapool.siblings``); both are looked up."""
+    rows = db.execute(select(Turn.id, Turn.turn_type).where(Turn.session_id == session_id)).all()
+    turns = [tid for tid, _ in rows]
+    siblings = sum(1 for _, kind in rows if kind == TurnKind.SIBLING)
+    return {"session_id": session_id, "turns": len(turns) - siblings, "siblings": siblings,
+            "versions": versions_trained_on(db, turns)}

@@ -108,6 +108,9 @@ class Turn(Base):
     session_id: Mapped[str] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"))
     # the turn whose reply this turn's request continued; its next_state came from this turn
     parent_turn_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    # a shadow sibling's original: the main turn whose exact prompt ids it was resampled from
+    # (turn_type "sibling", same session; datapool.siblings)
+    sibling_of: Mapped[str | None] = mapped_column(String(36), index=True)
     turn_type: Mapped[str] = mapped_column(String(8), default=TurnKind.MAIN)  # vocab.TurnKind
     endpoint: Mapped[str] = mapped_column(String(16))  # vocab.Endpoint
     # vocab.WireFormat: the API the client spoke (responses and messages are stored as chat)
@@ -236,6 +239,9 @@ class Judgement(Base):
     hint_source: Mapped[str | None] = mapped_column(String(16))  # vocab.HintSource
     teacher_prompt_ids: Mapped[list[int] | None] = mapped_column(Json)
     teacher_logprobs: Mapped[list[float] | None] = mapped_column(Json)
+    # top-k OPD: per response position the teacher's k most likely tokens and their logprobs
+    teacher_topk_ids: Mapped[list[list[int]] | None] = mapped_column(Json)
+    teacher_topk_logprobs: Mapped[list[list[float]] | None] = mapped_column(Json)
     judge: Mapped[str | None] = mapped_column(String(256))
     prompt_version: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0)

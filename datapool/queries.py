@@ -39,7 +39,9 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise ValueError(f"invalid cursor {cursor!r}") from exc
 
 
-def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
+def session_summary(s: Session, turn_count: int, sibling_count: int = 0) -> dict[str, Any]:
+    """A session's facts. *turn_count* is its own turns (main and side); its shadow siblings
+    (``datapool.siblings``: resampled replies no one was sent) are *sibling_count*, apart."""
     return {
         "id": s.id,
         "source": s.source,
@@ -51,6 +53,7 @@ def session_summary(s: Session, turn_count: int) -> dict[str, Any]:
         "updated_at": iso(s.updated_at),
         "ended_at": iso(s.ended_at),
         "turn_count": turn_count,
+        "sibling_count": sibling_count,
         "metadata": s.meta,
         "outcome": s.outcome,
         "outcome_source": s.outcome_source,
@@ -98,6 +101,7 @@ def turn_view(t: Turn) -> dict[str, Any]:
         "id": t.id,
         "session_id": t.session_id,
         "parent_turn_id": t.parent_turn_id,
+        "sibling_of": t.sibling_of,
         "turn_type": t.turn_type,
         "endpoint": t.endpoint,
         "wire_format": t.wire_format,
@@ -133,12 +137,14 @@ def list_sessions(
     db: OrmSession, *, limit: int, cursor: str | None, filters: SessionFilter
 ) -> tuple[list[dict[str, Any]], str | None]:
     """Newest first; returns the page and the cursor of the next one (None at the end)."""
+    sibling = Turn.turn_type == TurnKind.SIBLING
     counts = (
-        select(Turn.session_id, func.count().label("n"))
+        select(Turn.session_id, func.count().filter(~sibling).label("n"), func.count().filter(sibling).label("k"))
         .group_by(Turn.session_id)
         .subquery()
     )
-    q = select(Session, func.coalesce(counts.c.n, 0)).outerjoin(counts, counts.c.session_id == Session.id)
+    q = (select(Session, func.coalesce(counts.c.n, 0), func.coalesce(counts.c.k, 0))
+         .outerjoin(counts, counts.c.session_id == Session.id))
     if filters.task_id:
         q = q.where(Session.task_id == filters.task_id)
     if filters.tenant is not None:
@@ -158,7 +164,7 @@ def list_sessions(
         at, sid = decode_cursor(cursor)
         q = q.where(or_(Session.created_at < at, and_(Session.created_at == at, Session.id < sid)))
     rows = db.execute(q.order_by(Session.created_at.desc(), Session.id.desc()).limit(limit + 1)).all()
-    page = [session_summary(s, n) for s, n in rows[:limit]]
+    page = [session_summary(s, n, k) for s, n, k in rows[:limit]]
     next_cursor = encode_cursor(rows[limit - 1][0].created_at, rows[limit - 1][0].id) if len(rows) > limit else None
     return page, next_cursor
 
@@ -180,7 +186,10 @@ def get_session(db: OrmSession, session_id: str) -> dict[str, Any] | None:
     turns = list(db.scalars(
         select(Turn).where(Turn.session_id == session_id).order_by(Turn.created_at, Turn.id)
     ).all())
-    return session_summary(s, len(turns)) | {"turns": _judged(db, turns)}
+    # shadow siblings (datapool.siblings) are no part of the session's history: listed apart
+    shown = [t for t in turns if t.turn_type != TurnKind.SIBLING]
+    shadow = [t for t in turns if t.turn_type == TurnKind.SIBLING]
+    return session_summary(s, len(shown), len(shadow)) | {"turns": _judged(db, shown), "siblings": _judged(db, shadow)}
 
 
 def active_policy_version(db: OrmSession) -> PolicyVersion | None:
@@ -276,7 +285,7 @@ def live_rewards(db: OrmSession, version: str, limit: int) -> list[float]:
     """Rewards of the newest *limit* judged turns served by *version*, eval sessions left out."""
     return [r for r in db.scalars(
         select(Judgement.reward).join(Turn, Turn.id == Judgement.turn_id)
-        .where(Turn.policy_version == version, Judgement.reward.is_not(None),
+        .where(Turn.policy_version == version, Judgement.reward.is_not(None), Turn.turn_type == TurnKind.MAIN,
                ~select(Session.id).where(Session.id == Turn.session_id, Session.mode == SessionMode.EVAL).exists())
         .order_by(Turn.created_at.desc()).limit(limit))]
 

@@ -57,7 +57,8 @@ def expire(engine: Engine, days: float, *, actor: str, dry_run: bool = False) ->
                 request={"expired_at": iso(now)}, response=None, next_state=None, prompt_token_ids=None,
                 token_ids=None, logprobs=None, error=None, redaction=None, link_hash=None, response_id=None))
             db.execute(update(Judgement).where(Judgement.turn_id.in_(ids)).values(
-                hint=None, teacher_prompt_ids=None, teacher_logprobs=None, last_error=None))
+                hint=None, teacher_prompt_ids=None, teacher_logprobs=None, teacher_topk_ids=None,
+                teacher_topk_logprobs=None, last_error=None))
             db.execute(update(Vote).where(Vote.turn_id.in_(ids)).values(rationale=None, hint=None, raw=None))
             db.execute(update(Label).where(Label.turn_id.in_(ids), Label.kind == LabelKind.CORRECTION).values(value=None))
             db.execute(delete(ToolCallArguments).where(ToolCallArguments.turn_id.in_(ids)))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -48,17 +49,30 @@ def _plain(value: Any, *, drop_nulls: bool) -> Any:
     return value
 
 
+# Context an agent wraps in these tags (Claude Code, Qwen Code: the date, the skills it offers,
+# notes about files) is its own, re-rendered at will: Qwen Code's `--continue` sends the
+# transcript without the reminders its first call carried. Not part of the history.
+_REMINDER = re.compile(r"<system-reminder>[\s\S]*?</system-reminder>")
+
+
+def _text(text: str) -> str:
+    return _REMINDER.sub("", text) if "<system-reminder>" in text else text
+
+
 def _content(content: Any) -> Any:
-    """Text is the same text whether sent as a string or as ``{"type": "text"}`` parts; other
-    parts (images, audio) count with their null fields dropped."""
+    """Text is the same text whether sent as a string or as ``{"type": "text"}`` parts, and
+    without the ``<system-reminder>`` blocks an agent puts in it; other parts (images, audio)
+    count with their null fields dropped."""
     if content is None:
         return ""
+    if isinstance(content, str):
+        return _text(content)
     if not isinstance(content, list):
         return _plain(content, drop_nulls=True)
     out: list[Any] = []
     for part in content:
         if isinstance(part, dict) and part.get("type") == "text":
-            text = str(part.get("text") or "")
+            text = _text(str(part.get("text") or ""))
             if out and isinstance(out[-1], str):
                 out[-1] += text
             else:
@@ -728,9 +742,22 @@ class _Batch:
             .correlate(Turn)
             .exists()
         )
-        return self.db.scalar(
-            select(Turn.id).where(Turn.id == child_id, or_(Turn.parent_turn_id != parent.id, ~exact))
-        ) is not None
+        skipped = self.db.execute(
+            select(Turn.parent_turn_id, Turn.request, Session.tenant)
+            .join(Session, Session.id == Turn.session_id)
+            .where(Turn.id == child_id, or_(Turn.parent_turn_id != parent.id, ~exact))
+        ).first()
+        if skipped is None:
+            return False
+        if skipped.parent_turn_id != parent.id:
+            return True
+        # its link hash keeps its system prompt: a child that has it again after a parent sent
+        # without it continues the parent's whole history once its system messages are left out
+        free = system_free_candidates((skipped.request or {}).get("messages") or [])
+        return not free or self.db.scalar(
+            select(TurnContinuation.turn_id).where(TurnContinuation.turn_id == parent.id,
+                                                   TurnContinuation.hash == tenant_hash(skipped.tenant, free[0][1]))
+        ) is None
 
     def _give_next_state(self, parent: _Turn, child_id: str, appended: list[Message]) -> None:
         parent.next_state = {"turn_id": child_id, "messages": appended}
@@ -849,6 +876,8 @@ class Stitcher:
         self.dialect = db.get_bind().dialect.name
         # turns whose next state became known in this batch: to be scored once it commits
         self.ready: list[str] = []
+        # the session each turn written by this stitcher went into (turn id -> session id)
+        self.sessions: dict[str, str] = {}
 
     def write(self, records: Sequence[TurnRecord]) -> int:
         """Insert the records not yet stored (a replayed spool may repeat some, a record may
@@ -866,6 +895,7 @@ class Stitcher:
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()
+        self.sessions.update((r.id, batch.turns[r.id].session_id) for r in fresh)
         _store_sent_arguments(self.db, fresh)
         self.ready += batch.ready
         self.ready = mark_pending(self.db, self.ready)

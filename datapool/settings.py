@@ -260,6 +260,19 @@ class Settings(BaseSettings):
         "prompt leaves of the served model's context (vLLM's max_model_len), instead of letting vLLM refuse "
         "it; the turn records both, the reply says so in X-Output-Budget. See docs/clients.md.",
     )
+    fit_output_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="The most of what a prompt leaves of the context that a budget the gateway chooses may take "
+        "(one asked for that cannot fit, lowered; or the default): a reply that filled the context would leave "
+        "the conversation no room to go on. 1 grants all of it. See docs/clients.md.",
+    )
+    default_output_budget: int = Field(
+        default=4096, ge=0,
+        description="The output budget (max_tokens) of a request to a vLLM upstream that asks for none (Codex "
+        "CLI and Continue CLI send none): without one, vLLM writes until the context is full. At most "
+        "fit_output_share of what the prompt leaves; recorded on the turn and announced in X-Output-Budget with "
+        "`requested=none`. 0 sends such requests on without one. See docs/clients.md.",
+    )
     upstream_timeout_s: float = Field(default=600.0, description="Total timeout of one upstream call.")
     upstream_connect_timeout_s: float = Field(default=5.0, description="Upstream connect timeout.")
     policy_fallback_s: float = Field(
@@ -300,6 +313,21 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="Your own redaction patterns: name -> regular expression, replaced by "
         "[REDACTED:<name>] (class `custom`, on whenever any is given). A JSON object in the environment.",
+    )
+
+    # traces out (datapool/traces.py)
+    otel_traces: bool = Field(
+        default=False,
+        description="Export each stored turn (and each judgement, from the workers) as an OpenTelemetry span "
+        "with the GenAI semantic conventions' attributes, over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT "
+        "(default http://localhost:4318). Spans carry the redacted text only. Needs the `otel` extra. See "
+        "docs/security.md.",
+    )
+    otel_content: bool = Field(
+        default=True,
+        description="With otel_traces: put the (redacted) messages on the spans (gen_ai.input.messages, "
+        "gen_ai.output.messages, gen_ai.system_instructions, gen_ai.tool.definitions, the judge's hint). Off: "
+        "metadata, usage and rewards only.",
     )
 
     # scoring: Celery workers and the judge
@@ -349,6 +377,27 @@ class Settings(BaseSettings):
     teacher_url: str | None = Field(
         default=None,
         description="vLLM (…/v1) that computes teacher logprobs for hinted turns. Default: upstream_url.",
+    )
+    siblings_k: int = Field(
+        default=0, ge=0, le=16,
+        description="Shadow siblings: when the policy server has room, resample this many alternative replies "
+        "from each finished main turn's exact prompt ids, score them against the same next state and train binary "
+        "RL on the turn and its siblings as one group. Never shown to anyone; marked in the admin UI. 0: off. "
+        "See docs/worker.md.",
+    )
+    siblings_max_running: int = Field(
+        default=2, ge=0,
+        description="With siblings_k: resample only while the policy server runs at most this many requests and "
+        "has none waiting (its /metrics), so live traffic keeps the server.",
+    )
+    siblings_per_sweep: int = Field(
+        default=4, ge=1, description="With siblings_k: turns resampled per worker sweep (sweep_interval_s)."
+    )
+    teacher_top_k: int = Field(
+        default=0, ge=0, le=20,
+        description="Also keep the teacher's k most likely tokens per response position (from the same "
+        "prompt_logprobs pass), for top-k OPD (`nextstate train --opd-topk`). 0: the sampled token's logprob "
+        "only. At most vLLM's --max-logprobs (20 by default). See docs/trainer.md.",
     )
     session_idle_timeout_s: float = Field(
         default=1800.0, description="A session with no new turn for this long has ended."

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine, select, text, update
+from sqlalchemy import Engine, false, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
@@ -143,10 +143,16 @@ def get_version(engine: Engine, name: str) -> dict[str, Any]:
 
 
 def _lock(db: OrmSession) -> None:
-    """Serialise status changes: an advisory transaction lock on PostgreSQL. SQLite allows one
-    writer at a time already, and the retiring UPDATE below is a single statement."""
-    if db.get_bind().dialect.name == "postgresql":
+    """Serialise status changes, so that what the transaction reads (which version is active) is
+    still true when it writes: an advisory transaction lock on PostgreSQL; on SQLite the write
+    lock, taken now by an UPDATE that changes nothing. (The sqlite3 driver begins a transaction
+    only at the first write, so without it two promotions could both read "none active" and both
+    set theirs: a race tests/test_publish.py caught with 9 concurrent promotions.)"""
+    dialect = db.get_bind().dialect.name
+    if dialect == "postgresql":
         db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+    elif dialect == "sqlite":
+        db.execute(update(PolicyVersion).where(false()).values(status=PolicyVersion.status))
 
 
 def _demote_active(db: OrmSession, status: str, *, keep_id: int | None = None) -> list[str]:

@@ -36,10 +36,14 @@ class EndReason(StrEnum):
 
 
 class TurnKind(StrEnum):
-    """``X-Turn-Type``: main turns are stitched and scored, side turns (housekeeping) are not."""
+    """``X-Turn-Type``: main turns are stitched and scored, side turns (housekeeping) are not.
+    A sibling is no client's: an alternative reply the policy server resampled from a main
+    turn's exact prompt ids (``turns.sibling_of``), scored against the same next state and
+    never shown to anyone but the trainer and the admin UI (``datapool.siblings``)."""
 
     MAIN = "main"
     SIDE = "side"
+    SIBLING = "sibling"
 
 
 class TurnStatus(StrEnum):

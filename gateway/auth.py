@@ -11,6 +11,9 @@ Admin auth is configured when ``admin_token`` or ``admin_password`` is set. Then
 * the UI (``/admin``) takes the session cookie, which ``/admin/login`` issues for the token or
   the password: an itsdangerous-signed, timestamped value (HttpOnly, SameSite=Strict) holding
   the admin's name and a CSRF token. Logging out clears it.
+* a tenant's key is a login too: its cookie also holds the tenant and the key's hash, and it sees
+  and changes only that tenant's sessions and turns, in the UI (``gateway.tenants.TENANT_PAGES``)
+  and the API alike; revoking the key ends it.
 
 Every UI state change (a POST) must carry that CSRF token, in the form field ``csrf_token`` or
 the ``X-CSRF-Token`` header (htmx sends it from ``<body hx-headers>``). Without configured
@@ -32,7 +35,7 @@ from itsdangerous import BadSignature, URLSafeTimedSerializer
 from datapool.errors import NextstateError
 from gateway.errors import OpenAIError
 from gateway.state import gateway_of
-from gateway.tenants import check_tenant_route
+from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
 from datapool.settings import Settings
 
 COOKIE = "nextstate_admin"
@@ -48,7 +51,8 @@ class Admin:
     name: str
     csrf: str | None  # the session's CSRF token; None for bearer-token requests
     via: str  # "cookie" | "bearer" | "open" | "tenant"
-    tenant: str | None = None  # a tenant's key: only that tenant's data (gateway.tenants)
+    tenant: str | None = None  # a tenant's key or login: only that tenant's data (gateway.tenants)
+    key_hash: str | None = None  # a tenant's login: the hash of the key it logged in with
 
 
 class LoginRequired(NextstateError):
@@ -79,10 +83,15 @@ def check_credentials(settings: Settings, given: str) -> bool:
     return ok
 
 
-def new_session(settings: Settings, name: str) -> tuple[str, str]:
-    """(cookie value, csrf token) of a fresh session for *name*."""
+def new_session(settings: Settings, name: str, *, tenant: str | None = None,
+                tenant_key: str | None = None) -> tuple[str, str]:
+    """(cookie value, csrf token) of a fresh session for *name*; with *tenant*, a login of that
+    tenant's made with *tenant_key* (the cookie keeps its hash, never the key)."""
     csrf = secrets.token_urlsafe(24)
-    return _serializer(settings).dumps({"u": name, "c": csrf}), csrf
+    data: dict[str, str] = {"u": name, "c": csrf}
+    if tenant is not None and tenant_key is not None:
+        data |= {"t": tenant, "k": key_hash(tenant_key)}
+    return _serializer(settings).dumps(data), csrf
 
 
 def read_session(request: Request) -> Admin | None:
@@ -98,7 +107,19 @@ def read_session(request: Request) -> Admin | None:
         return None
     if configured(settings) and data["u"] == "anonymous":
         return None  # a cookie from before auth was configured is no login
+    if isinstance(data.get("t"), str) and isinstance(data.get("k"), str):
+        return Admin(name=data["u"], csrf=data["c"], via="cookie", tenant=data["t"], key_hash=data["k"])
     return Admin(name=data["u"], csrf=data["c"], via="cookie")
+
+
+async def _logged_in(request: Request) -> Admin | None:
+    """The session cookie's login, if it is still good: a tenant's only while its key is."""
+    admin = read_session(request)
+    if admin is not None and admin.tenant is not None:
+        assert admin.key_hash is not None
+        if await gateway_of(request).keys.tenant_of_hash(admin.key_hash) != admin.tenant:
+            return None  # the key was revoked (or moved): the login ends with it
+    return admin
 
 
 def set_cookie(response: Any, request: Request, value: str) -> None:
@@ -141,7 +162,7 @@ async def require_api_key(request: Request) -> None:
 
 async def require_ui(request: Request) -> Admin:
     """Dependency of every /admin route but login and static files."""
-    admin = read_session(request)
+    admin = await _logged_in(request)
     if admin is None:
         if configured(gateway_of(request).settings):
             raise LoginRequired()
@@ -150,6 +171,8 @@ async def require_ui(request: Request) -> Admin:
             raise CsrfFailed()
     await _check_csrf(request, admin)
     request.state.admin = admin
+    if admin.tenant is not None:
+        await check_tenant_page(request, admin.tenant, gateway_of(request).engine)
     return admin
 
 
@@ -168,12 +191,15 @@ async def require_api(request: Request) -> Admin:
             return request.state.admin
         if configured(settings):
             raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
-    admin = read_session(request)
+    admin = await _logged_in(request)
     if admin is not None:
         try:
             await _check_csrf(request, admin)
         except CsrfFailed:
             raise OpenAIError(403, "missing or wrong X-CSRF-Token", code="csrf_failed") from None
+        if admin.tenant is not None:  # a tenant's UI login: the API as its key would see it
+            request.state.admin = admin
+            await check_tenant_route(request, admin.tenant, gw.engine)
         return admin
     if configured(settings):
         raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")

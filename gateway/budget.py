@@ -6,9 +6,16 @@ Agents ask for more output than a small served model can hold: Claude Code asks 
 request's budget could overflow, the gateway measures the prompt with the served tokenizer
 (vLLM's ``/tokenize``, the chat template applied as the completion will apply it) and lowers the
 budget to what fits; the turn records what was asked and granted and the reply says so in
-``X-Output-Budget``. A prompt that alone fills the context is left as it is: vLLM's refusal goes
-back in the client's own dialect (``context_length_exceeded``, or Anthropic's wording): it is sent on
-with a budget of one token, so that vLLM refuses it for the prompt, not for the budget.
+``X-Output-Budget``. Lowered, it is at most ``fit_output_share`` (a half) of what the prompt
+leaves, so that the conversation can go on after a reply that used all of it. A prompt that
+alone fills the context is left as it is: vLLM's refusal goes back in the client's own dialect
+(``context_length_exceeded``, or Anthropic's wording): it is sent on with a budget of one token,
+so that vLLM refuses it for the prompt, not for the budget.
+
+A request that asks for no budget (Codex CLI sends none, Continue CLI neither) would have vLLM
+write until the context is full: minutes on a CPU when a small model does not stop by itself.
+Such a request gets ``default_output_budget`` (within the same share of what the prompt
+leaves), recorded and announced with ``requested=none``.
 
 The hot path stays cheap: the context window is read once per server from ``/v1/models``, and
 the prompt is measured only when the budget plus a bound on the prompt's tokens (its bytes: a
@@ -20,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -43,17 +50,19 @@ class Budget:
     """What a request asked for and what it was granted (the prompt measured in ``prompt_tokens``
     of a ``context`` of that many tokens)."""
 
-    requested: int
+    requested: int | None  # None: the client asked for none, the default was granted
     granted: int
-    prompt_tokens: int
-    context: int
+    prompt_tokens: int | None  # None: not measured (the budget fits by the bound)
+    context: int | None  # None: the served window is unknown
 
-    def record(self) -> dict[str, int]:
+    def record(self) -> dict[str, int | None]:
         return {"requested": self.requested, "granted": self.granted, "prompt_tokens": self.prompt_tokens,
                 "context": self.context}
 
     def header(self) -> str:
-        return f"granted={self.granted}; requested={self.requested}; context={self.context}"
+        requested = "none" if self.requested is None else self.requested
+        context = "" if self.context is None else f"; context={self.context}"
+        return f"granted={self.granted}; requested={requested}{context}"
 
 
 def requested_budget(body: dict[str, Any]) -> int | None:
@@ -113,26 +122,42 @@ WINDOWS = ContextWindows()  # this process's: the windows of the servers it prox
 
 
 async def fit(http: aiohttp.ClientSession, body: dict[str, Any], *, api_base: str, served_name: str,
-              api_key: str | None, windows: ContextWindows = WINDOWS) -> Budget | None:
-    """Lower *body*'s output budget (in place) to what its prompt leaves of the served context;
-    the budget when it was lowered, else None (it fits, or the window or the prompt could not be
-    read). A prompt that alone fills the context goes on with a budget of one token, so that the
-    server refuses it for the prompt, in its own words, and not for the budget."""
+              api_key: str | None, default: int | None = None, fit: bool = True, share: float = 1.0,
+              windows: ContextWindows = WINDOWS) -> Budget | None:
+    """Give *body* (in place) the *default* budget if it asks for none, and (with *fit*) lower a
+    budget the context cannot hold; the budget when it was given or lowered, else None (it fits
+    as asked, or the window or the prompt could not be read).
+
+    Where the gateway chooses the budget (the one asked for cannot fit, or the default) it
+    grants at most *share* of what the prompt leaves of the context: a reply that filled the
+    context would leave the conversation no room to go on (Claude Code asks the model to
+    continue a reply cut at its budget, with that reply in the prompt). A budget asked for that
+    fits is left as it is. A prompt that alone fills the context goes on with a budget of one
+    token, so that the server refuses it for the prompt, in its own words, and not for the
+    budget."""
     requested = requested_budget(body)
-    if requested is None:
+    if requested is None and default is not None:
+        body["max_tokens"] = default
+    asked = requested_budget(body)
+    if asked is None:
         return None
+    given = None if requested is not None else Budget(requested=None, granted=asked, prompt_tokens=None, context=None)
+    if not fit:
+        return given
     window = await windows.of(http, api_base, served_name, api_key)
-    if window is None or requested + prompt_bound(body) <= window:
-        return None
+    # what fits without measuring: an asked budget beside the bound, the default within its share
+    need = asked if given is None else asked / share
+    if window is None or need + prompt_bound(body) <= window:
+        return given if given is None or window is None else replace(given, context=window)
     messages = body.get("messages")
     if not isinstance(messages, list):
-        return None
+        return given
     try:
         measured = await tokenize(http, api_base, served_name, messages=messages, tools=body.get("tools"),
                                   api_key=api_key, timeout_s=30.0)
     except CallError as exc:
         log.warning("output budgets: cannot measure the prompt at %s: %s", api_base, exc)
-        return None
+        return given
     context = measured.max_model_len or window
     room = context - measured.count
     if room < 1:
@@ -140,9 +165,10 @@ async def fit(http: aiohttp.ClientSession, body: dict[str, Any], *, api_base: st
             if isinstance(body.get(key), int):
                 body[key] = 1
         return None
-    if requested <= room:
-        return None
+    granted = max(1, int(room * share))
+    if given is None and asked <= room or given is not None and asked <= granted:
+        return given and replace(given, prompt_tokens=measured.count, context=context)
     for key in BUDGET_KEYS:
         if isinstance(body.get(key), int):
-            body[key] = min(body[key], room)
-    return Budget(requested=requested, granted=room, prompt_tokens=measured.count, context=context)
+            body[key] = min(body[key], granted)
+    return Budget(requested=requested, granted=granted, prompt_tokens=measured.count, context=context)

@@ -14,13 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from datapool.settings import SessionKey, SideTurnRule
-from datapool.vocab import SessionSource, TurnKind, values
+from datapool.vocab import SessionSource, TurnKind
 from gateway.errors import OpenAIError
 from gateway.protocol import SESSION_ID
 
 log = logging.getLogger("nextstate.gateway")
 
-_TURN_KINDS = frozenset(values(TurnKind))
+_TURN_KINDS = frozenset({TurnKind.MAIN, TurnKind.SIDE})  # a client never sends a sibling
 _SYSTEM_ROLES = ("system", "developer")
 
 

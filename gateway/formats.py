@@ -7,37 +7,48 @@ the reply, whole or streamed, is translated back event by event. The pool stores
 the trainer see one shape whatever the client spoke; ``turns.wire_format`` says which it was.
 
 Requests are translated by LiteLLM's own adapters (``LiteLLMAnthropicMessagesAdapter`` and
-``LiteLLMCompletionResponsesConfig``). Replies are translated here, on plain dicts: LiteLLM's
-reply translators take its pydantic ``ModelResponse`` objects (one per streamed chunk, more
-CPU per event than the whole relay) and know nothing of vLLM's token ids or stop strings.
+``LiteLLMCompletionResponsesConfig``), imported at the first such request (LiteLLM takes seconds
+of CPU to import; a gateway that serves Chat Completions alone never does). Replies are
+translated here, on plain dicts: LiteLLM's reply translators take its pydantic ``ModelResponse``
+objects (one per streamed chunk, more CPU per event than the whole relay) and know nothing of
+vLLM's token ids or stop strings.
 docs/wire-formats.md lists what is written here and why.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from types import SimpleNamespace
 from typing import Any
 
 from cachetools import TTLCache
 
-import litellm
-from litellm.llms.anthropic.messages.adapters.transformation import LiteLLMAnthropicMessagesAdapter
-from litellm.responses.litellm_completion_transformation.transformation import (
-    LiteLLMCompletionResponsesConfig,
-)
-
 from datapool.vocab import WireFormat
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError
 
-litellm.suppress_debug_info = True  # its provider lookup prints a banner for a vLLM model name
-
-_ANTHROPIC = LiteLLMAnthropicMessagesAdapter()
 _PROVIDER = "hosted_vllm"
+
+
+@functools.cache
+def _litellm() -> SimpleNamespace:
+    """LiteLLM's request translators, imported once, at the first request that needs them."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download at import
+    import litellm
+    from litellm.llms.anthropic.messages.adapters.transformation import LiteLLMAnthropicMessagesAdapter
+    from litellm.responses.litellm_completion_transformation.transformation import (
+        LiteLLMCompletionResponsesConfig,
+    )
+
+    litellm.suppress_debug_info = True  # its provider lookup prints a banner for a vLLM model name
+    return SimpleNamespace(anthropic=LiteLLMAnthropicMessagesAdapter(), responses=LiteLLMCompletionResponsesConfig,
+                           BadRequestError=litellm.BadRequestError)
 
 # Responses request fields that are not sampling parameters: the gateway handles them itself.
 _RESPONSES_OWN = frozenset({"model", "input", "previous_response_id", "store", "stream", "include",
@@ -125,7 +136,7 @@ SENT_ARGUMENTS = _SentArguments()
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as a Chat Completions request (LiteLLM's adapter)."""
     try:
-        chat, _ = _ANTHROPIC.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)  # type: ignore[arg-type]
+        chat, _ = _litellm().anthropic.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise OpenAIError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
     chat = dict(chat)
@@ -140,13 +151,14 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> di
     `instructions`, `tools`, `text`...); *history* is the conversation `previous_response_id`
     names, read from the pool, which the new input continues."""
     params = {k: v for k, v in body.items() if k in _RESPONSES_KNOWN}
+    lib = _litellm()
     try:
-        chat = LiteLLMCompletionResponsesConfig.transform_responses_api_request_to_chat_completion_request(
-            model=body["model"], input=body["input"], responses_api_request=params,  # type: ignore[arg-type]
+        chat = lib.responses.transform_responses_api_request_to_chat_completion_request(
+            model=body["model"], input=body["input"], responses_api_request=params,
             custom_llm_provider=_PROVIDER, stream=bool(body.get("stream")))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise OpenAIError(400, f"invalid request: {exc}", code="invalid_request", param="input") from exc
-    except litellm.BadRequestError as exc:
+    except lib.BadRequestError as exc:
         raise OpenAIError(400, str(exc.message), code="invalid_request", param="input") from exc
     chat = {k: v for k, v in chat.items() if k not in ("custom_llm_provider", "litellm_metadata")}
     if not chat.get("stream"):

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import litellm
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
@@ -212,9 +211,10 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     headers = {"X-Turn-Id": record.id}
     if session_id:
         headers["X-Session-Id"] = session_id
-    if target.white_box and target.api_base and gw.settings.fit_output_budget:
+    if target.white_box and target.api_base and (gw.settings.fit_output_budget or gw.settings.default_output_budget):
         budget = await fit_budget(gw.http, body, api_base=target.api_base, served_name=target.served_name,
-                                  api_key=target.api_key)
+                                  api_key=target.api_key, default=gw.settings.default_output_budget or None,
+                                  fit=gw.settings.fit_output_budget, share=gw.settings.fit_output_share)
         if budget is not None:
             record.request["output_budget"] = budget.record()
             headers[BUDGET_HEADER] = budget.header()
@@ -468,6 +468,8 @@ class _Call:
     # -- other providers: through the LiteLLM Router ---------------------------------------------
 
     async def litellm(self) -> Response:
+        import litellm  # imported with the Router that reaches this provider (gateway.upstream)
+
         router = self.gw.upstreams.router
         assert router is not None
         params = {k: v for k, v in self.body.items() if k != "model"}

@@ -24,6 +24,7 @@ from datapool.queries import active_policy_version
 from datapool.queue import Enqueuer
 from datapool.redact import Redactor
 from datapool.settings import Settings
+from datapool.traces import Traces, traces
 from gateway.metrics import Metrics
 from gateway.redaction import decoders
 from gateway.tenants import KeyRing
@@ -51,6 +52,8 @@ class Gateway:
     policy_read: asyncio.Condition | None = None
     #: each vLLM upstream through its restarts (503 while down, the active version reloaded)
     vllm_watch: VLLMWatch | None = None
+    #: the span exporter, when otel_traces is on (datapool.traces)
+    traces: Traces | None = None
 
 
 def gateway_of(request: Request) -> Gateway:
@@ -108,6 +111,7 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         upstream_model=settings.upstream_model,
         policy_model=policy_model,
     )
+    exporter = traces(settings, "gateway")
     writer = CaptureWriter(
         engine,
         spool,
@@ -121,12 +125,13 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         redactor=Redactor(settings.redact, settings.redact_patterns),
         decoder_for=decoders(http, upstreams),
         on_redacted=metrics.count_redactions,
+        on_stored=exporter.stored if exporter is not None else None,
     )
     metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes)
     metrics.watch_pool(engine)
     metrics.watch_spool_error(lambda: spool.error)
     gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, KeyRing(settings, engine),
-                 policy_read=asyncio.Condition())
+                 policy_read=asyncio.Condition(), traces=exporter)
     gw.vllm_watch = VLLMWatch(engine, http, metrics, bases=lambda: vllm_bases(upstreams),
                               active=lambda: upstreams.active_version)
     writer.start()
@@ -142,5 +147,7 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         watching.cancel()
         await asyncio.to_thread(watch.stop)
         await writer.stop()
+        if exporter is not None:
+            await asyncio.to_thread(exporter.shutdown)  # sends what is still queued
         await http.close()
         engine.dispose()

@@ -92,8 +92,12 @@ class KeyRing:
 
     async def tenant_of(self, key: str) -> str | None:
         """The tenant of a tenant key, else None."""
+        return await self.tenant_of_hash(key_hash(key))
+
+    async def tenant_of_hash(self, h: str) -> str | None:
+        """The tenant of the tenant key whose hash is *h* (a UI login keeps only that), else None:
+        a revoked key ends the logins made with it."""
         await self.refresh()
-        h = key_hash(key)
         return self.configured.get(h) or self.issued.get(h)
 
 
@@ -147,14 +151,35 @@ def _owner(engine: Engine, session_id: str | None, turn_id: str | None) -> tuple
     return (row is not None, row[0] if row is not None else None)
 
 
+#: admin UI routes a tenant's login may use (each shows or changes only its tenant's data); every
+#: other page (judgements, judges, training, promote, rollback) is the admin's
+TENANT_PAGES = frozenset({
+    ("GET", "/admin"), ("GET", "/admin/"), ("POST", "/admin/logout"),
+    ("GET", "/admin/sessions"), ("GET", "/admin/sessions/rows"), ("GET", "/admin/sessions/{session_id}"),
+    ("POST", "/admin/sessions/{session_id}/labels"), ("POST", "/admin/turns/{turn_id}/labels"),
+    ("GET", "/admin/turns"), ("GET", "/admin/queue"), ("GET", "/admin/queue/count"), ("GET", "/admin/export.{fmt}"),
+})
+
+
 async def check_tenant_route(request: Request, tenant: str, engine: Engine) -> None:
     """Refuse a tenant key what is not its tenant's: another route than :data:`TENANT_ROUTES`
     (403), a session or turn of another tenant (404, as if it did not exist)."""
+    await _check(request, tenant, engine, TENANT_ROUTES, "this admin API route needs the admin token, not a tenant's key")
+
+
+async def check_tenant_page(request: Request, tenant: str, engine: Engine) -> None:
+    """The same for a tenant's login to the admin UI: only :data:`TENANT_PAGES`, only its own
+    sessions and turns."""
+    await _check(request, tenant, engine, TENANT_PAGES, "this page is the admin's, not a tenant's")
+
+
+async def _check(request: Request, tenant: str, engine: Engine, allowed: frozenset[tuple[str, str]],
+                 refusal: str) -> None:
     route = request.scope.get("route")
     path = getattr(route, "path", request.url.path)
-    if (request.method, path) not in TENANT_ROUTES:
-        raise OpenAIError(403, "this admin API route needs the admin token, not a tenant's key",
-                          code="admin_only")
+    method = "GET" if request.method == "HEAD" else request.method
+    if (method, path) not in allowed:
+        raise OpenAIError(403, refusal, code="admin_only")
     params = request.path_params
     if "session_id" in params or "turn_id" in params:
         found, owner = await asyncio.to_thread(_owner, engine, params.get("session_id"), params.get("turn_id"))

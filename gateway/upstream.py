@@ -4,6 +4,10 @@ Deployments whose LiteLLM model is ``hosted_vllm/...`` are vLLM servers: the gat
 OpenAI's wire format to them itself (so a stream is relayed chunk for chunk and the exact token
 ids come back) and captures white-box. Every other deployment is an opaque provider reached
 through the Router's own ``acompletion`` (provider translation, retries), captured black-box.
+
+The Router (LiteLLM, seconds of CPU to import) is built only where it has work: a model list
+with a provider other than vLLM or a group of several deployments. A gateway in front of vLLM
+alone, one deployment per group (``--upstream URL``), never imports LiteLLM for its routing.
 """
 
 from __future__ import annotations
@@ -12,17 +16,16 @@ import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download at import
-
-from litellm import Router  # noqa: E402
-
-from gateway.errors import OpenAIError, unavailable  # noqa: E402
+from gateway.errors import OpenAIError, unavailable
 from datapool.vocab import VersionKind
+
+if TYPE_CHECKING:
+    from litellm import Router
 
 POLICY_ALIAS = "policy"
 VLLM_PREFIX = "hosted_vllm/"
@@ -91,7 +94,7 @@ class Upstreams:
         self.upstream_url = upstream_url.rstrip("/") if upstream_url else None
         self.upstream_model = upstream_model
         self._policy_model = policy_model
-        self._model_list = model_list
+        self._model_list: list[dict[str, Any]] | None = None  # once built: every deployment
         self._router: Router | None = None
         self._groups: dict[str, bool] = {}  # group -> white-box
         self._single: dict[str, dict[str, Any]] = {}  # group -> its only deployment
@@ -101,7 +104,6 @@ class Upstreams:
             self._build(model_list)
 
     def _build(self, model_list: list[dict[str, Any]]) -> None:
-        self._router = Router(model_list=model_list, num_retries=0)
         self._groups = {}
         by_group: dict[str, list[dict[str, Any]]] = {}
         for entry in model_list:
@@ -111,16 +113,24 @@ class Upstreams:
         # A group of one deployment has nothing to choose: skip the Router's selection (its
         # cooldown and tracing bookkeeping cost more than the rest of the request path).
         self._single = {g: d[0] for g, d in by_group.items() if len(d) == 1}
+        # The Router where it has work, built (and its config checked) now: a group to choose
+        # from, or a provider reached through its acompletion. vLLM alone needs none.
+        if len(self._single) < len(by_group) or not all(self._groups.values()):
+            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no cost-map download at import
+            from litellm import Router
+
+            self._router = Router(model_list=model_list, num_retries=0)
+        self._model_list = model_list
         if self._policy_model is None:
             self._policy_model = next((g for g, white in self._groups.items() if white), None)
         elif self._policy_model not in self._groups:
             raise ValueError(f"policy_model {self._policy_model!r} is not a model group in the list")
 
-    async def _ensure(self) -> Router:
-        if self._router is not None:
-            return self._router
+    async def _ensure(self) -> list[dict[str, Any]]:
+        if self._model_list is not None:
+            return self._model_list
         async with self._lock:
-            if self._router is None:
+            if self._model_list is None:
                 names = [self.upstream_model] if self.upstream_model else await self._discover()
                 self._build(
                     [
@@ -131,8 +141,8 @@ class Upstreams:
                         for name in names
                     ]
                 )
-        assert self._router is not None
-        return self._router
+        assert self._model_list is not None
+        return self._model_list
 
     async def _discover(self) -> list[str]:
         url = f"{self.upstream_url}/models"
@@ -148,7 +158,14 @@ class Upstreams:
 
     @property
     def router(self) -> Router | None:
+        """The LiteLLM Router, where the model list needs one (see the module's doc)."""
         return self._router
+
+    @property
+    def deployments(self) -> list[dict[str, Any]] | None:
+        """Every deployment (LiteLLM model-list entries); None until the first request has
+        discovered what ``--upstream`` serves."""
+        return self._model_list
 
     @property
     def policy_model(self) -> str | None:
@@ -160,7 +177,7 @@ class Upstreams:
 
     async def resolve(self, model: str) -> Target:
         """The deployment that serves ``model`` now; 404 for a model nobody serves."""
-        router = await self._ensure()
+        await self._ensure()
         group = model
         served: str | None = None
         version: str | None = None
@@ -175,7 +192,10 @@ class Upstreams:
         if group not in self._groups:
             raise OpenAIError(404, f"the model `{model}` does not exist", code="model_not_found",
                               param="model")
-        deployment = self._single.get(group) or await router.select(group, {})
+        deployment = self._single.get(group)
+        if deployment is None:
+            assert self._router is not None  # built for every group of several deployments
+            deployment = await self._router.select(group, {})
         params = deployment["litellm_params"]
         white = str(params["model"]).startswith(VLLM_PREFIX)
         upstream_name = str(params["model"]).removeprefix(VLLM_PREFIX)
@@ -196,12 +216,12 @@ class Upstreams:
     async def check(self) -> dict[str, str]:
         """Reachability of each vLLM deployment, for /readyz."""
         try:
-            router = await self._ensure()
+            deployments = await self._ensure()
         except OpenAIError as exc:
             return {self.upstream_url or "upstream": exc.message}
         bases = {
             d["litellm_params"].get("api_base")
-            for d in router.model_list
+            for d in deployments
             if str(d["litellm_params"]["model"]).startswith(VLLM_PREFIX)
         }
         results: dict[str, str] = {}

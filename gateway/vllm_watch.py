@@ -53,6 +53,7 @@ class VLLMWatch:
         self.active = active
         self.interval_s = interval_s
         self.states: dict[str, State] = {}
+        self.loading: dict[str, str] = {}  # base -> the version being loaded into it (while LOADING)
 
     def state(self, base: str | None) -> State:
         return self.states.get((base or "").rstrip("/"), State.OK)
@@ -61,7 +62,11 @@ class VLLMWatch:
         """Raise the 503 for a request for the active version to *base* while it is loading it
         (one to a server that is down fails to connect at once and gets the same)."""
         active = self.active()
-        if self.state(base) == State.LOADING and active is not None and served_name == active.name:
+        key = (base or "").rstrip("/")
+        if (self.state(base) == State.LOADING and active is not None and served_name == active.name
+                and self.loading.get(key) == served_name):
+            # only the version the watch is loading: one activated meanwhile was loaded by its
+            # activation (a request that finds it missing after all gets vLLM's 404 -> mark_loading)
             raise unavailable(group, f"restarted and is loading the active version {served_name}")
 
     def mark_down(self, base: str | None) -> None:
@@ -72,11 +77,17 @@ class VLLMWatch:
     def mark_loading(self, base: str | None) -> None:
         """A request found *base* without the active version: refuse `policy` there until the
         watch loaded it."""
-        if base and self.state(base) == State.OK:
-            self._set(base.rstrip("/"), State.LOADING, "answers without the active version")
+        active = self.active()
+        if base and active is not None and (self.state(base) == State.OK
+                                            or self.loading.get(base.rstrip("/")) != active.name):
+            self._set(base.rstrip("/"), State.LOADING, "answers without the active version", active.name)
 
-    def _set(self, base: str, state: State, why: str) -> None:
+    def _set(self, base: str, state: State, why: str, loading: str | None = None) -> None:
         before = self.states.get(base, State.OK)
+        if loading is not None:
+            self.loading[base] = loading
+        elif state != State.LOADING:
+            self.loading.pop(base, None)
         if before == state:
             return
         self.states[base] = state
@@ -106,7 +117,7 @@ class VLLMWatch:
         if not policy or active is None or active.full or active.name in served:
             self._set(base, State.OK, "serving")
             return
-        self._set(base, State.LOADING, f"the active version {active.name} is not loaded")
+        self._set(base, State.LOADING, f"the active version {active.name} is not loaded", active.name)
         try:
             await asyncio.to_thread(self._load, active.name, base)
         except (AdminError, SQLAlchemyError, OSError) as exc:
@@ -126,11 +137,11 @@ class VLLMWatch:
 def vllm_bases(upstreams: Upstreams) -> dict[str, bool]:
     """The base URLs of the vLLM deployments (``hosted_vllm/...``) among *upstreams*, each with
     whether it serves the `policy` alias's model group (the one the active version is loaded into)."""
-    router = upstreams.router
-    if router is None:  # built at the first request; until then the one --upstream
+    deployments = upstreams.deployments
+    if deployments is None:  # discovered at the first request; until then the one --upstream
         return {upstreams.upstream_url: True} if upstreams.upstream_url else {}
     bases: dict[str, bool] = {}
-    for d in router.model_list:
+    for d in deployments:
         params = d["litellm_params"]
         if str(params["model"]).startswith(VLLM_PREFIX) and params.get("api_base"):
             base = str(params["api_base"]).rstrip("/")

@@ -27,11 +27,18 @@ from datapool.settings import Settings
 # Every settings object a nextstate process reads. A new one is added here.
 SETTINGS_OBJECTS: tuple[type[BaseSettings], ...] = (Settings,)
 
-# Environment variables read outside the settings objects.
-EXTRA_VARIABLES: tuple[tuple[str, str, str], ...] = (
-    ("NEXTSTATE_CONFIG", "",
+# Environment variables read outside the settings objects: (name, type, default, meaning).
+EXTRA_VARIABLES: tuple[tuple[str, str, str, str], ...] = (
+    ("NEXTSTATE_CONFIG", "path", "",
      "YAML (or .toml) file with any of the settings below, by field name (e.g. `judge_votes: 5`). "
      "Flags and NEXTSTATE_* variables override it."),
+    # read by the OpenTelemetry SDK itself when otel_traces is on (datapool/traces.py)
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "URL", "http://localhost:4318",
+     "With otel_traces: the OTLP/HTTP receiver spans go to (`/v1/traces` is appended; "
+     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT gives the full URL instead). The OpenTelemetry SDK's own variable, as "
+     "are OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_TIMEOUT and OTEL_BSP_* (batching)."),
+    ("OTEL_SERVICE_NAME", "string", "nextstate",
+     "With otel_traces: the spans' service.name (OTEL_RESOURCE_ATTRIBUTES adds more resource attributes)."),
 )
 
 # Variables docker compose itself reads (interpolated into deploy/compose/compose.yaml); the
@@ -126,7 +133,7 @@ def _env_value(value: Any) -> str:
 
 def entries() -> list[Entry]:
     """Every environment variable a nextstate process reads, in the settings' order."""
-    out = [Entry(env, None, "path", default, meaning) for env, default, meaning in EXTRA_VARIABLES]
+    out = [Entry(env, None, kind, default, meaning) for env, kind, default, meaning in EXTRA_VARIABLES]
     for cls in SETTINGS_OBJECTS:
         for name, info in cls.model_fields.items():
             default = info.get_default(call_default_factory=True)

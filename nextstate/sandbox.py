@@ -1,12 +1,16 @@
 """A sandbox per rollout: the commands an agent's model chooses run here, never on the host as is.
 
 Each :class:`Sandbox` owns a directory and runs commands in it with what Linux offers without
-extra packages (util-linux's ``unshare`` and ``setpriv``, the kernel's rlimits and tmpfs):
+extra packages (util-linux's ``unshare``, ``setpriv`` and ``prlimit``, the kernel's rlimits and tmpfs):
 
 - **no network**: a new network namespace (``unshare --net``): no interface but a downed
   loopback, so every connect — to the host's gateway, its database, the internet — fails;
 - **its own processes**: a new PID namespace (``--pid --fork --kill-child``): killing the
   command's ``unshare`` kills everything it started, daemons and double forks included;
+- **no orphans**: ``setpriv --pdeathsig KILL`` ahead of ``unshare``, and again where the command
+  takes its uid (a change of uid clears the parent-death signal ``--kill-child`` set): when the
+  process that started the command dies (SIGKILL, the OOM killer; strictly, when the thread that
+  started it ends), the kernel kills ``unshare``, then the namespace's first process, then the namespace;
 - **its own user** (as root): the command runs as a uid of its own (``setpriv``; one per
   sandbox alive at once on the machine, 42000 upwards, held by a lock file), so ``RLIMIT_NPROC`` caps the processes of this sandbox
   alone (the kernel ignores that limit for root) and it cannot touch the host's files beyond
@@ -33,7 +37,6 @@ import contextlib
 import fcntl
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -109,6 +112,10 @@ _probe: str | None = None
 def check_available() -> None:
     """Raise :class:`SandboxUnavailable` unless commands can be isolated here (probed once)."""
     global _probe
+    if _probe is None and shutil.which("prlimit") is None:
+        raise SandboxUnavailable("util-linux's prlimit is not on PATH (it sets each command's limits)")
+    if _probe is None and shutil.which("setpriv") is None:
+        raise SandboxUnavailable("util-linux's setpriv is not on PATH (it ties each command's life to its parent's)")
     if _probe is None:
         args = ["unshare", "--net", "--pid", "--fork", "--kill-child", "true"]
         if os.geteuid() != 0:
@@ -150,6 +157,31 @@ _NO_MEMORY = re.compile(r"MemoryError|Cannot allocate memory|std::bad_alloc|out 
 _NO_SPACE = re.compile(r"No space left on device|Disk quota exceeded", re.I)
 _NO_NETWORK = re.compile(r"Network is unreachable|ENETUNREACH|Name or service not known|"
                          r"Temporary failure in name resolution|Cannot assign requested address", re.I)
+
+
+def unmount_under(path: Path) -> list[str]:
+    """Unmount every mount at or below *path* (deepest first) and return their mount points.
+
+    A sandbox unmounts its tmpfs when it closes; a process killed before that (SIGKILL, the OOM
+    killer) leaves it mounted. Whoever gave that process its sandboxes' directory calls this
+    once it is gone. Lazy (``umount -l``): a mount still in use is detached now, freed when idle.
+    """
+    top = Path(path).resolve()
+    points = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        # field 5 is the mount point, with space, tab, newline and backslash written as octal escapes
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]))
+        if point == top or top in point.parents:
+            points.append(point)
+    done = []
+    for point in sorted(set(points), key=lambda p: len(p.parts), reverse=True):
+        if subprocess.run(["umount", "-l", str(point)], capture_output=True).returncode == 0:
+            done.append(str(point))
+    return done
 
 
 class Sandbox:
@@ -219,25 +251,29 @@ class Sandbox:
     def _argv(self, command: str | list[str]) -> list[str]:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         ns = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
+        # SIGKILL when the starting thread's process dies: no Python runs between fork and exec
+        # (see _rlimits), so setpriv sets it and execs the rest
+        orphan = ["setpriv", "--pdeathsig", "KILL", "--"]
         if not self.privileged:
-            return ns[:1] + ["--user", "--map-root-user"] + ns[1:] + ["--", *argv]
-        return ns + ["--", "setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                     "--no-new-privs", "--", *argv]
+            return orphan + self._rlimits() + ns[:1] + ["--user", "--map-root-user"] + ns[1:] + ["--", *argv]
+        # --reuid clears the parent-death signal --kill-child gave the namespace's first process:
+        # set again, after the uid change, so that unshare's death kills the namespace
+        return orphan + self._rlimits() + ns + ["--", "setpriv", f"--reuid={self.uid}", f"--regid={self.uid}",
+                                                "--clear-groups", "--no-new-privs", "--pdeathsig", "KILL",
+                                                "--", *argv]
 
-    def _preexec(self) -> None:
+    def _rlimits(self) -> list[str]:
+        """util-linux's ``prlimit`` sets the limits and execs the rest: no Python runs between fork
+        and exec (a ``preexec_fn`` can deadlock the child of a process with threads — the agents
+        benchmark runs many rollouts' event loops in threads — and hung such rollouts)."""
         lim = self.limits
         mb = 1024 * 1024
-        # CPU: SIGXCPU at the soft limit, SIGKILL a second later for a process that ignores it
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-        for what, value in ((resource.RLIMIT_AS, lim.memory_mb * mb), (resource.RLIMIT_FSIZE, lim.file_mb * mb),
-                            (resource.RLIMIT_NPROC, lim.processes), (resource.RLIMIT_NOFILE, lim.open_files),
-                            (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(what, (value, value))
-        # dispositions are inherited through exec: a parent that ignores SIGXCPU would turn the
-        # soft CPU limit into the hard one's SIGKILL
-        for sig in (signal.SIGXCPU, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL)
-        os.setsid()
+        # CPU: SIGXCPU at the soft limit, SIGKILL a second later for a process that ignores it.
+        # SIGXCPU and SIGXFSZ reach the command with their default action: subprocess restores
+        # what Python ignores (SIGXFSZ, SIGPIPE) before exec, and nothing here ignores SIGXCPU.
+        return ["prlimit", f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}", f"--as={lim.memory_mb * mb}",
+                f"--fsize={lim.file_mb * mb}", f"--nproc={lim.processes}", f"--nofile={lim.open_files}",
+                "--core=0", "--"]
 
     def _env(self) -> dict[str, str]:
         # nothing of the host's environment (API keys, database URLs) reaches the command; `python3`
@@ -253,7 +289,7 @@ class Sandbox:
         self._wall = wall
         proc = await asyncio.create_subprocess_exec(
             *self._argv(command), cwd=self.path(cwd), env=self._env(), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, preexec_fn=self._preexec)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         head, tail, dropped = bytearray(), bytearray(), 0
 
         async def drain() -> None:

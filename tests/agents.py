@@ -163,8 +163,9 @@ class AgentRun:
 
 
 def run_agent(install: AgentInstall, args: list[str], *, home: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None, timeout_s: int = 300) -> AgentRun:
-    """One run of the agent with its own HOME (its config and state live there)."""
+              cwd: Path | None = None, timeout_s: int = 300, stdin: str | None = None) -> AgentRun:
+    """One run of the agent with its own HOME (its config and state live there); *stdin* is what
+    a person types at its prompts (default: nothing, stdin is /dev/null)."""
     home.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, "PATH": install.path_env, "HOME": str(home), "NO_COLOR": "1",
                 "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local" / "share"),
@@ -175,9 +176,10 @@ def run_agent(install: AgentInstall, args: list[str], *, home: Path, env: dict[s
     # its own process group: npm agents run their real binary as a child, which a timeout must
     # end too (it would hold the output pipes open)
     proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, cwd=cwd or home, start_new_session=True)
+                            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE, cwd=cwd or home,
+                            start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        stdout, stderr = proc.communicate(stdin, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()

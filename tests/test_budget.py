@@ -1,6 +1,7 @@
 """Output budgets that fit (docs/clients.md): a budget over what the prompt leaves of the served
 context is lowered, recorded on the turn and announced in X-Output-Budget; a prompt that alone
-overflows stays the client's error; the bound that spares the tokenizer never undercounts.
+overflows stays the client's error; a request that asks for none gets the default, fitted too;
+the bound that spares the tokenizer never undercounts.
 Against a real gateway in front of vLLM-CPU (SmolLM2, max_model_len 8192)."""
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from datapool.settings import Settings
 from gateway.budget import prompt_bound
 from tests.conftest import RunningVLLM
 from nextstate.testing.processes import GatewayProcess, wait_for
 
 CONTEXT = 8192
+DEFAULT = Settings().default_output_budget
+SHARE = Settings().fit_output_share  # of what the prompt leaves, when the gateway chooses the budget
+
+
+def _share(prompt_tokens: int) -> int:
+    return int((CONTEXT - prompt_tokens) * SHARE)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +66,9 @@ def test_an_anthropic_budget_over_the_context_is_fitted_and_recorded(gateway: tu
     r = httpx.post(f"{gw.url}/v1/messages", json=body, timeout=300)
     assert r.status_code == 200, r.text
     prompt = _tokens(vllm_server, [{"role": "system", "content": system}, {"role": "user", "content": "Say yes."}])
-    assert r.headers["x-output-budget"] == f"granted={CONTEXT - prompt}; requested=32000; context={CONTEXT}"
+    assert r.headers["x-output-budget"] == f"granted={_share(prompt)}; requested=32000; context={CONTEXT}"
     stored = _stored_request(db, r.headers["x-turn-id"])
-    assert stored["output_budget"] == {"requested": 32000, "granted": CONTEXT - prompt, "prompt_tokens": prompt,
+    assert stored["output_budget"] == {"requested": 32000, "granted": _share(prompt), "prompt_tokens": prompt,
                                        "context": CONTEXT}
     assert stored["params"]["max_tokens"] == 32000  # what the client asked, as it asked it
 
@@ -76,7 +84,7 @@ def test_a_chat_budget_over_the_context_is_fitted(gateway: tuple[GatewayProcess,
                       json={"model": vllm_server.model, key: CONTEXT, "messages": messages, "temperature": 0,
                             "stream": True}) as r:
         assert r.status_code == 200, r.read()
-        granted = CONTEXT - _tokens(vllm_server, messages)
+        granted = _share(_tokens(vllm_server, messages))
         assert r.headers["x-output-budget"].startswith(f"granted={granted}; requested={CONTEXT};")
 
 
@@ -87,6 +95,49 @@ def test_a_budget_that_fits_is_left_alone(gateway: tuple[GatewayProcess, Path], 
     assert r.status_code == 200, r.text
     assert "x-output-budget" not in r.headers
     assert "output_budget" not in _stored_request(db, r.headers["x-turn-id"])
+
+
+def test_a_request_without_a_budget_gets_the_default(gateway: tuple[GatewayProcess, Path],
+                                                    vllm_server: RunningVLLM) -> None:
+    """Codex and Continue send no budget: vLLM would write until the context is full. They get
+    the default, within the share of what the prompt leaves."""
+    gw, db = gateway
+    messages = [{"role": "user", "content": f"Say yes. {uuid.uuid4().hex}"}]
+    # streamed and left after the headers: the check is the budget granted
+    with httpx.stream("POST", f"{gw.base_url}/chat/completions", timeout=300,
+                      json={"model": vllm_server.model, "messages": messages, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        prompt = _tokens(vllm_server, messages)
+        granted = min(DEFAULT, _share(prompt))
+        assert r.headers["x-output-budget"] == f"granted={granted}; requested=none; context={CONTEXT}"
+        turn = r.headers["x-turn-id"]
+    stored = _stored_request(db, turn)
+    assert stored["output_budget"]["requested"] is None and stored["output_budget"]["granted"] == granted
+    assert "max_tokens" not in stored["params"]  # what the client asked, as it asked it
+
+
+def test_the_default_budget_leaves_room_under_a_long_prompt(gateway: tuple[GatewayProcess, Path],
+                                                            vllm_server: RunningVLLM) -> None:
+    gw, _ = gateway
+    messages = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "word " * 5000}]
+    with httpx.stream("POST", f"{gw.url}/v1/responses", timeout=300,
+                      json={"model": vllm_server.model, "input": messages, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        prompt = _tokens(vllm_server, messages)
+        assert _share(prompt) < DEFAULT
+        assert r.headers["x-output-budget"] == f"granted={_share(prompt)}; requested=none; context={CONTEXT}"
+
+
+def test_an_asked_budget_that_fits_is_granted_whole(gateway: tuple[GatewayProcess, Path],
+                                                   vllm_server: RunningVLLM) -> None:
+    """The share applies where the gateway chooses; a budget that fits, however large, stands."""
+    gw, _ = gateway
+    messages = [{"role": "user", "content": f"Say yes. {uuid.uuid4().hex}"}]
+    asked = CONTEXT - _tokens(vllm_server, messages)
+    with httpx.stream("POST", f"{gw.base_url}/chat/completions", timeout=300, json={
+            "model": vllm_server.model, "max_tokens": asked, "messages": messages, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert "x-output-budget" not in r.headers
 
 
 def test_a_prompt_that_alone_overflows_stays_an_error_in_each_dialect(gateway: tuple[GatewayProcess, Path],
@@ -107,10 +158,13 @@ def test_a_prompt_that_alone_overflows_stays_an_error_in_each_dialect(gateway: t
 
 def test_turned_off_the_upstream_refusal_stands(vllm_server: RunningVLLM, tmp_path: Path) -> None:
     with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", upstream_url=vllm_server.base_url,
-                        env={"NEXTSTATE_FIT_OUTPUT_BUDGET": "false"}) as gw:
+                        env={"NEXTSTATE_FIT_OUTPUT_BUDGET": "false", "NEXTSTATE_DEFAULT_OUTPUT_BUDGET": "0"}) as gw:
         r = httpx.post(f"{gw.base_url}/chat/completions", timeout=300, json={
             "model": vllm_server.model, "max_tokens": 32000, "messages": [{"role": "user", "content": "Say yes."}]})
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], r.text
+        assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"], r.text
+        with httpx.stream("POST", f"{gw.base_url}/chat/completions", timeout=300, json={
+                "model": vllm_server.model, "stream": True, "messages": [{"role": "user", "content": "Say yes."}]}) as r:
+            assert r.status_code == 200 and "x-output-budget" not in r.headers
 
 
 _TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=300)

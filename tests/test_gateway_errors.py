@@ -131,6 +131,11 @@ def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> 
 
 
 def test_metrics_exposes_latency_and_capture_gauges(error_gateway: GatewayProcess) -> None:
+    # a labelled histogram has samples once a request observed it: one chat of its own, so the
+    # test does not depend on which of the module's tests ran before it (or on another worker)
+    r = httpx.post(f"{error_gateway.url}/v1/chat/completions", timeout=120, json={
+        "model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "Say hi."}]})
+    assert r.status_code == 200, r.text
     text = httpx.get(f"{error_gateway.url}/metrics", timeout=5).text
     for name in ("nextstate_request_seconds_bucket", "nextstate_upstream_seconds_bucket",
                  "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes",

@@ -17,9 +17,12 @@ from hypothesis import strategies as st
 from benchmarks.learning import bench
 from benchmarks.learning.bench import (
     agreement,
+    TOPK_DEFAULT,
     arm_objective,
     arm_slug,
+    arm_spec,
     phase_table,
+    sibling_table,
     stability,
     stable_from,
     table,
@@ -52,11 +55,23 @@ def test_agreement_counts_votes_against_the_preference():
     assert line == "| combined | 3 | 2 | 9 | 4 | 0.75 | 0.50 | 2 | 2 |"
 
 
+def test_sibling_table_counts_the_groups_that_give_rl_a_signal():
+    def turn(reward, sibs=()):
+        return {"reward": reward, "siblings": [{"reward": r} for r in sibs]}
+
+    rows = [{"arm": "rl+siblings=2", "seed": 0, "turns": [turn(-1.0, (1.0, -1.0)), turn(-1.0, (-1.0, -1.0)),
+                                                          turn(1.0, (1.0, 1.0))]},
+            {"arm": "rl", "seed": 0, "turns": [turn(-1.0), turn(1.0)]}]
+    lines = sibling_table(rows).splitlines()
+    assert lines[2] == "| rl+siblings=2 | 3 | 1 | 6 | 3 | 1 |"
+    assert lines[3] == "| rl | 2 | 1 | 0 | 0 | – |"
+
+
 def test_phase_table_means_per_arm():
     rows = [{"arm": "rl", "seed": s, "wall_s": w, "phases_s": {"interact": i, "train_round": t}}
             for s, w, i, t in ((0, 100.0, 10.0, 50.0), (1, 200.0, 30.0, 150.0))]
     line = phase_table(rows + [{"arm": "none", "seed": 0}]).splitlines()[-1]
-    assert line == "| rl | 2 | 150.0 | 0.0 | 20.0 | 0.0 | 100.0 | 0.0 | 0.0 |"
+    assert line == "| rl | 2 | 150.0 | 0.0 | 20.0 | 0.0 | 0.0 | 100.0 | 0.0 | 0.0 |"
 
 
 def test_arms_name_the_rl_baseline():
@@ -72,6 +87,23 @@ def test_arms_name_the_rl_baseline():
     for bad in ("sft", "rl:ema", "combined:batch:x", "combined:batch:1:2"):
         with pytest.raises(ValueError):
             arm_objective(bad)
+
+
+def test_arm_options_top_k_and_the_kl_guard():
+    plain = arm_spec("combined")
+    assert (plain.top_k, plain.objective.opd_topk, plain.objective.kl_coef) == (0, False, 0.0)
+    topk = arm_spec("opd+topk")
+    assert (topk.top_k, topk.objective.objective, topk.objective.opd_topk) == (TOPK_DEFAULT, "opd", True)
+    both = arm_spec("combined:none:0.5+topk=8+kl=0.05")
+    assert (both.top_k, both.objective.opd_topk, both.objective.kl_coef) == (8, True, 0.05)
+    assert (both.objective.rl_baseline, both.objective.w_rl) == ("none", 0.5)
+    assert arm_spec("rl+kl=0.1").objective.kl_coef == 0.1
+    assert arm_slug("combined:batch+topk=8+kl=0.05") == "combined-batch-topk-8-kl-0_05"
+    assert (arm_spec("rl+siblings=4").siblings, plain.siblings) == (4, 0)
+    for bad in ("rl+topk", "opd+topk=0", "opd+topk=21", "opd+kl", "opd+kl=-1", "opd+sft", "opd+topk=x",
+                "rl+siblings", "rl+siblings=0", "rl+siblings=17"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
 
 
 # --- jobs stopped early (a dead vLLM, --deadline-min): reported up to their last checkpoint ----------

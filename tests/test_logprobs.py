@@ -34,9 +34,9 @@ def _grads(trainer: LocalTrainer, samples: list[Sample], weights: torch.Tensor, 
     trainer.model.zero_grad(set_to_none=True)
     trainer.cfg.packing = packing
     if path == "full":
-        lp, mask = trainer._full_logprobs(samples)
+        lp, mask, _ = trainer._full_logprobs(samples)
     else:
-        lp, mask = trainer._chunked_logprobs(samples)
+        lp, mask, _ = trainer._chunked_logprobs(samples)
     (lp * weights[:, : lp.shape[1]] * mask).sum().backward()
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
              if p.requires_grad and p.grad is not None}
@@ -157,6 +157,31 @@ def test_token_logprobs_matches_log_softmax(n: int, vocab: int, chunk: int, bias
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 30), vocab=st.integers(2, 200), k=st.integers(1, 6), chunk=st.integers(1, 40),
+       bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_k_targets_per_row_match_log_softmax(n: int, vocab: int, k: int, chunk: int, bias: bool, seed: int) -> None:
+    """K targets per row (top-k OPD: the sampled token and the teacher's top k), repeats allowed:
+    the same log-probs and gradients as gathering K columns of a plain log_softmax."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(2, n, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(vocab, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(vocab, generator=g, dtype=torch.float64, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (2, n, k), generator=g)
+    up = torch.randn(2, n, k, generator=g, dtype=torch.float64)
+    ref = torch.log_softmax((h @ w.t() + (b if b is not None else 0)).float(), -1).gather(-1, t)
+    params = [x for x in (h, w, b) if x is not None]
+    ref_grads = torch.autograd.grad((ref * up).sum(), params)
+    out = chunked.token_logprobs(h, w, t, b, chunk_size=chunk)
+    grads = torch.autograd.grad((out * up).sum(), params)
+    assert out.shape == (2, n, k) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        chunked.token_logprobs(h, w, t[0, :, 0], b)  # neither (2, n) nor (2, n, K)
 
 
 def test_select_response_hidden_positions() -> None:

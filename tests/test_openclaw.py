@@ -6,6 +6,10 @@ docs/openclaw.md. One OpenClaw session, five steps:
 1-3. three plain turns                     -> one nextstate session, each next state the next user message
 4.   a forced tool call (extra_body tool_choice "required"); OpenClaw runs the tool and goes on
                                            -> the tool result is the tool-call turn's next state, same session
+     (the call and the reply after its result are chosen upstream, tests/steer.py: left to
+     sample under "required", SmolLM2 once wrote a session key until max_tokens cut the call's
+     arguments short, and OpenClaw gave up without running it; when it does run, the loop goes
+     on for 20-odd calls, two minutes on two cores)
 5.   a turn after a forced compaction (maxActiveTranscriptBytes tiny) -> the summarisation calls are side
      turns; the turn after them stays in the session (its sessionId)
 and the provider's apiKey (which the gateway requires) appears nowhere in the pool or the gateway's files.
@@ -28,17 +32,29 @@ import pytest
 
 from tests.conftest import RunningVLLM
 from tests.openclaw_agent import AgentRun, OpenClawAgent, OpenClawInstall, ensure_openclaw, lean_config
+from tests.steer import SteeredVLLM
 from nextstate.testing.processes import GatewayProcess, wait_for
 
 OPENCLAW_SYSTEM_MARK = "You are a personal assistant running inside OpenClaw."
 COMPACTION_SYSTEM_MARK = "You are a context summarization assistant."
 TOOL_CALL = '<tool_call>\n{"name": "session_status", "arguments": {}}\n</tool_call>'
 PLAIN = ["What is the capital of France?", "And of Germany?", "Name one river there."]
-# SmolLM2 never sees tool definitions (its chat template drops them) and, left alone, rambles
-# inside a tool call until max_tokens; asked to repeat one, it closes it. tool_choice "required"
-# (through the provider's extra_body) is what forces a call rather than text.
+# the forced config also sends tool_choice "required" (through the provider's extra_body), as a
+# user forcing a call would; the reply itself is chosen upstream (_steer)
 TOOL_MESSAGE = f"Repeat exactly: {TOOL_CALL}"
+AFTER_TOOL = "The session is fine."
 AFTER_COMPACTION = "Thanks, that is all."
+
+
+def _steer(messages: list[dict[str, Any]]) -> str | None:
+    """The reply vLLM must write to OpenClaw's request: the tool call to TOOL_MESSAGE, a short
+    text once the tool's result is back; anything else (the plain turns, compaction) is sampled."""
+    last = messages[-1]
+    if last.get("role") == "tool":
+        return AFTER_TOOL
+    if last.get("role") == "user" and TOOL_MESSAGE in _text(last.get("content")):
+        return TOOL_CALL
+    return None
 
 
 def _text(content: Any) -> str:
@@ -136,8 +152,10 @@ def conversation(openclaw: OpenClawInstall, vllm_server: RunningVLLM,
     data = tmp_path_factory.mktemp("gw")
     db = data / "pool.db"
     api_key = f"sk-openclaw-{uuid.uuid4().hex}"
-    with GatewayProcess(data, database_url=f"sqlite:///{db}", upstream_url=vllm_server.base_url,
-                        env={"NEXTSTATE_API_KEYS": api_key}) as gw:
+    with SteeredVLLM(vllm_server.base_url) as steered, GatewayProcess(
+            data, database_url=f"sqlite:///{db}", upstream_url=steered.base_url,
+            env={"NEXTSTATE_API_KEYS": api_key}) as gw:
+        steered.reply = _steer
         agent = OpenClawAgent(openclaw, tmp_path_factory.mktemp("openclaw"))
         session = f"oc-{uuid.uuid4().hex[:10]}"
         plain = lean_config(gw.base_url, api_key, vllm_server.model)
@@ -148,9 +166,6 @@ def conversation(openclaw: OpenClawInstall, vllm_server: RunningVLLM,
         runs = [agent.run(m, session_id=session, config=plain) for m in PLAIN]
         for run in runs:
             assert run.returncode == 0, f"openclaw failed on {run.message!r}:\n{run.stderr[-3000:]}"
-        # OpenClaw may end this run with an error of its own (after the tool loop it retries once
-        # without tools, and extra_body's tool_choice then makes that request invalid): the model
-        # calls before it are what this step is about
         runs.append(agent.run(TOOL_MESSAGE, session_id=session, config=forced))
         runs.append(agent.run(AFTER_COMPACTION, session_id=session, config=compacting))
         wait_for(lambda: any(AFTER_COMPACTION in t.last_user for t in _turns(db)), timeout=60)

@@ -233,6 +233,19 @@ def _check_fresh_database(admin_dsn: str) -> None:
     try:
         assert _dbname(other).startswith("custom_")
         assert _dbname(other) != name
+        # a copy of a template holds its tables and rows; writing to the copy leaves it alone
+        with _connect(other, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (x int)")
+            conn.execute("INSERT INTO t VALUES (1), (2)")
+        copy, drop_copy = fresh_database(admin_dsn, template=_dbname(other))
+        try:
+            with _connect(copy, autocommit=True) as conn:
+                assert conn.execute("SELECT sum(x) FROM t").fetchone() == (3,)
+                conn.execute("INSERT INTO t VALUES (4)")
+            with _connect(other) as conn:
+                assert conn.execute("SELECT sum(x) FROM t").fetchone() == (3,)
+        finally:
+            drop_copy()
     finally:
         drop_other()
 

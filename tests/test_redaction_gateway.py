@@ -1,8 +1,8 @@
 """Acceptance of redaction before storage, through a real gateway process: secrets and personal data
 planted in any field of any wire format (chat completions, responses, messages), streamed or not,
-never appear in the pool, the spool, the exports (JSONL and Parquet), the logs, the admin UI or the
-admin API, and /metrics counts them per detector; with a real vLLM, the stored token ids do not
-decode to them.
+never appear in the pool, the spool, the exports (JSONL and Parquet), the logs, the admin UI, the
+admin API or the OTLP spans (read back from a real receiver, Arize Phoenix: tests/phoenix.py), and
+/metrics counts them per detector; with a real vLLM, the stored token ids do not decode to them.
 
 The upstream is nextstate/testing/upstream.py (fast; its `FAKE TOOL CALL:` cue makes the reply carry
 the planted text as tool-call arguments), so hypothesis can send many requests; the last test runs
@@ -24,22 +24,31 @@ import httpx
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import RunningVLLM
 from nextstate.testing.upstream import UpstreamProcess
 from nextstate.testing.processes import GatewayProcess, wait_for
+from tests.phoenix import PhoenixProcess
 from tests.test_redaction import PERSONAL, SECRETS
 
 TOKEN = "admin-secret-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 PLANTED: list[str] = []  # every value planted by the property test, checked everywhere after it
 SESSIONS: list[str] = []
+TURNS: list[str] = []
+PROJECT = f"redaction-{uuid.uuid4().hex[:8]}"  # the Phoenix project the gateway's spans go to
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
+def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PhoenixProcess]:
+    with PhoenixProcess(tmp_path_factory.mktemp("phoenix")) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, phoenix: PhoenixProcess) -> Iterator[GatewayProcess]:
     d = tmp_path_factory.mktemp("redact-gw")
     with UpstreamProcess(d / "upstream.log") as upstream:
         models = d / "models.yaml"
@@ -47,7 +56,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess
             "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
         gw = GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
                             env={"NEXTSTATE_REDACT": "all", "NEXTSTATE_ADMIN_TOKEN": TOKEN,
-                                 "NEXTSTATE_REDACT_PATTERNS": json.dumps({"employee_id": r"EMP-\d{6}"})})
+                                 "NEXTSTATE_REDACT_PATTERNS": json.dumps({"employee_id": r"EMP-\d{6}"}),
+                                 "NEXTSTATE_OTEL_TRACES": "1", **phoenix.env(PROJECT)})
         gw.start(timeout=300)  # LiteLLM's import is slow on two shared cores
         try:
             yield gw
@@ -122,6 +132,8 @@ def planted(draw: Any) -> tuple[str, str, str, bool]:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(planted())
+@example(("chat", "user", "EMP-314159", False))  # the custom pattern, whatever the draw (checked below)
+@example(("messages", "tool_result", "EMP-271828", True))
 def test_planted_values_are_answered_and_stored_redacted(gateway: GatewayProcess, case: tuple[str, str, str, bool]) -> None:
     fmt, field, value, stream = case
     path, body = _request(fmt, field, value, stream)
@@ -131,15 +143,23 @@ def test_planted_values_are_answered_and_stored_redacted(gateway: GatewayProcess
     PLANTED.append(value)
     SESSIONS.append(session)
     turn = resp.headers["x-turn-id"]
+    TURNS.append(turn)
     wait_for(lambda: httpx.get(f"{gateway.url}/api/turns/{turn}", headers=ADMIN, timeout=10).status_code == 200,
              timeout=60)
     stored = httpx.get(f"{gateway.url}/api/turns/{turn}", headers=ADMIN, timeout=10).text
     assert value not in stored and "[REDACTED:" in stored, (fmt, field, stream, stored[:2000])
 
 
-def _everything(gateway: GatewayProcess) -> dict[str, str]:
+def _everything(gateway: GatewayProcess, phoenix: PhoenixProcess) -> dict[str, str]:
     """Every place a captured turn can end up, as text."""
     out: dict[str, str] = {}
+    # every turn's span has reached the receiver (its trace id is the turn id)
+    def arrived() -> list[dict[str, Any]] | None:
+        spans = phoenix.spans(PROJECT)
+        return spans if set(TURNS) <= {s["context"]["trace_id"] for s in spans} else None
+
+    spans = wait_for(arrived, timeout=60, interval=0.5)
+    out["otlp spans"] = json.dumps(spans, ensure_ascii=False)
     db = sqlite3.connect(gateway.data_dir / "pool.db")
     tables = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
     out["pool"] = "\n".join(repr(row) for t in tables for row in db.execute(f'SELECT * FROM "{t}"'))
@@ -163,16 +183,17 @@ def _everything(gateway: GatewayProcess) -> dict[str, str]:
     return out
 
 
-def test_nothing_planted_is_anywhere(gateway: GatewayProcess) -> None:
+def test_nothing_planted_is_anywhere(gateway: GatewayProcess, phoenix: PhoenixProcess) -> None:
     assert PLANTED, "the property test runs first"
-    places = _everything(gateway)
-    assert all(places[k] for k in ("pool", "export.jsonl", "export.parquet", "ui", "api")), \
+    places = _everything(gateway, phoenix)
+    assert all(places[k] for k in ("pool", "export.jsonl", "export.parquet", "ui", "api", "otlp spans")), \
         {k: len(v) for k, v in places.items()}
     for value in PLANTED:
         for place, text in places.items():
             assert value not in text, (place, value)
             assert json.dumps(value)[1:-1] not in text, (place, value)  # nor JSON-escaped
     assert "[REDACTED:" in places["ui"]  # the UI shows the placeholder
+    assert "[REDACTED:" in places["otlp spans"] and "gen_ai.input.messages" in places["otlp spans"]
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     counted = {line.split('"')[1] for line in metrics.splitlines()
                if line.startswith("nextstate_redactions_total{")}

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from nextstate.sandbox import Limits, Sandbox, SandboxUnavailable, check_available
+from nextstate.sandbox import Limits, Sandbox, SandboxUnavailable, check_available, unmount_under
 
 try:
     check_available()
@@ -82,18 +83,25 @@ def test_a_socket_reaches_nothing(sandbox: Sandbox) -> None:
     server.settimeout(0.2)
     port = server.getsockname()[1]
     accepted: list[object] = []
+    ran = threading.Event()
 
     def accept() -> None:
+        # accepts while the command runs, then once more for a connection still in the backlog
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline:
+            last = ran.is_set()
             try:
                 accepted.append(server.accept())
             except TimeoutError:
-                continue
+                if last:
+                    return
 
     t = threading.Thread(target=accept)
     t.start()
-    code, out, violation = run(sandbox, ["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), 3)"])
+    try:
+        code, out, violation = run(sandbox, ["python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', {port}), 3)"])
+    finally:
+        ran.set()
     t.join()
     server.close()
     assert accepted == [] and code != 0
@@ -169,3 +177,23 @@ def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path: Path) -> No
         holder.kill()
         holder.wait()
         subprocess.run(["umount", "-l", str(tmp_path / "other")], capture_output=True)  # its tmpfs
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_unmount_under_finds_nested_mounts_and_escaped_names(tmp_path: Path) -> None:
+    """What a killed process left mounted below a directory (a name with a space is written
+    ``\\040`` in /proc/self/mountinfo) is unmounted, deepest first; nothing beside it is."""
+    outer, inner, beside = tmp_path / "jobs" / "a b", tmp_path / "jobs" / "a b" / "inner", tmp_path / "beside"
+    for d in (outer, beside):
+        d.mkdir(parents=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(d)], check=True)
+    inner.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(inner)], check=True)
+    try:
+        assert unmount_under(tmp_path / "jobs") == [str(inner), str(outer)]
+        mounted = Path("/proc/self/mountinfo").read_text()
+        assert "a\\040b" not in mounted and str(beside) in mounted
+        assert unmount_under(tmp_path / "jobs") == []
+    finally:
+        for d in (inner, outer, beside):
+            subprocess.run(["umount", "-l", str(d)], capture_output=True)

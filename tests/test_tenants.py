@@ -1,15 +1,18 @@
 """Tenants, through a real gateway process: client keys map to tenants (settings and the admin
 API), sessions carry their tenant and stay apart (the same session id or the same conversation
-from two tenants never joins one session), and every route, called with one tenant's key on ids
-of its own, of another tenant or made up (hypothesis), answers nothing of another tenant's data.
-The admin token sees everything."""
+from two tenants never joins one session), and every route, API and admin UI, called with one
+tenant's key or its UI login on ids of its own, of another tenant or made up (hypothesis), answers
+nothing of another tenant's data. The admin token (or login) sees everything, with a tenant
+column and filter in the UI."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
 from collections.abc import Iterator
+from urllib.parse import quote
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapool.settings import Settings
+from gateway.tenants import TENANT_PAGES
+from gateway.ui import judgements as ui_judgements
+from gateway.ui import pages as ui_pages
 from nextstate.testing.upstream import UpstreamProcess
 from nextstate.testing.processes import GatewayProcess, wait_for
 
@@ -38,6 +44,8 @@ class World:
         self.sessions: dict[str, list[str]] = {}
         self.turns: dict[str, list[str]] = {}
         self.responses: dict[str, list[str]] = {}
+        self.logins: dict[str, httpx.Client] = {}  # tenant -> a UI login with its key (cookie)
+        self.csrf: dict[str, str] = {}
 
     def key_of(self, tenant: str) -> str:
         return next(k for k, t in self.keys.items() if t == tenant)
@@ -88,9 +96,23 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                                               .status_code == 200 for i in w.turns[t]), timeout=60)
                 w.sessions[tenant] = sorted({httpx.get(f"{gw.url}/api/turns/{i}", headers=ADMIN, timeout=10)
                                              .json()["session_id"] for i in w.turns[tenant]})
+            for tenant in w.markers:
+                w.logins[tenant], w.csrf[tenant] = _login(gw, w.key_of(tenant))
             yield w
         finally:
+            for client in w.logins.values():
+                client.close()
             gw.stop()
+
+
+def _login(gw: GatewayProcess, secret: str) -> tuple[httpx.Client, str]:
+    """A browser's login to the admin UI with *secret*: its cookie jar, and its CSRF token."""
+    client = httpx.Client(base_url=gw.url, timeout=30)
+    page = client.post("/admin/login", data={"secret": secret}, follow_redirects=True)
+    assert page.status_code == 200 and "/admin/sessions" in str(page.url), page.text[:300]
+    found = re.search(r'"X-CSRF-Token": "([^"]+)"', page.text)
+    assert found, page.text[:500]
+    return client, found[1]
 
 
 def test_sessions_carry_their_tenant_and_never_mix(world: World) -> None:
@@ -129,17 +151,25 @@ def test_tenant_keys_need_an_admin_credential() -> None:
         Settings(tenant_keys={"k": "no spaces"}, admin_token="t")
 
 
+def _ui_routes() -> list[tuple[str, str]]:
+    """Every route of the admin UI (login and logout aside)."""
+    out = [(method, route.path) for router in (ui_pages.router, ui_judgements.router) for route in router.routes
+           for method in getattr(route, "methods", ())]
+    out = [(m, p) for m, p in out if p not in ("/admin/logout",) and m != "HEAD"]
+    assert len(out) >= 20 and ("GET", "/admin/sessions/{session_id}") in out
+    return out
+
+
 def _routes(world: World) -> list[tuple[str, str]]:
     schema = httpx.get(f"{world.gw.url}/openapi.json", headers=ADMIN, timeout=30).json()
     out = [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
     assert len(out) >= 20 and ("GET", "/api/sessions/{session_id}") in out
-    # the admin UI: a tenant's key is no login
-    return out + [("GET", p) for p in ("/admin/sessions", "/admin/turns", "/admin/sessions/{session_id}",
-                                        "/admin/turns/{turn_id}", "/admin/export.jsonl", "/admin/queue")]
+    return out + _ui_routes()
 
 
 BODIES = {"labels": {"kind": "thumb", "value": 1}, "outcome": {"outcome": 1.0},
-          "feedback": {"value": 1}, "sessions": {"end": True}}
+          "feedback": {"value": 1}, "sessions": {"end": True}, "promote": {"name": "x", "confirm": "yes"},
+          "rollback": {"confirm": "yes"}}
 
 
 @pytest.fixture(scope="module")
@@ -164,9 +194,15 @@ def test_no_route_answers_another_tenants_data(world: World, routes: list[tuple[
                                                            {"response_id": ids["response_id"]}]))}
     if "/v1/" in path and method == "POST" and not path.endswith("/feedback"):
         return  # the proxy's calls answer from the model, not the pool (continuations: above)
-    resp = httpx.request(method, f"{world.gw.url}{url}", headers={"Authorization": f"Bearer {world.key_of(caller)}"},
-                         json=body if method in ("POST", "PUT", "PATCH") else None,
-                         params={"limit": 500}, timeout=30, follow_redirects=False)
+    # the tenant's key as a bearer token, or its login to the admin UI (cookie, CSRF token)
+    login = path.startswith("/admin") or data.draw(st.booleans(), label="through the UI login")
+    ui_form = path.startswith("/admin") and method == "POST"
+    sender: Any = world.logins[caller] if login else httpx
+    headers = {"X-CSRF-Token": world.csrf[caller]} if login else {"Authorization": f"Bearer {world.key_of(caller)}"}
+    resp = sender.request(method, f"{world.gw.url}{url}", headers=headers,
+                          json=body if method in ("POST", "PUT", "PATCH") and not ui_form else None,
+                          data=body if ui_form else None,
+                          params={"limit": 500}, timeout=30, follow_redirects=False)
     assert resp.status_code < 500, (method, url, resp.text[:300])
     text = resp.text
     for other in world.markers:
@@ -177,5 +213,52 @@ def test_no_route_answers_another_tenants_data(world: World, routes: list[tuple[
         leaked = [s for s in world.secrets_of(other) if s in text and s not in sent]
         assert not leaked, (caller, method, url, resp.status_code, leaked)
     about_ids = "{session_id}" in path or "{turn_id}" in path or path.endswith("/feedback")
-    if caller != owner and about_ids and method in ("POST", "PUT", "PATCH", "DELETE") and resp.status_code < 300:
+    if caller != owner and about_ids and method in ("POST", "PUT", "PATCH", "DELETE") and resp.status_code < 400:
         pytest.fail(f"{caller} changed {owner}'s data: {method} {url} -> {resp.status_code} {text[:200]}")
+    if path.startswith("/admin") and (method, path) not in TENANT_PAGES:
+        assert resp.status_code == 403, (method, url, resp.status_code)  # the admin's pages
+
+
+def test_a_tenants_ui_login_shows_its_own_sessions_and_turns(world: World) -> None:
+    for tenant, ui in world.logins.items():
+        sessions = ui.get("/admin/sessions").text
+        turns = ui.get("/admin/turns").text
+        for sid in world.sessions[tenant]:
+            assert f"/admin/sessions/{quote(sid)}" in sessions and f"/admin/sessions/{quote(sid)}" in turns
+            page = ui.get(f"/admin/sessions/{quote(sid)}")
+            assert page.status_code == 200
+            if sid == f"{tenant}~shared-session":
+                assert world.markers[tenant] in page.text
+        assert f'data-testid="tenant">tenant {tenant}<' in sessions
+        assert "/admin/training" not in sessions and 'name="tenant"' not in sessions  # no admin pages, no filter
+        # its own `tenant=` cannot widen (or move) its view
+        other = next(t for t in world.markers if t != tenant)
+        moved = ui.get("/admin/sessions", params={"tenant": other}).text
+        assert not any(s in moved for s in world.secrets_of(other)) and world.sessions[tenant][0] in moved
+        exported = ui.get("/admin/export.jsonl", params={"tenant": other}).text
+        assert world.markers[tenant] in exported and len(exported.splitlines()) == len(world.turns[tenant])
+
+
+def test_the_admin_ui_shows_every_tenant_with_a_column_and_a_filter(world: World) -> None:
+    ui, _ = _login(world.gw, ADMIN_TOKEN)
+    with contextlib.closing(ui):
+        page = ui.get("/admin/sessions", params={"limit": 500}).text
+        assert 'name="tenant"' in page and "<th>Tenant</th>" in page
+        for tenant in world.markers:
+            assert f"<option >{tenant}</option>" in page or f"<option>{tenant}</option>" in page
+            only = ui.get("/admin/sessions", params={"tenant": tenant}).text
+            cells = set(re.findall(r'<td class="small" data-tenant>([^<]*)</td>', only))
+            assert cells == {tenant}, cells
+            turns = ui.get("/admin/turns", params={"tenant": tenant}).text
+            assert set(re.findall(r'<td class="small" data-tenant>([^<]*)</td>', turns)) == {tenant}
+            assert "<th>Tenant</th>" in turns
+
+
+def test_revoking_a_key_ends_its_ui_login(world: World) -> None:
+    issued = httpx.post(f"{world.gw.url}/api/tenants/umbrella/keys", headers=ADMIN, timeout=30).json()
+    ui, _ = _login(world.gw, issued["key"])
+    with contextlib.closing(ui):
+        assert ui.get("/admin/sessions").status_code == 200
+        gone = httpx.delete(f"{world.gw.url}/api/tenants/umbrella/keys/{issued['id']}", headers=ADMIN, timeout=30)
+        assert gone.status_code in (200, 204), gone.text
+        wait_for(lambda: ui.get("/admin/sessions").status_code == 303, timeout=20)  # to the login page

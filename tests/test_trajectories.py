@@ -4,9 +4,10 @@ of the turn before still join its session and record the turn they continue as t
 A hypothesis property writes generated conversations through the real Stitcher, each request
 sent with the rewrites of the matching tests, and on top of that, per request at random: sent
 without its system prompt (the next one carries it again), or first sent and failed and then
-retried with the same messages; and at the end one of: a fork from an earlier turn, a call
-cancelled and the conversation resumed after it (Codex), a reply dropped and the conversation
-gone on without it (mini-swe-agent), or nothing. Inferred and named (session key) sessions
+retried with the same messages, or sent with a `<system-reminder>` of its own in the first user
+message that the next request leaves out (Qwen Code's resume); and at the end one of: a fork
+from an earlier turn, a call cancelled and the conversation resumed after it (Codex), a reply
+dropped and the conversation gone on without it (mini-swe-agent), or nothing. Inferred and named (session key) sessions
 alike: always one session, each turn's parent the turn it continues, each next state what the
 request continuing it appended.
 """
@@ -58,15 +59,32 @@ def _without_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in messages if m.get("role") != "system"]
 
 
+def _reminded(r: random.Random, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """*messages* with context an agent added to its first user message for this call only (the
+    date, as Qwen Code does), in the same text or a part of its own; the next call, resumed,
+    sends the history without it."""
+    reminder = f"<system-reminder>\nThe current date is {uuid.uuid4().hex}.\n</system-reminder>"
+    out = [dict(m) for m in messages]
+    first = next(m for m in out if m.get("role") == "user")
+    text = first["content"] if isinstance(first["content"], str) else None
+    if text is not None and r.random() < 0.5:
+        first["content"] = reminder + text
+    else:
+        parts = [{"type": "text", "text": text}] if text is not None else list(first["content"])
+        first["content"] = [{"type": "text", "text": reminder}, *parts]
+    return out
+
+
 def plan(r: random.Random, reqs: list[Request], ending: str, named: str | None) -> list[Planned]:
     out: list[Planned] = []
     at = 0
     previous: tuple[Request, Planned] | None = None
     for q in reqs:
         at += 1
-        how = r.choice(["plain", "plain", "no system", "retried"])
+        how = r.choice(["plain", "plain", "no system", "retried", "reminded"])
         SEEN[how] = SEEN.get(how, 0) + 1
-        messages = _without_system(q.messages) if how == "no system" else q.messages
+        messages = (_without_system(q.messages) if how == "no system" else
+                    _reminded(r, q.messages) if how == "reminded" else q.messages)
         parent = previous[1].record if previous else None
         # what it appended after the previous request and its reply begins here in its messages
         appended = len(previous[0].messages) + 1 - (how == "no system") if previous else None
@@ -145,5 +163,27 @@ def test_forks_retries_and_dropped_system_prompts_stay_in_one_session(
 
 def test_every_case_was_generated() -> None:
     print(f"\ntrajectories: {SEEN}")
-    assert {"plain", "no system", "retried", "fork", "cancelled and resumed", "reply dropped", "none",
+    assert {"plain", "no system", "retried", "reminded", "fork", "cancelled and resumed", "reply dropped", "none",
             "named", "inferred"} <= set(SEEN), SEEN
+
+
+def test_a_fork_written_later_leaves_the_next_state_to_the_child_with_the_system_prompt_again(pool: Engine) -> None:
+    """A turn sent without the system prompt, continued by one that has it again (stored first),
+    then forked in a later batch: the fork is a branch and does not take over the next state
+    (the stored child is the parent's exact continuation once its system prompt is left out)."""
+    system = {"role": "system", "content": f"agent run {uuid.uuid4().hex}"}
+    first = [system, {"role": "user", "content": f"{uuid.uuid4().hex} list the files"}]
+    a = _record(first, {"role": "assistant", "content": "a.txt"}, 1)
+    b = _record([*first[1:], a.replies[0], {"role": "user", "content": "and b?"}],
+                {"role": "assistant", "content": "b.txt"}, 2)  # without the system prompt
+    c = _record([system, *b.messages, b.replies[0], {"role": "user", "content": "thanks"}],
+                {"role": "assistant", "content": "ok"}, 3)  # with it again
+    fork = _record([*b.messages, b.replies[0], {"role": "user", "content": "no, c"}],
+                   {"role": "assistant", "content": "c.txt"}, 4)
+    for batch in ([a, b, c], [fork]):
+        with OrmSession(pool) as db, db.begin():
+            Stitcher(db).write(batch)
+    with OrmSession(pool) as db:
+        turns = {t.id: t for t in db.scalars(select(Turn).where(Turn.id.in_([a.id, b.id, c.id, fork.id])))}
+        assert turns[c.id].parent_turn_id == b.id and turns[fork.id].parent_turn_id == b.id
+        assert turns[b.id].next_state == {"turn_id": c.id, "messages": [{"role": "user", "content": "thanks"}]}

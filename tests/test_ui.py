@@ -263,7 +263,8 @@ def test_filters_search_and_counts(database_url: str) -> None:
     assert len(find(reward="negative", mode="offline")) == 2
     with OrmSession(engine) as db:
         c = browse.counts(db, browse.Browse(mode="offline"))
-    assert c == {"sessions": 4, "turns": 4, "positive": 2, "negative": 2, "neutral": 0, "tie": 0, "unscored": 0}
+    assert c == {"sessions": 4, "turns": 4, "positive": 2, "negative": 2, "neutral": 0, "tie": 0, "unscored": 0,
+                 "siblings": 0}
     # cursor pages cover everything once
     seen: list[str] = []
     cursor = None

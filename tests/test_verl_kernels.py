@@ -8,7 +8,9 @@ branches run on a small random Qwen3 (fp32, CPU, no FSDP: the engine object is b
 process group) over a batch with different prompt and response lengths, and every combination
 must give the log-probs of a plain ``log_softmax`` — and, for the fused kernels, its gradients.
 Also: the config the settings produce is what veRL's workers validate, and the benchmark's MFU
-and tables (benchmarks/trainer/verl_gpu.py, bench.py).
+and tables (benchmarks/trainer/verl_gpu.py, bench.py). And top-k OPD on the veRL backend: the
+same engine code with ``topk_opd_loss`` as its logits processor and loss gives the local
+backend's advantages, loss and gradients.
 """
 
 from __future__ import annotations
@@ -273,3 +275,174 @@ def test_weak_scaling_plan() -> None:
     with pytest.raises(SystemExit, match="unknown veRL variant"):
         verl_gpu.parse_variants(["fast=1"], [1])
     assert verl_gpu.parse_variants(["fused-rmpad"], [1, 4]) == [("fused-rmpad", [1, 4])]
+
+
+# ----------------------------------------------------------------------- top-k OPD on veRL
+
+
+def _topk_samples() -> list[Sample]:
+    """Five samples of different lengths: three with the teacher's top-k (one with fewer than K
+    at some positions, one also with its sampled-token log-probs), one with only sampled-token
+    teacher log-probs, one with no teacher; behaviour log-probs on three."""
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(5):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 9))]
+        response = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
+        top_ids = top_lps = None
+        if i < 3:
+            top_ids, top_lps = [], []
+            for t in range(len(response)):
+                k = 4 if (i != 1 or t % 2 == 0) else 2
+                ids = rng.sample(range(1, VOCAB), k)
+                probs = torch.softmax(torch.randn(k + 1, generator=gen) * 2, -1)[:k]  # some tail mass left
+                top_ids.append(ids)
+                top_lps.append(torch.log(probs).tolist())
+        teacher = (-torch.rand(len(response), generator=gen) * 3).tolist() if i in (0, 3) else None
+        behaviour = (-torch.rand(len(response), generator=gen) * 4).tolist() if i in (0, 2, 3) else None
+        out.append(Sample(turn_id=f"t{i}", session_id=f"s{i}", group_id=None, step_index=0, prompt_ids=prompt,
+                          response_ids=response, behaviour_logprobs=behaviour, teacher_logprobs=teacher,
+                          reward=[1.0, -1.0, 1.0, -1.0, 1.0][i], integrated_reward=None, capture="white-box",
+                          teacher_topk_ids=top_ids, teacher_topk_logprobs=top_lps))
+    return out
+
+
+def _local_topk_loss(model: torch.nn.Module, samples: list[Sample], cfg: ObjectiveConfig
+                     ) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+    """The local backend's step up to its loss (``LocalTrainer.step``: ``_topk``, ``_padded``,
+    the advantages, ``objectives.compute_loss`` with its ``topk_*`` arguments), over log-probs of
+    a plain per-sample forward: (loss, metrics, advantages, current log-probs)."""
+    from trainer import objectives
+    from trainer.local import LocalTrainer
+
+    n, width = len(samples), max(len(s.response_ids) for s in samples)
+    ids, lps, valid, rows = LocalTrainer._topk(samples)
+    log_prob = torch.zeros((n, width))
+    topk_logp = torch.zeros(ids.shape)
+    mask = torch.zeros((n, width))
+    for i, s in enumerate(samples):
+        seq = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(model(input_ids=seq).logits.float()[0], -1)
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        resp = logp[p - 1: p - 1 + r]
+        log_prob = log_prob.index_put((torch.tensor([i]), torch.arange(r)), resp.gather(-1, seq[0, p:, None])[:, 0])
+        topk_logp = topk_logp.index_put((torch.tensor([i]), torch.arange(r)), resp.gather(-1, ids[i, :r]))
+        mask[i, :r] = 1.0
+    student = log_prob.detach()
+    old = LocalTrainer._padded([s.behaviour_logprobs for s in samples], student)
+    teacher = LocalTrainer._padded([s.teacher_logprobs for s in samples], student)
+    sampled_only = [s.teacher_logprobs is not None and not rows[i] for i, s in enumerate(samples)]
+    teacher_mask = torch.tensor([[1.0] if x else [0.0] for x in sampled_only]) * mask
+    adv = objectives.compute_advantages(
+        cfg, response_mask=mask, token_level_rewards=objectives.scores_to_token_rewards(
+            objectives.sample_rewards(samples), mask),
+        index=None, teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
+    loss, metrics = objectives.compute_loss(cfg, log_prob, old, adv, mask, topk_log_prob=topk_logp,
+                                            topk_teacher_log_prob=lps, topk_valid=valid,
+                                            topk_mask=rows[:, None].float() * mask)
+    return loss, metrics, adv, student
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_topk_opd_loss_is_the_local_backends(tiny_qwen3: Path, remove_padding: bool, agg: str) -> None:
+    """Top-k OPD on the veRL backend: the batch it builds, run through veRL's own no-padding
+    conversion and its FSDP engine's input/output code with :func:`topk_opd_loss` as the logits
+    processor and then as the loss, gives the local backend's advantages, loss and gradients on
+    the same samples and weights (one micro-batch, one rank)."""
+    from functools import partial
+
+    from transformers import AutoModelForCausalLM
+    from verl.models.transformers.monkey_patch import apply_monkey_patch
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from trainer.verl_backend import add_advantages, topk_opd_loss, update_actor_batch
+
+    samples = _topk_samples()
+    cfg = ObjectiveConfig(objective="combined", opd_topk=True, w_rl=0.7, w_opd=1.3, loss_agg_mode=agg)
+    local_model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="sdpa")
+    local_loss, local_metrics, local_adv, student = _local_topk_loss(local_model, samples, cfg)
+    local_loss.backward()
+    assert local_metrics["topk_kl"] > 0
+
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, fused_kernels=False, remove_padding=remove_padding,
+                                   attn_implementation="sdpa"), cfg, batch_size=len(samples), total_steps=1)
+    actor_cfg = omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
+    batch = samples_to_batch(samples, pad_token_id=0)
+    assert batch.non_tensor_batch["has_topk"].tolist() == [True, True, True, False, False]
+    batch.batch["old_log_probs"] = student  # what veRL's actor recomputes: the current policy's
+    add_advantages(batch, cfg)
+    mask = batch.batch["response_mask"]
+    assert torch.allclose(batch.batch["advantages"] * mask, local_adv * mask, atol=1e-5)
+    batch.meta_info["temperature"] = 1.0
+    td = update_actor_batch(batch, conf, cfg)  # what _update_actor sends the workers
+    assert tu.get_non_tensor_data(td, "distillation_use_topk", False) is True
+    assert td["teacher_ids"].is_nested and td["teacher_logprobs"].is_nested
+    # what veRL's FSDP engine and worker attach to a micro-batch (one micro-batch, one DP rank)
+    tu.assign_non_tensor(td, use_remove_padding=remove_padding, use_fused_kernels=False, pad_token_id=0,
+                         dp_size=1, batch_num_tokens=int(mask.sum()))
+    loss_fn = partial(topk_opd_loss, config=actor_cfg, w_opd=cfg.w_opd, tail=cfg.opd_topk_tail)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32, attn_implementation="sdpa")
+    cls = type(model)
+    forward = cls.forward
+    try:
+        apply_monkey_patch(model=model, use_remove_padding=remove_padding, use_fused_kernels=False,
+                           fused_kernels_backend="torch")
+        engine = _engine(conf, remove_padding)
+        inputs, output_args = engine.prepare_model_inputs(td)
+        raw = model(**inputs, use_cache=False)
+        out = engine.prepare_model_outputs(raw, output_args, td, logits_processor_func=loss_fn)
+        assert "topk_opd_kl" in out
+        loss, metrics = loss_fn(model_output=out, data=td)
+        loss.backward()
+    finally:
+        cls.forward = forward
+    assert float(loss) == pytest.approx(float(local_loss), abs=1e-5)
+    assert float(metrics["actor/topk_kl"].values[0]) == pytest.approx(local_metrics["topk_kl"], abs=1e-6)
+    grads = dict(local_model.named_parameters())
+    for name, p in model.named_parameters():
+        q = grads[name]
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), (name, (p.grad - q.grad).abs().max())
+
+
+def test_topk_opd_on_verl_needs_the_logits(tiny_qwen3: Path) -> None:
+    """Fused kernels never materialise the logits the top-k term reads: refused when the config
+    is built, before any worker starts; without them the config builds."""
+    cfg = ObjectiveConfig(objective="opd", opd_topk=True)
+    with pytest.raises(ValueError, match="no-verl-fused-kernels"):
+        build_config(VerlConfig(model_dir=tiny_qwen3, fused_kernels=True), cfg, batch_size=2, total_steps=1)
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, fused_kernels=False), cfg, batch_size=2, total_steps=1)
+    assert conf.actor_rollout_ref.model.use_fused_kernels is False
+
+
+def test_topk_opd_batches_reach_the_actor_marked(tiny_qwen3: Path) -> None:
+    """The trainer's ``_update_actor`` with top-k OPD hands the actor's workers the no-padding
+    batch marked ``distillation_use_topk`` (so the engine calls the logits processor), with the
+    top-k counts the term is averaged over; the metrics come back under veRL's names."""
+    from types import SimpleNamespace
+
+    from verl.utils import tensordict_utils as tu
+
+    from trainer.verl_backend import PoolPPOTrainer
+
+    cfg = ObjectiveConfig(objective="opd", opd_topk=True)
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, fused_kernels=False), cfg, batch_size=5, total_steps=1)
+    sent = []
+
+    def update_actor(td):  # noqa: ANN001, ANN202 - the worker group's call
+        sent.append(td)
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {"mfu": 0.5, "topk_kl": [0.25]}})
+
+    trainer = SimpleNamespace(objective=cfg, config=conf, actor_rollout_wg=SimpleNamespace(update_actor=update_actor))
+    samples = _topk_samples()
+    out = PoolPPOTrainer._update_actor(trainer, samples_to_batch(samples, pad_token_id=0))
+    (td,) = sent
+    assert tu.get_non_tensor_data(td, "distillation_use_topk", False) is True
+    assert tu.get_non_tensor_data(td, "distillation_only", True) is False
+    assert tu.get_non_tensor_data(td, "topk_num_tokens", None) == sum(len(s.response_ids) for s in samples[:3])
+    assert tu.get_non_tensor_data(td, "topk_num_seqs", None) == 3
+    assert tu.get_non_tensor_data(td, "global_batch_size", None) == 5
+    assert out.meta_info["metrics"]["actor/topk_kl"] == [0.25] and out.meta_info["metrics"]["perf/mfu/actor"] == 0.5

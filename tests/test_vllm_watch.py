@@ -49,3 +49,31 @@ def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_
             assert f'nextstate_upstream_restarts_total{{upstream="{base}"}} 1.0' in metrics
     finally:
         upstream.stop()
+
+
+def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused() -> None:
+    """The watch found the active version `a` missing (a restart, or an unload) and is loading
+    it; meanwhile `b` is activated (its activation loaded it everywhere). A request for `b` goes
+    through; one for `a` while it is still `a`'s turn to load gets the 503; a 404 for `b` later
+    makes `b` the one being loaded."""
+    import pytest
+
+    from gateway.errors import OpenAIError
+    from gateway.metrics import Metrics
+    from gateway.upstream import ActiveVersion
+    from gateway.vllm_watch import State, VLLMWatch
+
+    active = [ActiveVersion("a")]
+    watch = VLLMWatch(None, None, Metrics(), bases=dict, active=lambda: active[0])  # type: ignore[arg-type]
+    base = "http://vllm:8000/v1"
+    watch._set(base, State.LOADING, "the active version a is not loaded", "a")
+    with pytest.raises(OpenAIError, match="loading the active version a"):
+        watch.refuse(base, "a", "policy")
+    active[0] = ActiveVersion("b")
+    watch.refuse(base, "b", "policy")  # b was loaded by its activation: not refused
+    watch.mark_loading(base)  # ... unless vLLM answers 404 for it after all
+    with pytest.raises(OpenAIError, match="loading the active version b"):
+        watch.refuse(base + "/", "b", "policy")
+    watch._set(base, State.OK, "the active version b loaded")
+    watch.refuse(base, "b", "policy")
+    assert watch.loading == {}

@@ -67,6 +67,13 @@ class ObjectiveConfig:
         grpo_eps: ε added to the group std.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
+        opd_topk: top-k OPD (``"opd"``, ``"combined"``): samples whose teacher pass kept its
+            top-k tokens per position (``TeacherConfig.top_k``) are distilled on the k+1-way
+            distribution (k tokens and the tail) with ``w_opd · KL(student ‖ teacher)``
+            (``trainer.objectives.topk_opd_kl``) instead of the sampled token's OPD advantage;
+            samples with only the sampled token's teacher log-prob keep that advantage.
+        opd_topk_tail: the tail outcome (1 − Σ of the k probabilities); off, the k tokens are
+            renormalised among themselves.
     """
 
     objective: Objective = Objective.RL
@@ -84,6 +91,8 @@ class ObjectiveConfig:
     grpo_eps: float = 1e-6
     rl_baseline: str = "batch"
     policy_loss: str = "vanilla"
+    opd_topk: bool = False
+    opd_topk_tail: bool = True
 
     def __post_init__(self) -> None:
         if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
@@ -101,6 +110,8 @@ class ObjectiveConfig:
             raise ValueError(f"opd_clip must be > 0, got {self.opd_clip}")
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.opd_topk and self.objective == Objective.RL:
+            raise ValueError("opd_topk distils the teacher: it needs objective opd or combined, not rl")
 
 
 #: torch.compile modes LocalConfig.compile_mode takes (None: torch's default)

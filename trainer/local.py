@@ -160,11 +160,21 @@ class LocalTrainer:
         """(log π(a_t | prefix) for each response token, response mask), both (batch, resp_len).
         ``adapter=False`` gives the base policy's (for the KL term), without gradients."""
         if self.cfg.legacy or not self._chunked_ok():
-            return self._full_logprobs(samples, adapter=adapter)
+            return self._full_logprobs(samples, adapter=adapter)[:2]
         if adapter:
-            return self._chunked_logprobs(samples)
+            return self._chunked_logprobs(samples)[:2]
         with torch.no_grad(), self.model.disable_adapter():
-            return self._chunked_logprobs(samples)
+            return self._chunked_logprobs(samples)[:2]
+
+    def response_and_extra_logprobs(self, samples: Sequence[Sample], extra: torch.Tensor
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`response_logprobs` (with gradients) and, from the same forward and LM-head pass,
+        the log-probs of *extra* token ids at each response position: ``extra`` is ``(batch, ≥
+        resp_len, K)`` (the teacher's top-k tokens for top-k OPD); returns them ``(batch,
+        resp_len, K)``, unmasked."""
+        if self.cfg.legacy or not self._chunked_ok():
+            return self._full_logprobs(samples, extra=extra)  # type: ignore[return-value]
+        return self._chunked_logprobs(samples, extra=extra)  # type: ignore[return-value]
 
     def _causal_lm(self) -> torch.nn.Module:
         """The transformers causal LM (under peft's wrapper for LoRA; its layers carry the adapters)."""
@@ -188,7 +198,8 @@ class LocalTrainer:
         lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
         return sum(lengths) <= 0.75 * len(lengths) * max(lengths)
 
-    def _chunked_logprobs(self, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _chunked_logprobs(self, samples: Sequence[Sample], extra: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         lm = self._causal_lm()
         starts = [len(s.prompt_ids) for s in samples]
         lengths = [len(s.response_ids) for s in samples]
@@ -210,19 +221,25 @@ class LocalTrainer:
         targets = torch.zeros((len(samples), width), dtype=torch.long)
         for i, s in enumerate(samples):
             targets[i, : len(s.response_ids)] = torch.tensor(s.response_ids, dtype=torch.long)
+        if extra is not None:  # the sampled token and the extra ones, from one log-sum-exp per position
+            targets = torch.cat([targets[..., None], extra[:, :width].to("cpu", torch.long)], dim=-1)
         head = lm.get_output_embeddings()
         chunk = self.cfg.logprob_chunk or chunked.auto_chunk(head.weight.shape[0])
         logp = chunked.token_logprobs(h, head.weight, chunked.to_device(targets, self.device), head.bias,
                                       chunk_size=chunk)
+        extra_logp = None
+        if extra is not None:
+            logp, extra_logp = logp[..., 0], logp[..., 1:]
         mask = valid.to(torch.float32)
         if any(s.masked for s in samples):  # redacted text: no loss weight (trainer.samples)
             weights = torch.zeros((len(samples), width))
             for i, s in enumerate(samples):
                 weights[i, : len(s.response_ids)] = torch.tensor(s.loss_weights())
             mask = mask * chunked.to_device(weights, self.device)
-        return logp * mask, mask
+        return logp * mask, mask, extra_logp
 
-    def _full_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _full_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True, extra: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The full-vocabulary path (main's before issue #20): all logits, fp32 log_softmax."""
         ids, attn, mask, resp_len = self._batch(samples)
         if adapter:
@@ -231,7 +248,7 @@ class LocalTrainer:
             with torch.no_grad(), self.model.disable_adapter():
                 logits = self.model(input_ids=ids, attention_mask=attn).logits
         logp = torch.log_softmax(logits.float(), dim=-1)
-        rows = []
+        rows, extra_rows = [], []
         for i, s in enumerate(samples):
             # the logits at position p predict token p + 1
             start = len(s.prompt_ids)
@@ -239,7 +256,11 @@ class LocalTrainer:
             targets = torch.tensor(s.response_ids, device=self.device)
             row = logp[i, positions, :].gather(-1, targets[:, None]).squeeze(-1)
             rows.append(torch.nn.functional.pad(row, (0, resp_len - row.shape[0])))
-        return torch.stack(rows), mask
+            if extra is not None:
+                ids = extra[i, : len(s.response_ids)].to(self.device, torch.long)
+                extra_rows.append(torch.nn.functional.pad(logp[i, positions, :].gather(-1, ids),
+                                                          (0, 0, 0, resp_len - ids.shape[0])))
+        return torch.stack(rows), mask, torch.stack(extra_rows) if extra is not None else None
 
     @staticmethod
     def _padded(values: Sequence[Sequence[float] | None], fallback: torch.Tensor) -> torch.Tensor:
@@ -257,6 +278,28 @@ class LocalTrainer:
         return torch.where(chunked.to_device(given, dev), chunked.to_device(rows, dev), fallback.detach())
 
     # -- one optimizer step ---------------------------------------------------------------------
+
+    @staticmethod
+    def _topk(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The teacher's top-k per response position of the samples that have it, right-padded to
+        the longest response and the largest k: (ids (n, width, K) long, log-probs (n, width, K),
+        valid (n, width, K) bool, rows (n,) bool: which samples have them); None when none has."""
+        rows = [s.teacher_topk_ids is not None and s.teacher_topk_logprobs is not None for s in samples]
+        if not any(rows):
+            return None
+        width = max(len(s.response_ids) for s in samples)
+        k = max(len(x) for s, r in zip(samples, rows, strict=True) if r for x in s.teacher_topk_ids or [[]])
+        ids = torch.zeros((len(samples), width, k), dtype=torch.long)
+        lps = torch.zeros((len(samples), width, k))
+        valid = torch.zeros((len(samples), width, k), dtype=torch.bool)
+        for i, s in enumerate(samples):
+            if not rows[i]:
+                continue
+            for t, (tok, lp) in enumerate(zip(s.teacher_topk_ids or [], s.teacher_topk_logprobs or [], strict=True)):
+                ids[i, t, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+                lps[i, t, : len(lp)] = torch.tensor(lp)
+                valid[i, t, : len(tok)] = True
+        return ids, lps, valid, torch.tensor(rows)
 
     def _no_grad_logprobs(self, samples: Sequence[Sample],
                           done: Callable[[Sequence[Sample]], None] | None = None
@@ -321,9 +364,13 @@ class LocalTrainer:
             if progress is not None:
                 progress(work)
 
-        fused_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        # top-k OPD: per response position the teacher's top-k token ids and log-probs, whose
+        # student log-probs the step's forward gathers beside the sampled token's
+        topk = self._topk(samples) if cfg.opd_topk and cfg.objective != "rl" else None
+        fused_out: tuple[torch.Tensor, ...] | None = None
         if fused:
-            fused_out = self.response_logprobs(samples)
+            fused_out = (self.response_and_extra_logprobs(samples, topk[0]) if topk is not None
+                         else self.response_logprobs(samples))
             student, mask = fused_out[0].detach(), fused_out[1]
         elif self.last_step_no_grad_pass:
             student, mask = self._no_grad_logprobs(samples, done)
@@ -349,8 +396,11 @@ class LocalTrainer:
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
+            # a sample distilled on the teacher's top-k takes no sampled-token OPD advantage
+            sampled_only = [s.teacher_logprobs is not None and (topk is None or not topk[3][i])
+                            for i, s in enumerate(samples)]
             teacher_mask = chunked.to_device(torch.tensor(
-                [[1.0] if s.teacher_logprobs is not None else [0.0] for s in samples]), mask.device) * mask
+                [[1.0] if x else [0.0] for x in sampled_only]), mask.device) * mask
         token_rewards = objectives.scores_to_token_rewards(objectives.sample_rewards(samples).to(mask.device), mask)
         groups = [s.group_id for s in samples]
         adv = objectives.compute_advantages(
@@ -363,10 +413,27 @@ class LocalTrainer:
         for p, _ in self._master:
             p.grad = None
         totals: dict[str, torch.Tensor] = {}  # on the device until the step's one sync
+        topk_on_device = None
+        if topk is not None:
+            ids, lps, valid, rows = topk
+            topk_on_device = (chunked.to_device(lps, self.device), chunked.to_device(valid, self.device),
+                              chunked.to_device(rows[:, None].float(), self.device) * mask)
         for lo in range(0, n, mb):
             part = samples[lo: lo + mb]
-            log_prob, part_mask = fused_out if fused_out is not None else self.response_logprobs(part)
+            extra_logp = None
+            if fused_out is not None:
+                log_prob, part_mask = fused_out[0], fused_out[1]
+                extra_logp = fused_out[2] if len(fused_out) > 2 else None
+            elif topk is not None:
+                log_prob, part_mask, extra_logp = self.response_and_extra_logprobs(part, topk[0][lo: lo + mb])
+            else:
+                log_prob, part_mask = self.response_logprobs(part)
             w = part_mask.shape[1]
+            topk_args: dict[str, torch.Tensor] = {}
+            if topk_on_device is not None and extra_logp is not None:
+                t_lps, t_valid, t_mask = topk_on_device
+                topk_args = {"topk_log_prob": extra_logp, "topk_teacher_log_prob": t_lps[lo: lo + mb, :w],
+                             "topk_valid": t_valid[lo: lo + mb, :w], "topk_mask": t_mask[lo: lo + mb, :w] * part_mask}
             if not needs_student and any(on_policy[lo: lo + mb]):
                 for j in range(len(part)):
                     if on_policy[lo + j]:
@@ -376,7 +443,7 @@ class LocalTrainer:
             loss, metrics = objectives.compute_loss(
                 cfg, log_prob, old[lo: lo + mb, :w], adv[lo: lo + mb, :w], part_mask, ref_log_prob=ref,
                 rollout_is_weights=is_weights[lo: lo + mb, :w] if is_weights is not None else None,
-                tensor_metrics=True)
+                tensor_metrics=True, **topk_args)
             (loss * len(part) / n).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * (len(part) / n)

@@ -50,19 +50,20 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """(hidden (T, d), weight (V, d), bias (V,) | None, targets (T,)) -> logprobs (T,) fp32."""
+    """(hidden (T, d), weight (V, d), bias (V,) | None, targets (T, K)) -> logprobs (T, K) fp32:
+    K tokens' log-probs per row from one log-sum-exp (K = 1: the sampled token; more: top-k OPD)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk_size):  # type: ignore[override]
         n = hidden.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for lo in range(0, n, chunk_size):
             hi = min(n, lo + chunk_size)
             logits = _chunk_logits(hidden[lo:hi], weight, bias).float()
             chunk_lse = torch.logsumexp(logits, dim=-1)
             lse[lo:hi] = chunk_lse
-            out[lo:hi] = logits.gather(-1, targets[lo:hi, None]).squeeze(-1) - chunk_lse
+            out[lo:hi] = logits.gather(-1, targets[lo:hi]) - chunk_lse[:, None]
             del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.chunk_size = chunk_size
@@ -80,11 +81,11 @@ class _TokenLogprobs(torch.autograd.Function):
         for lo in range(0, n, ctx.chunk_size):
             hi = min(n, lo + ctx.chunk_size)
             g = grad_out[lo:hi]
-            # d logp / d logits = onehot(target) − softmax; times the upstream gradient, in fp32,
-            # in place in one buffer (the bf16 logits are freed once copied)
+            # d logp_k / d logits = onehot(target_k) − softmax; times the upstream gradients, summed
+            # over k, in fp32, in place in one buffer (the bf16 logits are freed once copied)
             grad_logits = _chunk_logits(hidden[lo:hi], weight, bias).float()
-            grad_logits.sub_(lse[lo:hi, None]).exp_().mul_(-g[:, None])
-            grad_logits.scatter_add_(-1, targets[lo:hi, None], g[:, None])
+            grad_logits.sub_(lse[lo:hi, None]).exp_().mul_(-g.sum(-1, keepdim=True))
+            grad_logits.scatter_add_(-1, targets[lo:hi], g)
             if grad_b is not None:
                 grad_b += grad_logits.sum(0)
             grad_logits = grad_logits.to(hidden.dtype)
@@ -101,14 +102,22 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    bias: torch.Tensor | None = None, *, chunk_size: int = DEFAULT_CHUNK) -> torch.Tensor:
     """log softmax(hidden @ weightᵀ + bias)[target] for each row, in fp32, chunked over rows.
 
-    ``hidden``: (..., d); ``targets``: (...) token ids; returns (...) fp32. Exact gradients to
-    ``hidden``, ``weight`` and ``bias`` (whichever require them), recomputing each chunk's
-    logits in backward instead of keeping them.
+    ``hidden``: (..., d); ``targets``: (...) token ids, one per row, or (..., K): K per row (the
+    top-k tokens of top-k OPD, from the same logits); returns ``targets``' shape, fp32. Exact
+    gradients to ``hidden``, ``weight`` and ``bias`` (whichever require them), recomputing each
+    chunk's logits in backward instead of keeping them.
     """
     shape = targets.shape
+    rows = hidden.shape[:-1]
+    if shape == rows:
+        k = 1
+    elif shape[:-1] == rows:
+        k = shape[-1]
+    else:
+        raise ValueError(f"targets {tuple(shape)} must be hidden's {tuple(rows)} or that plus one dimension")
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    flat_t = targets.reshape(-1).to(torch.long)
-    if flat_h.shape[0] == 0:
+    flat_t = targets.reshape(-1, k).to(torch.long)
+    if flat_h.shape[0] == 0 or k == 0:
         return torch.zeros(shape, dtype=torch.float32, device=hidden.device)
     out = _TokenLogprobs.apply(flat_h, weight, bias, flat_t, max(1, int(chunk_size)))
     return out.reshape(shape)

@@ -17,6 +17,14 @@ Objectives (docs/design.md, "Objectives"), per response token a_t of a turn:
   log π_θ(a_t | s), ±opd_clip); the student log-prob is detached, so the advantage is a
   constant for the surrogate.
 - **Combined** (``objective="combined"``): A_t = w_rl · A_rl + w_opd · A_opd.
+- **Top-k OPD** (``opd_topk``, under ``"opd"`` or ``"combined"``): on samples whose teacher pass
+  kept its top-k tokens per position, the sampled-token OPD advantage is replaced by a loss term
+  w_opd · agg(KL(q ‖ p)), the reverse KL between the student's and the teacher's k+1-way
+  distributions at each response position: the teacher's k most likely tokens plus the tail
+  (everything else), q_i = π_θ(v_i | s, a_<t), q_tail = 1 − Σ q_i, likewise p under s + hint
+  (:func:`topk_opd_kl`). Its gradient is −Σ_i q_i (log p_i − log q_i) ∇log q_i (Σ_i q_i ∇log q_i = 0
+  over a whole distribution): the sampled-token OPD advantage's policy gradient, averaged over
+  the k+1 outcomes exactly instead of estimated from the one sampled token.
 
 All three are optimised with the PPO clipped surrogate (veRL's
 :func:`~verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`) with ratio
@@ -43,6 +51,7 @@ The three advantage estimators are registered in veRL's registry
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,6 +90,7 @@ __all__ = [
     "sample_rewards",
     "scores_to_token_rewards",
     "standardize_per_step",
+    "topk_opd_kl",
 ]
 
 def _as_objective_config(config: Any) -> ObjectiveConfig:
@@ -413,6 +423,46 @@ _register_adv_est(ADV_COMBINED, compute_combined_advantage)
 # ------------------------------------------------------------------------------------- loss
 
 
+def _log1mexp(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """log(1 − exp(x)) for x ≤ 0, with 1 − exp(x) kept ≥ *eps* (a top-k mass of ~1)."""
+    x = x.clamp(max=math.log1p(-eps))
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def topk_opd_kl(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, valid: torch.Tensor | None = None,
+                *, tail: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Per position, KL(q ‖ p) between the student's and the teacher's k+1-way distributions.
+
+    Args:
+        student_log_prob: ``(..., K)`` log π_θ of the teacher's top-k tokens at each position
+            (with grad).
+        teacher_log_prob: ``(..., K)`` the teacher's log-probs of the same tokens (detached).
+        valid: ``(..., K)``, which of the K entries are tokens (fewer than K where a sample's
+            teacher kept fewer); default all.
+        tail: add the tail outcome, log q_tail = log(1 − Σ q_i) (and p's), each mass kept ≥ *eps*;
+            without it both are renormalised over the k tokens (then k = 1 gives 0: one outcome).
+
+    Returns:
+        ``(...)``: Σ_i q_i (log q_i − log p_i) [+ q_tail (log q_tail − log p_tail)], ≥ 0.
+    """
+    s = student_log_prob.to(torch.float32)
+    t = teacher_log_prob.detach().to(torch.float32)
+    ok = torch.ones_like(s, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    # absent entries: a log-prob whose exp is 0 in fp32 but finite (no inf − inf, no NaN gradients)
+    absent = torch.full_like(s, -1e4)
+    s_in, t_in = torch.where(ok, s, absent), torch.where(ok, t, absent)
+    if not tail:
+        s_in = s_in - torch.logsumexp(s_in, -1, keepdim=True)
+        t_in = t_in - torch.logsumexp(t_in, -1, keepdim=True)
+    terms = torch.where(ok, torch.exp(s_in) * (s_in - t_in), torch.zeros_like(s))
+    kl = terms.sum(-1)
+    if tail:
+        log_q_tail = _log1mexp(torch.logsumexp(s_in, -1), eps)
+        log_p_tail = _log1mexp(torch.logsumexp(t_in, -1), eps)
+        kl = kl + torch.exp(log_q_tail) * (log_q_tail - log_p_tail)
+    return torch.where(ok.any(-1), kl, torch.zeros_like(kl))
+
+
 def actor_config(cfg: ObjectiveConfig, global_batch_info: dict[str, Any] | None = None) -> Any:
     """The veRL ``ActorConfig`` its policy losses read: clip ratios, dual-clip bound, loss
     aggregation and ``global_batch_info`` (dp_size, batch_num_tokens, global_batch_size,
@@ -490,6 +540,10 @@ def compute_loss(
     global_batch_info: dict[str, Any] | None = None,
     rollout_is_weights: torch.Tensor | None = None,
     tensor_metrics: bool = False,
+    topk_log_prob: torch.Tensor | None = None,
+    topk_teacher_log_prob: torch.Tensor | None = None,
+    topk_valid: torch.Tensor | None = None,
+    topk_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """PPO clipped surrogate (+ optional KL to the base policy), aggregated by ``cfg.loss_agg_mode``.
 
@@ -512,12 +566,18 @@ def compute_loss(
         tensor_metrics: return the metrics as detached 0-dim tensors on the loss's device, so
             that nothing here waits for the GPU (the vanilla loss then runs as
             :func:`policy_loss_vanilla`); the local trainer reads them once per step.
+        topk_log_prob: with ``cfg.opd_topk``, ``(batch, response_len, K)`` log π_θ of the
+            teacher's top-k tokens (with grad); ``topk_teacher_log_prob`` the teacher's, same
+            shape; ``topk_valid`` which entries are tokens; ``topk_mask`` ``(batch,
+            response_len)``, the positions that have them (the response tokens of samples with
+            top-k teacher data). Adds ``w_opd · agg(topk_opd_kl)`` over ``topk_mask``.
 
     Returns:
         ``(loss, metrics)``; metrics are floats: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share
         of tokens where the clip is active), ``pg_clipfrac_lower`` (dual clip active),
         ``ppo_kl`` (mean of old − new log-prob), ``adv_mean`` (masked mean advantage), and
-        with ``ref_log_prob`` also ``kl`` (masked mean k3) and ``kl_loss`` (aggregated).
+        with ``ref_log_prob`` also ``kl`` (masked mean k3) and ``kl_loss`` (aggregated); with
+        top-k OPD ``topk_kl`` (the aggregated top-k term, before w_opd).
     """
     if cfg.kl_coef > 0 and ref_log_prob is None:
         raise ValueError("kl_coef > 0 needs ref_log_prob (the base policy's log-probs)")
@@ -553,5 +613,14 @@ def compute_loss(
         metrics["kl_loss"] = out(kl_loss)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
+    if cfg.opd_topk and topk_log_prob is not None:
+        if topk_teacher_log_prob is None or topk_mask is None:
+            raise ValueError("top-k OPD needs the teacher's top-k log-probs and their positions (topk_mask)")
+        topk = ca.agg_loss(loss_mat=topk_opd_kl(topk_log_prob, topk_teacher_log_prob, topk_valid,
+                                                tail=cfg.opd_topk_tail),
+                           loss_mask=topk_mask.to(torch.bool), loss_agg_mode=cfg.loss_agg_mode,
+                           **actor_cfg.global_batch_info)
+        metrics["topk_kl"] = out(topk)
+        loss = loss + cfg.w_opd * topk
     metrics["loss"] = out(loss)
     return loss, metrics

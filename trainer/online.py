@@ -278,7 +278,8 @@ class OnlineTrainer:
         lag = {tid: (lineage.index(produced[tid]) if produced.get(tid) in lineage else len(lineage)) for tid in ids}
         stale = {tid for tid in ids if lag[tid] > self.cfg.staleness}
         dropped = sorted(stale) if self.cfg.stale_policy == "drop" else []
-        train = [s for s in samples if s.turn_id not in dropped]
+        # a shadow sibling is as stale as its original (it was sampled from the same prompt, later)
+        train = [s for s in samples if (s.sibling_of or s.turn_id) not in dropped]
         corrected = [s.turn_id for s in train if s.turn_id in stale]
         self.step += 1
         metrics: dict[str, Any] = {"turn_ids": ids, "dropped": dropped, "corrected": corrected,
@@ -286,7 +287,7 @@ class OnlineTrainer:
         if not train:
             leases.record_step(self.engine, self.run_id, self.step, ids, metrics)
             return self._done(RoundResult(self.step, ids, dropped, corrected, None, None, metrics))
-        flags = [s.turn_id in stale for s in train]
+        flags = [(s.sibling_of or s.turn_id) in stale for s in train]
         updates = self.cfg.updates_per_round
         log.info("round %d: training on %d turns (%s tokens), %d update%s", self.step, len(train),
                  f"{sum(len(s.prompt_ids) + len(s.response_ids) for s in train):,}", updates, "s" * (updates > 1))

@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.labels import reward_overrides
+from datapool.siblings import siblings_of as sibling_rows
 from datapool.models import Judgement, Session, Turn
 from datapool.token_mask import placeholder_positions
 from datapool.vocab import CaptureKind, TurnKind
@@ -36,6 +37,11 @@ class Sample:
     capture: str
     # response positions of redacted text (datapool.token_mask): no loss weight there
     masked: tuple[int, ...] = ()
+    # top-k OPD: per response position the teacher's k most likely tokens and their log-probs
+    teacher_topk_ids: list[list[int]] | None = None
+    teacher_topk_logprobs: list[list[float]] | None = None
+    # a shadow sibling's original turn (datapool.siblings): trained in its original's group
+    sibling_of: str | None = None
 
     def loss_weights(self) -> list[float]:
         """1 for each response token trained on, 0 where redacted text was masked."""
@@ -74,8 +80,29 @@ def render_reply_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], reply: 
     return prompt, response
 
 
-def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None) -> list[Sample]:
-    """Samples for these turns, in the order given. Black-box turns need ``tokenizer``."""
+def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None, *,
+                 siblings: bool = True) -> list[Sample]:
+    """Samples for these turns, in the order given. Black-box turns need ``tokenizer``.
+
+    With *siblings*, each turn's scored shadow siblings (``datapool.siblings``) follow the
+    turns, and a turn that has any forms a group with them (``group_id`` ``siblings:<turn
+    id>``): binary RL then standardizes their rewards against each other (GRPO) rather than
+    against the batch. Siblings are never leased themselves; they are trained with their
+    original, once per pass."""
+    turn_ids = list(turn_ids)
+    shadow = sibling_rows(db, turn_ids, scored=True) if siblings else {}
+    extra = [sid for tid in turn_ids for sid in shadow.get(tid, [])]
+    out = _load(db, turn_ids + extra, tokenizer)
+    steps = {s.turn_id: s.step_index for s in out}
+    for s in out:
+        if s.sibling_of is not None or s.turn_id in shadow:
+            s.group_id = f"siblings:{s.sibling_of or s.turn_id}"
+        if s.sibling_of is not None:
+            s.step_index = steps.get(s.sibling_of, s.step_index)
+    return out
+
+
+def _load(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any) -> list[Sample]:
     turns = {t.id: t for t in db.scalars(select(Turn).where(Turn.id.in_(turn_ids)))}
     judgements = {j.turn_id: j for j in db.scalars(select(Judgement).where(Judgement.turn_id.in_(turn_ids)))}
     sessions = {s.id: s for s in db.scalars(select(Session).where(
@@ -103,6 +130,10 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
             # the reply as stored says [REDACTED:...] where text was taken out: never learnt to say
             masked = tuple(placeholder_positions([tokenizer.decode([i]) for i in response])) if t.redaction else ()
         teacher = list(j.teacher_logprobs) if j is not None and j.teacher_logprobs else None
+        top_ids = j.teacher_topk_ids if j is not None and j.teacher_topk_ids else None
+        top_lps = j.teacher_topk_logprobs if j is not None and j.teacher_topk_logprobs else None
+        if not (top_ids and top_lps and len(top_ids) == len(top_lps) == len(response)):
+            top_ids = top_lps = None
         out.append(Sample(
             turn_id=tid, session_id=t.session_id, group_id=sessions[t.session_id].group_id,
             step_index=positions.get(tid, 0), prompt_ids=prompt, response_ids=response,
@@ -110,5 +141,8 @@ def load_samples(db: OrmSession, turn_ids: Sequence[str], tokenizer: Any = None)
             teacher_logprobs=teacher if teacher and len(teacher) == len(response) else None,
             reward=overrides.get(tid, j.reward if j else None), integrated_reward=j.integrated_reward if j else None,
             capture=t.capture, masked=masked,
+            teacher_topk_ids=[list(x) for x in top_ids] if top_ids else None,
+            teacher_topk_logprobs=[list(x) for x in top_lps] if top_lps else None,
+            sibling_of=t.sibling_of,
         ))
     return out

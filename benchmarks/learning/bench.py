@@ -32,7 +32,12 @@ corrected turns), combined; each over --seeds seeds. An rl or combined arm may n
 baseline after a colon (``rl:none``, ``combined:batch``: ``ObjectiveConfig.rl_baseline``; without
 one, --rl-baseline's), and a combined arm w_rl after another (``combined:batch:0.5``), so the
 variants run side by side as arms of their own (seed: the order of training questions,
-sampling seeds, LoRA init). Every arm and seed is its own process with its own pool, gateway
+sampling seeds, LoRA init). Options follow a ``+`` (issue #34): ``topk[=K]`` distils the
+teacher's top K tokens and the tail at each position (``opd+topk``, ``combined+topk=8``;
+``ObjectiveConfig.opd_topk``, the teacher pass asked for K), ``kl=C`` adds the KL guard to the
+base policy (``combined+kl=0.05``; ``ObjectiveConfig.kl_coef``), ``siblings=N`` resamples each
+turn N times from its exact prompt ids after it is scored, scores the replies against the same
+next state and trains them with it as one group (``rl+siblings=4``; ``datapool.siblings``). Every arm and seed is its own process with its own pool, gateway
 and trainer (its adapters carry its own names), --jobs of them at a time against the shared
 vLLM(s). The base policy's held-out answers use the same per-request seeds at every checkpoint,
 so they are measured once per seed, before any adapter exists: that is the `none` arm's value
@@ -66,6 +71,7 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -86,6 +92,7 @@ from datapool.leases import Filters
 from datapool.models import Judgement, Turn, Vote
 from datapool.scoring.judge import LLMJudge, PythonJudge
 from datapool.scoring.score import TeacherConfig, score_turn
+from datapool.scoring.siblings import SiblingConfig, resample_siblings
 from datapool.vocab import VersionKind
 from nextstate.testing.processes import GatewayProcess, wait_for
 from trainer.config import COMPUTE_DTYPES, RL_BASELINES
@@ -177,7 +184,8 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, work: Path, arm: str, seed: int):
         self.args, self.work, self.arm, self.seed = args, work, arm, seed
-        self.objective = arm_objective(arm, args.rl_baseline)
+        self.spec = arm_spec(arm, args.rl_baseline)
+        self.objective = self.spec.objective
         self.pool = f"sqlite:///{work / 'pool.db'}"
         upgrade(self.pool)
         self.engine = make_engine(self.pool)
@@ -216,7 +224,27 @@ class Job:
 
         wait_for(has_next_state, timeout=60, interval=0.02)
         score_turn(self.engine, turn_id, self.judge, self.votes,
-                   TeacherConfig(self.args.teacher) if teacher else None, hint_gate=self.args.hint_gate)
+                   TeacherConfig(self.args.teacher, top_k=self.spec.top_k) if teacher else None,
+                   hint_gate=self.args.hint_gate)
+
+    def siblings(self, turn_ids: list[str], teacher: bool) -> dict[str, list[dict[str, Any]]]:
+        """The round's turns resampled --siblings times each on the policy vLLM (whatever its load:
+        the arm measures what the siblings do for learning) and scored like them; per turn, what
+        the judge made of its siblings."""
+        # the held-out client's timeout: on a loaded CPU, k replies of a round's turns took over 120 s
+        ids = resample_siblings(self.engine, SiblingConfig(self.args.upstream, k=self.spec.siblings, max_running=None,
+                                                           per_sweep=len(turn_ids), timeout_s=300),
+                                turn_ids=turn_ids)
+        with ThreadPoolExecutor(max(1, min(len(ids), 8))) as scorers:
+            list(scorers.map(lambda sid: self.score(sid, teacher=teacher), ids))
+        out: dict[str, list[dict[str, Any]]] = {}
+        with OrmSession(self.engine) as db:
+            for sid in ids:
+                t = db.get(Turn, sid)
+                question = preference._question((t.request or {}).get("messages") or [])
+                text = ((t.response or {}).get("choices") or [{}])[0].get("message", {}).get("content") or ""
+                out.setdefault(t.sibling_of, []).append(self.record(sid, question, text))
+        return out
 
     def record(self, tid: str, question: str, reply: str) -> dict[str, Any]:
         """What the judge made of a turn, beside what the user wanted (preference.meets)."""
@@ -226,7 +254,8 @@ class Job:
             return {"meets": preference.meets(question, reply), "words": preference.words(reply), "votes": votes,
                     "reward": float(j.reward) if j is not None and j.reward is not None else None,
                     "hint": (j.hint or "")[:200] if j is not None and j.hint else None,
-                    "opd": bool(j is not None and j.teacher_logprobs)}
+                    "opd": bool(j is not None and j.teacher_logprobs),
+                    "topk": bool(j is not None and j.teacher_topk_ids)}
 
     def scored_at(self, tid: str) -> datetime:
         with OrmSession(self.engine) as db:
@@ -284,7 +313,9 @@ class Job:
         def snapshot() -> dict[str, Any]:
             rewards = [t["reward"] or 0.0 for t in turns]
             return {"arm": arm, "seed": seed, "objective": self.objective.objective,
-                    "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl, **curves,
+                    "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl,
+                    "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
+                    **curves,
                     "latencies_s": latencies,
                     "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
 
@@ -306,7 +337,12 @@ class Job:
                 asked = list(users.map(lambda i: self.interact(client, order[i], seed * 100_000 + i), group))
             with phase("score"), ThreadPoolExecutor(len(group)) as scorers:
                 list(scorers.map(lambda tr: self.score(tr[0], teacher=teacher), asked))
-            turns += [self.record(tid, order[i], reply) for i, (tid, reply) in zip(group, asked, strict=True)]
+            shadow: dict[str, list[dict[str, Any]]] = {}
+            if self.spec.siblings:
+                with phase("siblings"):
+                    shadow = self.siblings([tid for tid, _ in asked], teacher)
+            turns += [self.record(tid, order[i], reply) | ({"siblings": shadow.get(tid, [])} if shadow else {})
+                      for i, (tid, reply) in zip(group, asked, strict=True)]
             if pending is not None:
                 collect(lo)
                 pending = None
@@ -353,23 +389,64 @@ def trainer_bf16(choice: str) -> bool | None:
     return bool(("avx512_bf16" in flags or "amx_bf16" in flags) and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
-    """A trained arm's objective: ``OBJECTIVE[:BASELINE[:W_RL]]`` (``combined:none``,
-    ``combined:batch:0.5``); an arm without a baseline takes *rl_baseline*, else
-    ``ObjectiveConfig``'s default. Raises ValueError for an unknown objective or baseline."""
-    objective, *rest = arm.split(":")
+#: the teacher's top-k of an arm that says ``+topk`` without a number
+TOPK_DEFAULT = 5
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What a trained arm runs: its objective, the teacher's top-k per reply token it asks for
+    (0: the sampled token's log-prob only), and the shadow siblings resampled per turn (0: none)."""
+
+    objective: ObjectiveConfig
+    top_k: int = 0
+    siblings: int = 0
+
+
+def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
+    """A trained arm: ``OBJECTIVE[:BASELINE[:W_RL]][+OPTION...]`` (``combined:none``,
+    ``combined:batch:0.5``, ``opd+topk``, ``combined+topk=8+kl=0.05``); an arm without a
+    baseline takes *rl_baseline*, else ``ObjectiveConfig``'s default. Options: ``topk[=K]``
+    (top-k OPD: the teacher keeps its K most likely tokens per position, default
+    :data:`TOPK_DEFAULT`), ``kl=C`` (the topicality guard: ``kl_coef``), ``siblings=N`` (N shadow
+    siblings per turn, scored and trained as its group). Raises ValueError for an unknown
+    objective, baseline or option."""
+    head, *options = arm.split("+")
+    objective, *rest = head.split(":")
     if len(rest) > 2:
-        raise ValueError(f"an arm is OBJECTIVE[:BASELINE[:W_RL]], not {arm!r}")
+        raise ValueError(f"an arm is OBJECTIVE[:BASELINE[:W_RL]][+OPTION...], not {arm!r}")
     baseline = (rest[0] if rest else "") or rl_baseline
     kw: dict[str, Any] = {"rl_baseline": baseline} if baseline else {}
     if len(rest) == 2:
         kw["w_rl"] = float(rest[1])
-    return ObjectiveConfig(objective=objective, **kw)
+    top_k = n_siblings = 0
+    for option in options:
+        name, eq, value = option.partition("=")
+        if name == "topk":
+            top_k = int(value) if eq else TOPK_DEFAULT
+            if not 1 <= top_k <= 20:
+                raise ValueError(f"topk is 1 to 20 (vLLM's --max-logprobs), not {value!r}")
+            kw["opd_topk"] = True
+        elif name == "kl" and eq:
+            kw["kl_coef"] = float(value)
+        elif name == "siblings" and eq:
+            n_siblings = int(value)
+            if not 1 <= n_siblings <= 16:
+                raise ValueError(f"siblings is 1 to 16, not {value!r}")
+        else:
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl=C or siblings=N")
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings)
+
+
+def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
+    """A trained arm's objective (:func:`arm_spec`)."""
+    return arm_spec(arm, rl_baseline).objective
 
 
 def arm_slug(arm: str) -> str:
-    """The arm as it may appear in a version name (``combined:none`` → ``combined-none``)."""
-    return arm.replace(":", "-")
+    """The arm as it may appear in a version name (``combined:none`` → ``combined-none``,
+    ``opd+topk=8`` → ``opd-topk-8``)."""
+    return arm.replace(":", "-").replace("+", "-").replace("=", "-").replace(".", "_")
 
 
 def policy_root(gw: GatewayProcess) -> str:
@@ -462,7 +539,9 @@ def main() -> None:
     p.add_argument("--arms", default="none,rl,opd,combined",
                    help="comma-separated: none, rl, opd, combined; rl and combined may name the RL baseline "
                         "after a colon (rl:none, combined:batch), combined also w_rl after another "
-                        "(combined:batch:0.5), to run the variants side by side")
+                        "(combined:batch:0.5), to run the variants side by side; then options after a +: "
+                        f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), kl=C (the KL guard to the "
+                        "base policy: combined+kl=0.05), siblings=N (N shadow siblings per turn: rl+siblings=4)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")
@@ -592,9 +671,26 @@ def agreement(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def sibling_table(results: list[dict[str, Any]]) -> str:
+    """Binary RL's contrast, per arm: the training turns rewarded +1, and for arms with shadow
+    siblings the siblings resampled, those rewarded +1, and the turns whose group (the turn and
+    its siblings) holds both a +1 and a −1 — the groups that give RL a signal of their own."""
+    lines = ["| arm | turns | turns +1 | siblings | siblings +1 | groups with +1 and −1 |", "|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        turns = [t for r in results if r["arm"] == arm for t in r.get("turns") or ()]
+        if not turns:
+            continue
+        sibs = [s for t in turns for s in t.get("siblings") or ()]
+        mixed = sum(1 for t in turns if t.get("siblings")
+                    and {1.0, -1.0} <= {x["reward"] for x in [t, *t["siblings"]]})
+        lines.append(f"| {arm} | {len(turns)} | {sum(t['reward'] == 1.0 for t in turns)} | {len(sibs)} | "
+                     f"{sum(s['reward'] == 1.0 for s in sibs)} | {mixed if sibs else '–'} |")
+    return "\n".join(lines)
+
+
 def phase_table(results: list[dict[str, Any]]) -> str:
     """Where a job's time went: mean seconds per job and arm of each phase."""
-    names = ["trainer_setup", "interact", "score", "train_round", "switch", "heldout"]
+    names = ["trainer_setup", "interact", "score", "siblings", "train_round", "switch", "heldout"]
     lines = ["| arm | jobs | wall s | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     for arm in dict.fromkeys(r["arm"] for r in results):
         rows = [r for r in results if r["arm"] == arm and r.get("phases_s")]
@@ -609,7 +705,8 @@ def phase_table(results: list[dict[str, Any]]) -> str:
 def report(results: list[dict[str, Any]], k: int) -> str:
     return (tables(results, k) + "\n\nInteractions until a stable effect (3 checkpoints in a row ≥ 0.8):\n\n"
             + stability(results, k) + "\n\nThe judge's −1 votes against the preference (training turns):\n\n"
-            + agreement(results) + "\n\nSeconds per job (wall, and its phases):\n\n" + phase_table(results))
+            + agreement(results) + "\n\nRewards of the training turns and their shadow siblings:\n\n"
+            + sibling_table(results) + "\n\nSeconds per job (wall, and its phases):\n\n" + phase_table(results))
 
 
 def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, minutes: float,

@@ -52,6 +52,8 @@ log = logging.getLogger("nextstate.scoring")
 class TeacherConfig:
     api_base: str  # vLLM …/v1 serving the policy's versions
     api_key: str | None = None
+    #: also keep the teacher's top-k tokens per response position (top-k OPD); 0: the sampled token only
+    top_k: int = 0
 
 
 def _store_vote(engine: Engine, turn_id: str, judge: Judge, index: int, vote: Vote) -> None:
@@ -96,7 +98,8 @@ def score_turn(engine: Engine, turn_id: str, judge: Judge, m: int,
         db.add(judgement)
         judgement.attempts = (judgement.attempts or 0) + 1
         judgement.updated_at = utcnow()
-        if turn.turn_type != TurnKind.MAIN or turn.status != TurnStatus.OK:
+        # a sibling is scored like its original, against the same next state (datapool.siblings)
+        if turn.turn_type not in (TurnKind.MAIN, TurnKind.SIBLING) or turn.status != TurnStatus.OK:
             judgement.status = JudgementStatus.SKIPPED
             return JudgementStatus.SKIPPED
         session = db.get(Session, turn.session_id)
@@ -155,10 +158,12 @@ def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig
                 hint = None
         if hint != judgement.hint:
             judgement.teacher_logprobs = judgement.teacher_prompt_ids = None
+            judgement.teacher_topk_ids = judgement.teacher_topk_logprobs = None
         judgement.hint, judgement.hint_source = hint, (source if hint else None)
         judgement.integrated_reward = (session.outcome + t.mean
                                        if session.outcome is not None and t.mean is not None else None)
-        need_teacher = (hint and teacher is not None and judgement.teacher_logprobs is None
+        need_teacher = (hint and teacher is not None
+                        and (judgement.teacher_logprobs is None or (teacher.top_k and judgement.teacher_topk_ids is None))
                         and turn.capture == CaptureKind.WHITE_BOX and turn.endpoint == Endpoint.CHAT and turn.token_ids)
         request = dict(turn.request or {})
         token_ids, model = list(turn.token_ids or []), turn.upstream_model
@@ -180,7 +185,8 @@ def aggregate(engine: Engine, turn_id: str, judge: Judge, teacher: TeacherConfig
             raise JudgeError(f"teacher logprobs: {exc}") from exc
         with OrmSession(engine) as db, db.begin():
             db.execute(update(Judgement).where(Judgement.turn_id == turn_id, Judgement.hint == hint).values(
-                teacher_prompt_ids=result.prompt_token_ids, teacher_logprobs=result.logprobs))
+                teacher_prompt_ids=result.prompt_token_ids, teacher_logprobs=result.logprobs,
+                teacher_topk_ids=result.topk_ids, teacher_topk_logprobs=result.topk_logprobs))
     return status
 
 
@@ -189,5 +195,5 @@ async def _teacher(cfg: TeacherConfig, model: str, request: dict[str, Any], hint
     async with httpx.AsyncClient(timeout=120) as http:
         return await teacher_logprobs(http, cfg.api_base, model,
                                       teacher_messages(request.get("messages") or [], hint), token_ids,
-                                      tools=request.get("tools"), api_key=cfg.api_key)
+                                      tools=request.get("tools"), api_key=cfg.api_key, top_k=cfg.top_k)
 

@@ -16,6 +16,12 @@ re-tokenization of the response) by asking vLLM for ``prompt_logprobs`` over
 The response token ids are the captured ``token_ids`` of the turn (white-box capture), used
 verbatim, including a trailing end-of-turn token if the capture has one.
 
+With ``top_k`` > 0 (top-k OPD, ``TeacherConfig.top_k``) the same call asks for
+``prompt_logprobs=top_k``: each position's entry then also holds the teacher's k most likely
+tokens, which are kept per response position (ids and log-probs, most likely first) beside the
+sampled token's log-prob. One pass either way; the trainer distils the k tokens plus the tail
+mass 1 − Σ p (``trainer.objectives.topk_opd_loss``).
+
 Both calls go through :mod:`vllm_client` (the one vLLM client), over httpx, so a
 Celery worker can import this without the gateway or the trainer.
 
@@ -94,10 +100,14 @@ class TeacherResult:
 
     ``prompt_token_ids``: the rendered teacher context (messages + hint + generation prompt).
     ``logprobs``: one logprob per response token, aligned with ``response_token_ids``.
+    ``topk_ids`` / ``topk_logprobs``: with ``top_k`` > 0, per response position the teacher's
+    ``top_k`` most likely tokens and their log-probs, most likely first; None without.
     """
 
     prompt_token_ids: list[int]
     logprobs: list[float]
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
 
 
 def _marked_hint(hint: str) -> str:
@@ -152,6 +162,24 @@ def _actual_logprob(entry: Any, token_id: int, position: int) -> float:
     return value
 
 
+def _top_k(entry: dict[str, Any], k: int, position: int) -> tuple[list[int], list[float]]:
+    """The *k* most likely tokens of one ``prompt_logprobs`` entry (which also holds the actual
+    token, beyond the k when it is not among them), most likely first; ties by vLLM's rank."""
+    ranked = []
+    for key, info in entry.items():
+        try:
+            value, rank = float(info["logprob"]), info.get("rank")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TeacherError(f"prompt_logprobs[{position}][{key!r}] is {info!r}, expected a logprob") from exc
+        if math.isnan(value):
+            raise TeacherError(f"prompt_logprobs[{position}][{key!r}] logprob is NaN")
+        ranked.append((-value, rank if isinstance(rank, int) else 1 << 30, int(key)))
+    ranked.sort()
+    if len(ranked) < k:
+        raise TeacherError(f"prompt_logprobs[{position}] has {len(ranked)} entries, fewer than top_k={k}")
+    return [t for _, _, t in ranked[:k]], [-v for v, _, _ in ranked[:k]]
+
+
 async def teacher_logprobs(
     http: httpx.AsyncClient,
     api_base: str,
@@ -161,6 +189,7 @@ async def teacher_logprobs(
     *,
     tools: list[dict[str, Any]] | None = None,
     api_key: str | None = None,
+    top_k: int = 0,
 ) -> TeacherResult:
     """Logprobs of *response_token_ids* under the teacher context *messages*.
 
@@ -175,8 +204,11 @@ async def teacher_logprobs(
     Raises :class:`TeacherError` for empty *response_token_ids*, HTTP/transport errors
     (carrying the server's message), malformed replies and length mismatches. The rendered
     teacher prompt plus the response must fit the server's ``max_model_len`` minus one token
-    (the one generated token the completion call needs).
+    (the one generated token the completion call needs). *top_k* > 0 also returns each response
+    position's *top_k* most likely teacher tokens (vLLM's ``--max-logprobs`` bounds it, 20 by default).
     """
+    if top_k < 0:
+        raise TeacherError(f"top_k must be >= 0, got {top_k}")
     if not response_token_ids:
         raise TeacherError("response_token_ids is empty: nothing to score")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in response_token_ids):
@@ -197,7 +229,7 @@ async def teacher_logprobs(
             "prompt": prompt_ids + response_ids,
             "max_tokens": 1,
             "temperature": 0,
-            "prompt_logprobs": 0,
+            "prompt_logprobs": top_k,
         }, api_key=api_key)
     except CallError as exc:
         raise TeacherError(f"teacher prompt_logprobs: {exc}", status_code=exc.status_code) from exc
@@ -219,4 +251,8 @@ async def teacher_logprobs(
         _actual_logprob(entries[offset + i], token_id, offset + i)
         for i, token_id in enumerate(response_ids)
     ]
-    return TeacherResult(prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+    if not top_k:
+        return TeacherResult(prompt_token_ids=list(prompt_ids), logprobs=logprobs)
+    tops = [_top_k(entries[offset + i], top_k, offset + i) for i in range(len(response_ids))]
+    return TeacherResult(prompt_token_ids=list(prompt_ids), logprobs=logprobs,
+                         topk_ids=[ids for ids, _ in tops], topk_logprobs=[lps for _, lps in tops])

@@ -14,8 +14,10 @@ from datapool.judgements import mark_dead, record_failure, sweep
 from datapool.queue import SCORE_TASK, SWEEP_TASK, Enqueuer, make_celery
 from datapool.scoring.judge import Judge, JudgeRefused, LLMJudge, PythonJudge
 from datapool.scoring.score import JudgeError, TeacherConfig, score_turn
+from datapool.scoring.siblings import SiblingConfig, resample_siblings
 from datapool.settings import Settings
-from datapool.vocab import DeadReason
+from datapool.traces import traces
+from datapool.vocab import DeadReason, JudgementStatus
 
 log = logging.getLogger("nextstate.worker")
 
@@ -39,8 +41,9 @@ def build_worker_app(settings: Settings) -> Celery:
         judge = LLMJudge(model, prompt=settings.judge_prompt, api_base=api_base,
                          api_key=settings.judge_api_key, temperature=settings.judge_temperature,
                          context_tokens=settings.judge_context_tokens)
-    teacher = TeacherConfig(settings.teacher_url or settings.local_vllm_url)
+    teacher = TeacherConfig(settings.teacher_url or settings.local_vllm_url, top_k=settings.teacher_top_k)
     enqueuer = Enqueuer(settings)
+    exporter = traces(settings, "worker")  # a judgement's span, a child of its turn's
 
     class ScoringTask(Task):  # type: ignore[misc]
         def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
@@ -65,6 +68,9 @@ def build_worker_app(settings: Settings) -> Celery:
         status = score_turn(engine, turn_id, judge, settings.judge_votes, teacher,
                             hint_gate=settings.hint_gate)
         log.info("turn %s: %s", turn_id, status)
+        if exporter is not None and status in (JudgementStatus.SCORED, JudgementStatus.TIE,
+                                               JudgementStatus.UNPARSABLE):
+            exporter.judged(engine, turn_id)
         return status
 
     @app.task(name=SWEEP_TASK)
@@ -73,6 +79,12 @@ def build_worker_app(settings: Settings) -> Celery:
                        requeue_after_s=settings.requeue_after_s)
         if result.requeue:
             enqueuer.send(result.requeue)
+        if settings.siblings_k:  # shadow siblings while the policy server has room
+            shadow = resample_siblings(engine, SiblingConfig(
+                settings.local_vllm_url, k=settings.siblings_k, max_running=settings.siblings_max_running,
+                per_sweep=settings.siblings_per_sweep))
+            if shadow:
+                enqueuer.send(shadow)
         if settings.retention_days:
             expired = retention.expire(engine, settings.retention_days, actor="worker")
             if expired["turns"] or expired["eval_replies"]:

@@ -16,7 +16,7 @@ from datapool import lineage, queries
 from datapool.db import dialect_insert, utcnow
 from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
-from datapool.vocab import CaptureKind, JudgementStatus, SessionSource
+from datapool.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
 from gateway.auth import require_api
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
@@ -127,8 +127,10 @@ async def list_judgements(
 
 
 def _summary(db: OrmSession, session: Session) -> dict[str, Any]:
-    count = db.scalar(select(func.count()).select_from(Turn).where(Turn.session_id == session.id)) or 0
-    return queries.session_summary(session, count)
+    sibling = Turn.turn_type == TurnKind.SIBLING
+    own, siblings = db.execute(select(func.count().filter(~sibling), func.count().filter(sibling))
+                               .select_from(Turn).where(Turn.session_id == session.id)).one()
+    return queries.session_summary(session, own or 0, siblings or 0)
 
 
 @router.put("/sessions/{session_id}")

@@ -1,6 +1,8 @@
 """The judgements page: scoring that is waiting or ended without a reward (pending, dead, tie,
 unparsable) with its reason and last error, and retry, one or all dead ones, through the path
-the sweep re-queues with (``datapool.judgements.mark_pending``, then the Enqueuer)."""
+the sweep re-queues with (``datapool.judgements.mark_pending``, then the Enqueuer). And the
+judges page: how far each judge agrees with people's labels, the hint gate's acceptance rate,
+and what both did to training."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import judgements
+from datapool import judgements, reliability
 from datapool.vocab import JudgementStatus
 from gateway import actions
 from gateway.auth import require_ui
@@ -98,3 +100,15 @@ async def retry_one(request: Request, turn_id: str) -> Response:
         raise OpenAIError(404, f"no dead, tie or unparsable judgement for turn {turn_id!r}", code="not_found")
     return _after(request, back if back in judgements.SHOWN else JudgementStatus.DEAD,
                   str(form.get("reason") or "") or None, queued)
+
+
+@router.get("/judges")
+async def judges_page(request: Request) -> HTMLResponse:
+    """Whether to trust the judge: agreement with people's labels per judge and prompt version,
+    the hint gate's acceptance, and what both did to training (``datapool.reliability``)."""
+    found = await in_pool(gateway_of(request).engine, reliability.summary)
+    return render(request, "judges.html", pct=_pct, **found)
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "–"

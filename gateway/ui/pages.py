@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -12,7 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, labels, queries, training_view, versions
+from datapool import browse, evals, labels, queries, training_view, versions
 from datapool.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
@@ -20,7 +21,7 @@ from gateway.clients import profiles, words_of
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
-from gateway.ui import facts, markup, plots, tokens
+from gateway.ui import branches, facts, markup, plots, tokens
 
 HERE = Path(__file__).parent
 env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(default=True),
@@ -121,10 +122,18 @@ async def login(request: Request) -> Response:
     nxt = _safe_next(str(form.get("next") or "/admin/sessions"))
     if not auth.configured(settings):
         return RedirectResponse(nxt, status_code=303)
+    tenant = None
     if not auth.check_credentials(settings, secret):
-        await asyncio.sleep(0.3)  # slows guessing a little; the real defence is a long secret
-        return render(request, "login.html", status=401, next=nxt, error="Wrong token or password.")
-    cookie, _ = auth.new_session(settings, name)
+        tenant = await gateway_of(request).keys.tenant_of(secret) if secret else None
+        if tenant is None:
+            await asyncio.sleep(0.3)  # slows guessing a little; the real defence is a long secret
+            return render(request, "login.html", status=401, next=nxt, error="Wrong token or password.")
+    if tenant is not None:  # a tenant's key: that tenant's sessions and turns only
+        typed = str(form.get("name") or "").strip()[:64]
+        cookie, _ = auth.new_session(settings, f"{typed}@{tenant}" if typed else f"tenant:{tenant}",
+                                     tenant=tenant, tenant_key=secret)
+    else:
+        cookie, _ = auth.new_session(settings, name)
     response = RedirectResponse(nxt, status_code=303)
     auth.set_cookie(response, request, cookie)
     return response
@@ -147,12 +156,31 @@ async def home() -> RedirectResponse:
 # sessions
 
 
+def _tenant(request: Request) -> str | None:
+    """The tenant whose data this page may show (a tenant's login); None: the admin, everything."""
+    admin: Admin | None = getattr(request.state, "admin", None)
+    return admin.tenant if admin is not None else None
+
+
+def _scoped(request: Request, f: browse.Browse) -> browse.Browse:
+    """*f* within the login's tenant: a tenant's own ``tenant=`` parameter cannot widen it."""
+    tenant = _tenant(request)
+    return f if tenant is None else dataclasses.replace(f, tenant=tenant)
+
+
 def _filters(request: Request) -> browse.Browse:
-    return browse.Browse.from_params(request.query_params)
+    return _scoped(request, browse.Browse.from_params(request.query_params))
 
 
-def _choices(db: OrmSession) -> dict[str, list[str]]:
-    return browse.filter_choices(db)
+def _choices(request: Request) -> Any:
+    """What the filter forms list, of the login's tenant only; ``tenants`` (the admin's tenant
+    filter and column) is empty for a tenant and where no session has a tenant."""
+    tenant = _tenant(request)
+
+    def run(db: OrmSession) -> dict[str, list[str]]:
+        return browse.filter_choices(db, tenant=tenant)
+
+    return run
 
 
 async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
@@ -166,13 +194,16 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param=name) from exc
 
+    tenant = _tenant(request)
+
     def run(db: OrmSession) -> dict[str, Any]:
         page, next_cursor, newer = browse.sessions_window(db, f, limit=50, cursor=cursor, before=before,
                                                           words=words_of(profiles(gw.settings)))
-        return {"sessions": page, "next_cursor": next_cursor, "newer_cursor": newer, "counts": browse.counts(db, f)}
+        return {"sessions": page, "next_cursor": next_cursor, "newer_cursor": newer, "counts": browse.counts(db, f),
+                "show_tenant": tenant is None and bool(browse.filter_choices(db)["tenants"])}
 
     data = await in_pool(gw.engine, run)
-    data["query"] = urlencode(f.params())
+    data["query"] = urlencode({k: v for k, v in f.params().items() if not (tenant and k == "tenant")})
     data["filters"] = f
     return data
 
@@ -183,7 +214,7 @@ async def sessions_page(request: Request) -> Response:
     data = await _results(request, f)
     if _is_htmx(request) and request.headers.get("hx-target") == "results":
         return _fragment(render(request, "_rows.html", **data))
-    choices = await in_pool(gateway_of(request).engine, _choices)
+    choices = await in_pool(gateway_of(request).engine, _choices(request))
     return _fragment(render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
                             rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES))
 
@@ -244,10 +275,12 @@ async def _token_views(gw: Gateway, turns: list[dict[str, Any]]) -> dict[str, li
 async def session_page(request: Request, session_id: str) -> HTMLResponse:
     gw = gateway_of(request)
 
+    tenant = _tenant(request)
+
     def run(db: OrmSession) -> dict[str, Any] | None:
         s = queries.get_session(db, session_id)
-        if s is None:
-            return None
+        if s is None or (tenant is not None and s["tenant"] != tenant):
+            return None  # another tenant's session is, to a tenant, no session at all
         return {"session": s, "labels": labels.for_turns(db, [t["id"] for t in s["turns"]]),
                 "session_labels": labels.for_session(db, session_id)}
 
@@ -255,6 +288,7 @@ async def session_page(request: Request, session_id: str) -> HTMLResponse:
     if data is None:
         return render(request, "error.html", status=404, message=f"No session {session_id!r}.", title="Not found")
     data["blocks"] = _conversation(data["session"])
+    data["graph"] = branches.graph(data["session"]["turns"])
     data["token_views"] = await _token_views(gw, data["session"]["turns"])
     return render(request, "session.html", **data)
 
@@ -315,12 +349,14 @@ QUEUE_PAGE = 30  # turns the queue page shows at once
 async def queue_page(request: Request) -> HTMLResponse:
     gw = gateway_of(request)
 
+    tenant = _tenant(request)
+
     def run(db: OrmSession) -> dict[str, Any]:
-        items = browse.queue(db, limit=QUEUE_PAGE)
+        items = browse.queue(db, limit=QUEUE_PAGE, tenant=tenant)
         ids = [i["turn_id"] for i in items]
         views = {t["id"]: t for t in (queries.get_turn(db, tid) for tid in ids) if t}
         return {"items": items, "views": views, "labels": labels.for_turns(db, ids),
-                "remaining": browse.queue_size(db)}
+                "remaining": browse.queue_size(db, tenant=tenant)}
 
     return render(request, "queue.html", shown=QUEUE_PAGE, **await in_pool(gw.engine, run))
 
@@ -328,7 +364,7 @@ async def queue_page(request: Request) -> HTMLResponse:
 @router.get("/queue/count")
 async def queue_count(request: Request) -> HTMLResponse:
     """The queue's size as a bare number: the queue page refreshes its count after each label."""
-    return HTMLResponse(str(await in_pool(gateway_of(request).engine, browse.queue_size)))
+    return HTMLResponse(str(await in_pool(gateway_of(request).engine, browse.queue_size, tenant=_tenant(request))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,7 +379,8 @@ async def training_page(request: Request) -> HTMLResponse:
         active = queries.active_policy_version(db)
         return {"versions": training_view.versions(db), "runs": training_view.runs(db),
                 "events": training_view.recent_events(db), "curves": training_view.step_curves(db),
-                "by_version": training_view.by_version(db), "active": active.name if active else None}
+                "by_version": training_view.by_version(db), "active": active.name if active else None,
+                "heldout": evals.heldout_pass_at_1(db)}
 
     data = await in_pool(gw.engine, run)
     c, bv = data["curves"], data["by_version"]
@@ -459,14 +496,21 @@ TURNS_PER_PAGE = 50
 
 
 def turns_query(request: Request) -> tuple[browse.Browse, browse.TurnPage]:
-    return browse.Browse.from_params(request.query_params), browse.TurnPage.from_params(request.query_params)
+    return _filters(request), browse.TurnPage.from_params(request.query_params)
 
 
 async def turns_data(request: Request) -> dict[str, Any]:
     """The page of turns the URL names, and the URLs of its neighbours and sort headers."""
     f, p = turns_query(request)
-    rows, more = await in_pool(gateway_of(request).engine, browse.turns_page, f, p, limit=TURNS_PER_PAGE)
-    base = {**f.params(), **p.params()}
+    tenant = _tenant(request)
+
+    def run(db: OrmSession) -> tuple[list[dict[str, Any]], bool, bool]:
+        rows, more = browse.turns_page(db, f, p, limit=TURNS_PER_PAGE)
+        return rows, more, tenant is None and bool(browse.filter_choices(db)["tenants"])
+
+    rows, more, show_tenant = await in_pool(gateway_of(request).engine, run)
+    # a tenant's links do not carry its tenant filter: the login scopes them anyway
+    base = {**{k: v for k, v in f.params().items() if not (tenant and k == "tenant")}, **p.params()}
 
     def url(**change: Any) -> str:
         q = {**base, **{k: str(v) for k, v in change.items() if v not in (None, "", 0)}}
@@ -478,7 +522,7 @@ async def turns_data(request: Request) -> dict[str, Any]:
     sorts = {s: url(sort=None if s == "time" else s,
                     order="asc" if p.sort == s and p.order == "desc" else None, offset=None)
              for s in browse.TURN_SORTS}
-    return {"turns": rows, "filters": f, "page": p, "query": urlencode(base),
+    return {"turns": rows, "filters": f, "page": p, "query": urlencode(base), "show_tenant": show_tenant,
             "newer": url(offset=max(0, p.offset - TURNS_PER_PAGE)) if p.offset > 0 else None,
             "older": url(offset=p.offset + TURNS_PER_PAGE) if more else None, "sorts": sorts,
             "newer_label": "← Previous" if p.sort != "time" or p.order != "desc" else "← Newer",
@@ -490,6 +534,6 @@ async def turns_page(request: Request) -> Response:
     data = await turns_data(request)
     if _is_htmx(request) and request.headers.get("hx-target") == "turn-results":
         return _fragment(render(request, "_turn_rows.html", **data))
-    choices = await in_pool(gateway_of(request).engine, _choices)
+    choices = await in_pool(gateway_of(request).engine, _choices(request))
     return _fragment(render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
                             label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES))

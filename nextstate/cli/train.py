@@ -59,6 +59,11 @@ def optimisation_options() -> Any:
                      help="combined: weight of the reward term."),
         click.option("--w-opd", type=float, default=opt.field_default(ObjectiveConfig, "w_opd"), show_default=True,
                      help="combined: weight of the OPD term."),
+        click.option("--opd-topk/--no-opd-topk", default=opt.field_default(ObjectiveConfig, "opd_topk"),
+                     show_default=True,
+                     help="opd, combined: distil the teacher's top-k tokens and the tail mass at each position "
+                          "(KL over the k+1 outcomes) on turns whose teacher pass kept them (the workers' "
+                          "teacher_top_k setting), instead of the sampled token's log-prob alone."),
         click.option("--rl-baseline", type=click.Choice(RL_BASELINES),
                      default=opt.field_default(ObjectiveConfig, "rl_baseline"), show_default=True,
                      help="rl, combined: the baseline of the reward of turns outside a task group (online: every "
@@ -237,7 +242,8 @@ def train(**p: Any) -> None:
     engine = make_engine(settings.resolved_database_url)
     filters = _filters(p)
     cfg = ObjectiveConfig(objective=p["objective"], w_rl=p["w_rl"], w_opd=p["w_opd"], kl_coef=p["kl_coef"],
-                          loss_agg_mode=p["loss_agg_mode"], rl_baseline=p["rl_baseline"])
+                          loss_agg_mode=p["loss_agg_mode"], rl_baseline=p["rl_baseline"],
+                          opd_topk=p["opd_topk"] and p["objective"] != "rl")
     local = local_config(p, model_dir)
     urls = list(p["vllm_urls"]) or policy_servers(settings)
     base_model = settings.upstream_model or settings.vllm_served_name

@@ -218,9 +218,12 @@ def _admin_connect(admin_dsn: str) -> psycopg.Connection[Any]:
     return psycopg.connect(to_conninfo(admin_dsn), autocommit=True, connect_timeout=10)
 
 
-def _create_database(admin_dsn: str, name: str) -> str:
+def _create_database(admin_dsn: str, name: str, template: str | None = None) -> str:
     with _admin_connect(admin_dsn) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        if template is None:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        else:
+            conn.execute(sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(sql.Identifier(name), sql.Identifier(template)))
     return with_database(admin_dsn, name)
 
 
@@ -236,13 +239,16 @@ def _drop_database(admin_dsn: str, name: str) -> None:
 
 
 def fresh_database(
-    admin_dsn: str, prefix: str = "nextstate_test"
+    admin_dsn: str, prefix: str = "nextstate_test", *, template: str | None = None
 ) -> tuple[str, Callable[[], None]]:
     """Create a uniquely named database and return ``(dsn, drop)``.
 
     Args:
         admin_dsn: SQLAlchemy URL of a role allowed to CREATE/DROP DATABASE.
         prefix: start of the database name; a random hex suffix is appended.
+        template: the name of a database to copy (``CREATE DATABASE ... TEMPLATE``): its
+            schema and rows, in a fraction of the time migrating an empty one takes. Nothing
+            may be connected to the template while it is copied.
 
     Returns:
         The new database's SQLAlchemy URL (same credentials/host as
@@ -250,7 +256,7 @@ def fresh_database(
         and drops it. Calling the function more than once is harmless.
     """
     name = f"{prefix}_{secrets.token_hex(6)}"
-    dsn = _create_database(admin_dsn, name)
+    dsn = _create_database(admin_dsn, name, template)
 
     def drop() -> None:
         _drop_database(admin_dsn, name)

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -21,14 +21,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: util-linux's setpriv: SIGKILL the command when the thread that started it dies (PR_SET_PDEATHSIG,
+#: set between fork and exec with no Python running there, unlike a preexec_fn in a threaded process)
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
+
+
 class _NextstateProcess:
-    """A `nextstate` subcommand in its own process group, logging to a file in its data dir."""
+    """A `nextstate` subcommand in its own process group, logging to a file in its data dir.
+
+    ``die_with_parent``: the kernel kills it when the thread that started it exits or its process
+    dies (killed, the OOM killer), so that it never outlives its owner holding its port; start it
+    from a thread that lives as long as it should (a process's main thread)."""
 
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path
+    die_with_parent: bool = False
 
     def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.die_with_parent:
+            args = DIE_WITH_PARENT + args
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self.proc
@@ -46,11 +58,24 @@ class _NextstateProcess:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
+    @property
+    def running(self) -> bool:
+        """Started and not exited yet."""
+        return self.proc is not None and self.proc.poll() is None
+
     def log_tail(self, n: int = 60) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+    def start(self, timeout: float = 60.0) -> Self:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        # `with p.start(timeout=…):` must not start a second one: the first would keep serving
+        # its port, unowned, after the block (tests/test_redaction_gateway.py once left one so)
+        return self if self.running else self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
@@ -67,8 +92,10 @@ class GatewayProcess(_NextstateProcess):
         upstream_url: str | None = None,
         model_list: Path | None = None,
         env: dict[str, str] | None = None,
+        die_with_parent: bool = False,
     ):
         self.port = free_port()
+        self.die_with_parent = die_with_parent
         self.data_dir = data_dir
         self.log_path = data_dir / f"gateway-{self.port}.log"
         args = [sys.executable, "-m", "nextstate.cli", "gateway", "--port", str(self.port),
@@ -104,8 +131,6 @@ class GatewayProcess(_NextstateProcess):
         self.stop()
         raise RuntimeError(f"gateway not up after {timeout}s:\n{self.log_tail()}")
 
-    def __enter__(self) -> "GatewayProcess":
-        return self.start()
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:
@@ -136,6 +161,3 @@ class WorkerProcess(_NextstateProcess):
         if proc.poll() is not None:
             raise RuntimeError(f"worker exited with {proc.returncode}:\n{self.log_tail()}")
         return self
-
-    def __enter__(self) -> "WorkerProcess":
-        return self.start()
