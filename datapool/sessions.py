@@ -181,31 +181,60 @@ def history_hash(messages: Iterable[Message]) -> str:
     return _hasher(messages).hexdigest()
 
 
+class Prefixes:
+    """One pass over a history: the canonical hash after each message (``digests[i]`` covers
+    ``messages[: i + 1]``) and the hasher at its end. Every key stitching looks a request up by,
+    or stores a turn under, is read from these, so a request's messages are canonicalized once
+    (they were five times, once per kind of key)."""
+
+    __slots__ = ("messages", "digests", "end")
+
+    def __init__(self, messages: Sequence[Message]) -> None:
+        self.messages = messages
+        h = CanonicalHistory()
+        self.digests: list[str] = []
+        for m in messages:
+            h.add(m)
+            self.digests.append(h.hexdigest())
+        self.end = h
+
+    def links(self) -> list[tuple[int, str]]:
+        """:func:`link_candidates`."""
+        return [(i, self.digests[i]) for i in range(len(self.messages) - 1, -1, -1)
+                if self.messages[i].get("role") == "assistant"]
+
+    def retries(self) -> list[tuple[int, str]]:
+        """:func:`retry_candidates`."""
+        m = self.messages
+        start = _after_last_assistant(m) if any(x.get("role") == "assistant" for x in m) else 1
+        return [(k, _salted(self.digests[k - 1])) for k in range(len(m), start - 1, -1)]
+
+    def request(self) -> str:
+        """:func:`request_hash`."""
+        return _salted(self.end.hexdigest())
+
+    def continuations(self, replies: Sequence[Message]) -> list[str]:
+        """:func:`continuation_hashes`."""
+        out = []
+        for reply in replies:
+            h = self.end.copy()
+            h.add(reply)
+            out.append(h.hexdigest())
+        return out
+
+
 def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     """(index, hash of messages[: index + 1]) for every assistant message, longest prefix first.
 
     A continuing request's prefix ends with the reply it continues, so only prefixes that end
     at an assistant message can match an earlier turn.
     """
-    h = CanonicalHistory()
-    out: list[tuple[int, str]] = []
-    for i, m in enumerate(messages):
-        h.add(m)
-        if m.get("role") == "assistant":
-            out.append((i, h.hexdigest()))
-    out.reverse()
-    return out
+    return Prefixes(messages).links()
 
 
 def continuation_hashes(messages: Sequence[Message], replies: Sequence[Message]) -> list[str]:
     """For each choice's reply, the hash a request continuing with that reply starts with."""
-    base = _hasher(messages)
-    out = []
-    for reply in replies:
-        h = base.copy()
-        h.add(reply)
-        out.append(h.hexdigest())
-    return out
+    return Prefixes(messages).continuations(replies)
 
 
 def lock_key(value: str) -> int:
@@ -234,7 +263,11 @@ def request_hash(messages: Sequence[Message]) -> str:
     reply in between: a retry of a failed or cancelled call, or an agent that dropped the reply
     (mini-swe-agent drops one that made no tool call and says so in a new user message). Salted,
     so it never equals a continuation of a reply."""
-    return hashlib.sha256(b"request\x1e" + history_hash(messages).encode()).hexdigest()
+    return Prefixes(messages).request()
+
+
+def _salted(history: str) -> str:
+    return hashlib.sha256(b"request\x1e" + history.encode()).hexdigest()
 
 
 class Continuation(NamedTuple):
@@ -243,46 +276,52 @@ class Continuation(NamedTuple):
     prefix: int  # how many messages a request continuing by this hash starts with
 
 
-def continuations_of(r: TurnRecord) -> list[Continuation]:
+def continuations_of(r: TurnRecord, prefixes: Prefixes | None = None,
+                     system_free: Prefixes | None = None) -> list[Continuation]:
     """What a request continuing *r* may start with: each choice's reply after the messages,
     the same without the system (and developer) messages for an agent that drops them on the
-    next call, and the request itself (request_hash)."""
+    next call, and the request itself (request_hash). *prefixes* and *system_free*: the
+    :class:`Prefixes` of its messages and of them without the system ones, if already made."""
     if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
     messages = r.messages
-    out = [Continuation(request_hash(messages), _RETRY, len(messages))] if messages else []
+    whole = prefixes or Prefixes(messages)
+    out = [Continuation(whole.request(), _RETRY, len(messages))] if messages else []
     if r.status != TurnStatus.OK:
         return out
-    out += [Continuation(h, i, len(messages) + 1) for i, h in enumerate(continuation_hashes(messages, r.replies))]
-    rest = [m for m in messages if m.get("role") not in _SYSTEM_ROLES]
-    if rest and len(rest) < len(messages):
-        out += [Continuation(h, _system_free_index(i), len(rest) + 1)
-                for i, h in enumerate(continuation_hashes(rest, r.replies))]
+    out += [Continuation(h, i, len(messages) + 1) for i, h in enumerate(whole.continuations(r.replies))]
+    if system_free is None:
+        kept = _without_system(messages)
+        system_free = Prefixes([messages[i] for i in kept]) if len(kept) < len(messages) else None
+    if system_free is not None and system_free.messages:
+        out += [Continuation(h, _system_free_index(i), len(system_free.messages) + 1)
+                for i, h in enumerate(system_free.continuations(r.replies))]
     return out
+
+
+def _without_system(messages: Sequence[Message]) -> list[int]:
+    """The indices of the messages that are not system (or developer) messages."""
+    return [i for i, m in enumerate(messages) if m.get("role") not in _SYSTEM_ROLES]
 
 
 def system_free_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     """link_candidates of the messages without their system (and developer) messages, each
     index that of the assistant message in *messages*: what a request finds the turns by that
     were sent without the system prompt. Empty when there is none to leave out."""
-    kept = [i for i, m in enumerate(messages) if m.get("role") not in _SYSTEM_ROLES]
+    kept = _without_system(messages)
     if len(kept) == len(messages):
         return []
-    return [(kept[i], h) for i, h in link_candidates([messages[i] for i in kept])]
+    return _system_free_links(kept, Prefixes([messages[i] for i in kept]))
+
+
+def _system_free_links(kept: list[int], rest: Prefixes) -> list[tuple[int, str]]:
+    return [(kept[i], h) for i, h in rest.links()]
 
 
 def retry_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
     """(k, request_hash(messages[:k])) for every prefix that covers the last assistant message,
     longest first: the turns a request extends without their reply (a retry when k is all of it)."""
-    start = _after_last_assistant(messages) if any(m.get("role") == "assistant" for m in messages) else 1
-    h = CanonicalHistory()
-    out: list[tuple[int, str]] = []
-    for k, m in enumerate(messages, start=1):
-        h.add(m)
-        if k >= start:
-            out.append((k, hashlib.sha256(b"request\x1e" + h.hexdigest().encode()).hexdigest()))
-    out.reverse()
-    return out
+    return Prefixes(messages).retries()
 
 
 def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
@@ -354,6 +393,17 @@ def tenant_hash(tenant: str | None, h: str) -> str:
     """A stitching hash of a tenant's turn: only the same tenant's requests find it, so the same
     conversation sent by two tenants never joins one session. Unchanged without a tenant."""
     return h if tenant is None else hashlib.sha256(f"tenant\x1e{tenant}\x1e{h}".encode()).hexdigest()
+
+
+def prepare(r: TurnRecord) -> _Prepared:
+    """Every hash stitching needs of a record, from one pass over its messages and one over
+    them without the system messages (when it has any)."""
+    whole = Prefixes(r.messages)
+    kept = _without_system(r.messages)
+    rest = Prefixes([r.messages[i] for i in kept]) if len(kept) < len(r.messages) else None
+    return _Prepared(r, whole.links(), continuations_of(r, whole, rest),
+                     whole.retries() if r.turn_type == TurnKind.MAIN else [],
+                     _system_free_links(kept, rest) if rest is not None else [])
 
 
 def _tenant_scoped(p: _Prepared) -> _Prepared:
@@ -889,9 +939,7 @@ class Stitcher:
             unique.setdefault(r.id, r)
         stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
-        prepared = [_tenant_scoped(_Prepared(r, link_candidates(r.messages), continuations_of(r),
-                                             retry_candidates(r.messages) if r.turn_type == TurnKind.MAIN else [],
-                                             system_free_candidates(r.messages))) for r in fresh]
+        prepared = [_tenant_scoped(prepare(r)) for r in fresh]
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()

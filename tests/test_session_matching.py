@@ -13,7 +13,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,12 +26,14 @@ from datapool.models import Turn
 from datapool.records import TurnRecord
 from datapool.sessions import (
     CanonicalHistory,
+    Prefixes,
     Stitcher,
     canonical_message,
     continuation_hashes,
+    history_hash,
     link_candidates,
     request_hash,
-    retry_candidates,
+    system_free_candidates,
 )
 from tests.conversations import (
     REWRITES,
@@ -306,34 +308,37 @@ def _mutate(r: random.Random, steps: list[Step], d: int) -> list[Step] | None:
     return b
 
 
-def _hashes(q: Request) -> tuple[list[tuple[int, str]], str]:
-    """link_candidates(q.messages) and continuation_hashes(q.messages, [q.reply]) in one pass."""
-    h = CanonicalHistory()
-    candidates = []
-    for i, m in enumerate(q.messages):
-        h.add(m)
-        if m.get("role") == "assistant":
-            candidates.append((i, h.hexdigest()))
-    h.add(q.reply)
-    return candidates, h.hexdigest()
+class _Keys(NamedTuple):
+    """A request's stitching keys, each history hashed once: its messages, and them without
+    the first (the system prompt, which every drawn conversation opens with)."""
+
+    whole: Prefixes
+    tail: Prefixes
+    reply: str  # continuation_hashes(q.messages, [q.reply])[0]
+    tail_reply: str  # the same without the system prompt
+
+
+def _keys(q: Request) -> _Keys:
+    whole, tail = Prefixes(q.messages), Prefixes(q.messages[1:])
+    return _Keys(whole, tail, whole.continuations([q.reply])[0], tail.continuations([q.reply])[0])
 
 
 def _trajectory_matches(x: list[Step], rx: list[Request], y: list[Step], ry: list[Request],
-                        counts: dict[str, Any]) -> None:
+                        keys: dict[int, _Keys], counts: dict[str, Any]) -> None:
     """The trajectory graph's links beyond a continued reply, counted like the census's: a
     request of *y* sent without its system prompt that continues a reply of *x* (the turns'
     continuations without the system message), and one that extends a request of *x* without
     its reply (retry_candidates against request_hash; every turn here succeeded, so only a
     strict extension counts)."""
-    nosys = {continuation_hashes(q.messages[1:], [q.reply])[0]: q.prefix + 1 for q in rx}
-    asked = {request_hash(q.messages): q.prefix for q in rx}
+    nosys = {keys[id(q)].tail_reply: q.prefix + 1 for q in rx}
+    asked = {keys[id(q)].whole.request(): q.prefix for q in rx}
     for q in ry:
-        for index, h in link_candidates(q.messages[1:]):
+        for index, h in keys[id(q)].tail.links():
             n = nosys.get(h)
             if n is not None:
                 counts["dropped_system_matches"] += 1
                 counts["false_merges"] += not same_history(x[1:n], y[1: index + 2])
-        for k, h in retry_candidates(q.messages):
+        for k, h in keys[id(q)].whole.retries():
             n = asked.get(h)
             if n is not None and k < len(q.messages):
                 counts["retry_matches"] += 1
@@ -364,11 +369,11 @@ def census(pairs: int, seed: int = 0) -> dict[str, Any]:
         counts["conversations"] += 2
         ra, rb = requests(r, a, counts["rewrites"]), requests(r, b, counts["rewrites"])
         counts["requests"] += len(ra) + len(rb)
-        hashes = {id(q): _hashes(q) for q in (*ra, *rb)}
+        keys = {id(q): _keys(q) for q in (*ra, *rb)}
         for x, rx, y, ry in ((a, ra, b, rb), (b, rb, a, ra)):
-            ends = {hashes[id(q)][1]: q.prefix + 1 for q in rx}
+            ends = {keys[id(q)].reply: q.prefix + 1 for q in rx}
             for q in ry:
-                for index, h in hashes[id(q)][0]:
+                for index, h in keys[id(q)].whole.links():
                     n = ends.get(h)
                     if n is None:
                         continue
@@ -376,7 +381,7 @@ def census(pairs: int, seed: int = 0) -> dict[str, Any]:
                         counts["shared_prefix_matches"] += 1
                     else:
                         counts["false_merges"] += 1
-            _trajectory_matches(x, rx, y, ry, counts)
+            _trajectory_matches(x, rx, y, ry, keys, counts)
     return counts
 
 
@@ -409,6 +414,31 @@ def test_pairs_that_differ_never_share_a_continuation(r: random.Random) -> None:
         for index, h in link_candidates(q.messages):
             if index >= d:
                 assert h not in ends, (index, d)
+
+
+@settings(max_examples=150, deadline=None)
+@given(r=st.randoms(use_true_random=False))
+def test_one_pass_keys_are_each_prefix_hashed_on_its_own(r: random.Random) -> None:
+    """Prefixes reads every stitching key from one pass over a history; each must be what
+    hashing that prefix on its own gives (history_hash feeds a fresh hasher)."""
+    import hashlib
+
+    def salted(h: str) -> str:
+        return hashlib.sha256(b"request\x1e" + h.encode()).hexdigest()
+
+    for q in requests(r, draw_steps(r)):
+        m = q.messages
+        p = Prefixes(m)
+        assistants = [i for i, x in enumerate(m) if x.get("role") == "assistant"]
+        assert p.links() == [(i, history_hash(m[: i + 1])) for i in reversed(assistants)]
+        start = assistants[-1] + 1 if assistants else 1
+        assert p.retries() == [(k, salted(history_hash(m[:k]))) for k in range(len(m), start - 1, -1)]
+        assert p.request() == salted(history_hash(m)) == request_hash(m)
+        assert p.continuations([q.reply]) == [history_hash([*m, q.reply])]
+        kept = [i for i, x in enumerate(m) if x.get("role") not in ("system", "developer")]
+        rest = [m[i] for i in kept]
+        assert system_free_candidates(m) == ([(kept[j], history_hash(rest[: j + 1])) for j in range(len(rest) - 1, -1, -1)
+                                              if rest[j].get("role") == "assistant"] if len(rest) < len(m) else [])
 
 
 def test_a_runtime_line_in_its_own_text_part_is_a_session_key() -> None:
