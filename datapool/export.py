@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
@@ -80,11 +82,31 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _dumps(value: Any) -> bytes:
+    """JSON in UTF-8, by orjson (ten times the standard library's speed on a turn's rows); what
+    orjson refuses (an integer past 64 bits, a key that is not a string) by the standard library.
+    A float that is not finite is null either way: JSON has no NaN."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(_finite(value), ensure_ascii=False, default=str).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _message(m: dict[str, Any]) -> dict[str, Any]:
     calls = m.get("tool_calls")
     return {"role": str(m.get("role") or ""), "content": content_text(m.get("content")),
             "name": m.get("name"), "tool_call_id": m.get("tool_call_id"),
-            "tool_calls": json.dumps(calls, ensure_ascii=False) if calls else None,
+            "tool_calls": _dumps(calls).decode() if calls else None,
             "reasoning_content": m.get("reasoning_content")}
 
 
@@ -123,8 +145,8 @@ def row(turn: Turn, session: Session, judgement: Judgement | None, labels: dict[
             "hint": judgement.hint if judgement else None,
             "judgement_status": judgement.status if judgement else None, "outcome": session.outcome,
         },
-        "request_json": json.dumps(request, ensure_ascii=False),
-        "response_json": json.dumps(turn.response, ensure_ascii=False) if turn.response is not None else None,
+        "request_json": _dumps(request).decode(),
+        "response_json": _dumps(turn.response).decode() if turn.response is not None else None,
     }
 
 
@@ -139,7 +161,7 @@ def iter_rows(engine: Engine, f: Browse, batch: int = 500) -> Iterator[list[dict
 def jsonl(engine: Engine, f: Browse, batch: int = 500) -> Iterator[bytes]:
     """JSON Lines, one batch of rows per chunk."""
     for rows in iter_rows(engine, f, batch):
-        yield "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+        yield b"".join(_dumps(r) + b"\n" for r in rows)
 
 
 class _Chunks:
