@@ -16,6 +16,9 @@ from sqlalchemy.engine import make_url
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+# before any test module loads torch: the trainer's OpenMP wait policy (trainer/__init__.py)
+# holds for the in-process trainers of this pytest process too
+import trainer  # noqa: E402, F401
 from datapool.db import upgrade  # noqa: E402
 from datapool.settings import Settings  # noqa: E402
 from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402

@@ -59,3 +59,19 @@ def test_micro_batch_is_a_bounded_power_of_two_that_grows_with_memory(
     assert 1 <= mb <= GPU_MICRO_BATCH_MAX and mb & (mb - 1) == 0
     assert gpu_micro_batch(free + more, layers, hidden, trainable) >= mb
     assert gpu_micro_batch(free, layers, hidden, trainable + extra) <= mb
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_the_trainer_waits_passively_in_openmp_unless_told(preset: str | None, expected: str) -> None:
+    """Importing `trainer` sets OMP_WAIT_POLICY before torch loads OpenMP (a pass beside a
+    serving vLLM-CPU took 149 s with OpenMP's spinning default, 3.4 s passive:
+    benchmarks/trainer/contention.py); a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | (
+        {"OMP_WAIT_POLICY": preset} if preset else {})
+    out = subprocess.run([sys.executable, "-c", "import trainer.local, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
