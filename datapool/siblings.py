@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, select
+from sqlalchemy import exists, select
 from sqlalchemy.orm import Session as OrmSession, aliased
 
 from datapool.db import chunked
@@ -47,7 +47,8 @@ def candidates(db: OrmSession, *, limit: int, turn_ids: Sequence[str] | None = N
     """Turns that may be resampled (see the module docstring), newest first; only among
     *turn_ids* when given, only those created at or after *since* when given."""
     sibling = aliased(Turn)
-    q = (select(Turn.id).join(Session, Session.id == Turn.session_id)
+    # tool calls are in the JSON: read with the row, filtered here
+    q = (select(Turn.id, Turn.response[("choices", 0, "message", "tool_calls")]).join(Session, Session.id == Turn.session_id)
          .where(Turn.turn_type == TurnKind.MAIN, Turn.status == TurnStatus.OK, Turn.capture == CaptureKind.WHITE_BOX,
                 Turn.endpoint == Endpoint.CHAT, Turn.next_state.is_not(None), Turn.prompt_token_ids.is_not(None),
                 Turn.token_ids.is_not(None), Turn.redaction.is_(None), Session.mode != SessionMode.EVAL,
@@ -56,20 +57,8 @@ def candidates(db: OrmSession, *, limit: int, turn_ids: Sequence[str] | None = N
         q = q.where(Turn.created_at >= since)
     if turn_ids is not None:
         q = q.where(Turn.id.in_(list(turn_ids)))
-    rows = db.scalars(q.order_by(Turn.created_at.desc(), Turn.id.desc()).limit(limit * 2)).all()
-    out = []
-    for tid in rows:  # tool calls are in the JSON: filtered here, on the few rows found
-        turn = db.get(Turn, tid)
-        if turn is not None and not _tool_calls(turn):
-            out.append(tid)
-        if len(out) == limit:
-            break
-    return out
-
-
-def _tool_calls(turn: Turn) -> bool:
-    choice = ((turn.response or {}).get("choices") or [{}])[0]
-    return bool((choice.get("message") or {}).get("tool_calls"))
+    rows = db.execute(q.order_by(Turn.created_at.desc(), Turn.id.desc()).limit(limit * 2)).all()
+    return [tid for tid, calls in rows if not calls][:limit]
 
 
 def sampling_of(turn: Turn) -> dict[str, Any]:
@@ -116,10 +105,10 @@ def siblings_of(db: OrmSession, turn_ids: Sequence[str], *, scored: bool = False
     those whose judgement has a reward or teacher log-probs (what the trainer can use)."""
     out: dict[str, list[str]] = {}
     for ids in chunked(list(turn_ids)):
-        q = select(Turn.sibling_of, Turn.id).where(Turn.sibling_of.in_(ids), Turn.turn_type == TurnKind.SIBLING)
+        q = select(Turn.sibling_of, Turn.id).where(Turn.sibling_of.in_(ids))  # only add_siblings sets it
         if scored:
             q = q.join(Judgement, Judgement.turn_id == Turn.id).where(
-                and_(True, Judgement.reward.is_not(None) | Judgement.teacher_logprobs.is_not(None)))
+                Judgement.reward.is_not(None) | Judgement.teacher_logprobs.is_not(None))
         for original, tid in db.execute(q.order_by(Turn.id)):
             out.setdefault(original, []).append(tid)
     return out

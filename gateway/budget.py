@@ -138,7 +138,7 @@ async def fit(http: aiohttp.ClientSession, body: dict[str, Any], *, api_base: st
     requested = requested_budget(body)
     if requested is None and default is not None:
         body["max_tokens"] = default
-    asked = requested_budget(body)
+    asked = requested if requested is not None else default
     if asked is None:
         return None
     given = None if requested is not None else Budget(requested=None, granted=asked, prompt_tokens=None, context=None)
@@ -166,7 +166,7 @@ async def fit(http: aiohttp.ClientSession, body: dict[str, Any], *, api_base: st
                 body[key] = 1
         return None
     granted = max(1, int(room * share))
-    if given is None and asked <= room or given is not None and asked <= granted:
+    if asked <= (room if requested is not None else granted):  # asked for: fits; the default: its share
         return given and replace(given, prompt_tokens=measured.count, context=context)
     for key in BUDGET_KEYS:
         if isinstance(body.get(key), int):

@@ -62,9 +62,8 @@ class VLLMWatch:
         """Raise the 503 for a request for the active version to *base* while it is loading it
         (one to a server that is down fails to connect at once and gets the same)."""
         active = self.active()
-        key = (base or "").rstrip("/")
-        if (self.state(base) == State.LOADING and active is not None and served_name == active.name
-                and self.loading.get(key) == served_name):
+        # a version in self.loading means its base is LOADING (_set keeps them together)
+        if active is not None and served_name == active.name and self.loading.get((base or "").rstrip("/")) == served_name:
             # only the version the watch is loading: one activated meanwhile was loaded by its
             # activation (a request that finds it missing after all gets vLLM's 404 -> mark_loading)
             raise unavailable(group, f"restarted and is loading the active version {served_name}")
@@ -78,8 +77,7 @@ class VLLMWatch:
         """A request found *base* without the active version: refuse `policy` there until the
         watch loaded it."""
         active = self.active()
-        if base and active is not None and (self.state(base) == State.OK
-                                            or self.loading.get(base.rstrip("/")) != active.name):
+        if base and active is not None and self.loading.get(base.rstrip("/")) != active.name:
             self._set(base.rstrip("/"), State.LOADING, "answers without the active version", active.name)
 
     def _set(self, base: str, state: State, why: str, loading: str | None = None) -> None:

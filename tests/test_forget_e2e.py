@@ -16,7 +16,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
-import yaml
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
@@ -48,9 +47,7 @@ def _session_of(gw: GatewayProcess, turn_id: str) -> str:
 def test_forget_while_the_gateway_serves(database_url: str, tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     with UpstreamProcess(tmp_path / "upstream.log") as upstream:
-        models = tmp_path / "models.yaml"
-        models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-            "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+        models = upstream.model_list(tmp_path / "models.yaml")
         gw = GatewayProcess(tmp_path, database_url=database_url, model_list=models, env={
             "NEXTSTATE_ADMIN_TOKEN": ADMIN["Authorization"].split()[1], "NEXTSTATE_SPOOL_DIR": str(spool),
             "NEXTSTATE_TENANT_KEYS": json.dumps({"key-acme": "acme", "key-globex": "globex"})})

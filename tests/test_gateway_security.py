@@ -74,9 +74,7 @@ def fast_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream
 
 
 def _open(upstream: UpstreamProcess, d: Path) -> Gateway:
-    models = d / "models.yaml"
-    models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-        "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+    models = upstream.model_list(d / "models.yaml")
     return Gateway(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
                    env={"NEXTSTATE_MAX_BODY_BYTES": str(LIMIT)})
 

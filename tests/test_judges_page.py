@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import given, settings, strategies as st
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
@@ -20,9 +19,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import labels, reliability
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, Turn, Vote
-from datapool.settings import Settings
-from gateway.app import create_app
-from tests.test_ui import login
+from tests.test_ui import admin_page, cells
 from tests.ui_seed import _turn
 
 NOW = datetime.now(UTC).replace(microsecond=0)
@@ -62,22 +59,7 @@ def thumb(db: OrmSession, turn_id: str, value: Any, kind: str = "thumb") -> None
 
 
 def page(database_url: str, tmp_path: Path) -> str:
-    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                        data_dir=tmp_path / "data")
-    with TestClient(create_app(settings)) as client:
-        login(client)
-        r = client.get("/admin/judges")
-        assert r.status_code == 200, r.text
-        return r.text
-
-
-def cells(html: str, testid: str) -> list[list[str]]:
-    """The body rows of the table *testid*, as the text of their cells."""
-    table = re.search(rf'data-testid="{testid}">(.*?)</table>', html, re.S)
-    assert table, f"no table {testid}"
-    body = table.group(1).split("<tbody>")[1]
-    return [[" ".join(re.sub(r"<[^>]+>", " ", c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
-            for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+    return admin_page(database_url, tmp_path, "/admin/judges")
 
 
 def test_empty_pool(database_url: str, tmp_path: Path) -> None:

@@ -23,7 +23,6 @@ from typing import Any
 import httpx
 import pyarrow.parquet as pq
 import pytest
-import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -51,9 +50,7 @@ def phoenix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PhoenixProcess
 def gateway(tmp_path_factory: pytest.TempPathFactory, phoenix: PhoenixProcess) -> Iterator[GatewayProcess]:
     d = tmp_path_factory.mktemp("redact-gw")
     with UpstreamProcess(d / "upstream.log") as upstream:
-        models = d / "models.yaml"
-        models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-            "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+        models = upstream.model_list(d / "models.yaml")
         gw = GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
                             env={"NEXTSTATE_REDACT": "all", "NEXTSTATE_ADMIN_TOKEN": TOKEN,
                                  "NEXTSTATE_REDACT_PATTERNS": json.dumps({"employee_id": r"EMP-\d{6}"}),

@@ -14,7 +14,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings, strategies as st
 from sqlalchemy import Engine, update
 from sqlalchemy.orm import Session as OrmSession
@@ -26,11 +25,9 @@ from datapool.models import Judgement, Session, Turn
 from datapool.scoring.judge import PythonJudge
 from datapool.scoring.score import score_turn
 from datapool.scoring.siblings import SiblingConfig, resample_siblings
-from datapool.settings import Settings
-from gateway.app import create_app
 from gateway.classify import turn_kind_of
 from gateway.errors import OpenAIError
-from tests.test_ui import login
+from tests.test_ui import admin_client
 from trainer import objectives
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import load_samples
@@ -292,10 +289,7 @@ def test_the_admin_ui_marks_siblings_and_keeps_them_out_of_the_conversation(engi
     ids = resample_siblings(engine, SiblingConfig("http://vllm:8000/v1", k=2, max_running=None),
                             transport=fake_vllm(texts=["SIBLING-ONE says blue.", "SIBLING-TWO says scattering."]))
     score_turn(engine, ids[0], JUDGE, 1)
-    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                        data_dir=tmp_path / "data")
-    with TestClient(create_app(settings)) as client:
-        login(client)
+    with admin_client(database_url, tmp_path) as client:
         page = client.get(f"/admin/sessions/{sid}").text
         conversation, _, rest = page.partition('data-testid="siblings"')
         assert "SIBLING-ONE" not in conversation and "SIBLING-TWO" not in conversation

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -69,9 +68,7 @@ def _chat(world: World, tenant: str, content: str, session: str | None = None) -
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     d = tmp_path_factory.mktemp("tenants")
     with UpstreamProcess(d / "upstream.log") as upstream:
-        models = d / "models.yaml"
-        models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-            "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
+        models = upstream.model_list(d / "models.yaml")
         gw = GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=models,
                             env={"NEXTSTATE_ADMIN_TOKEN": ADMIN_TOKEN, "NEXTSTATE_TENANT_KEYS": json.dumps(CONFIGURED)})
         gw.start(timeout=300)

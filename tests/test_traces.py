@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 
 from datapool.traces import EVALUATION_EVENT, JUDGEMENT_SPAN, span_id_of
 from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for
@@ -43,13 +42,6 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpstreamProce
         yield up
 
 
-def _models(d: Path, upstream: UpstreamProcess) -> Path:
-    models = d / "models.yaml"
-    models.write_text(yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
-        "model": "hosted_vllm/fixed", "api_base": upstream.base_url}}]}))
-    return models
-
-
 @dataclass
 class Stack:
     gw: GatewayProcess
@@ -72,7 +64,7 @@ def stack(phoenix: PhoenixProcess, upstream: UpstreamProcess, module_db_url: str
     common = {"NEXTSTATE_BROKER_URL": redis_url, "NEXTSTATE_QUEUE": unique_queue(), "NEXTSTATE_ADMIN_TOKEN": TOKEN,
               "NEXTSTATE_OTEL_TRACES": "1", "NEXTSTATE_REDACT": "all", **phoenix.env(project)}
     worker_env = common | {"NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict"}
-    with GatewayProcess(d, database_url=module_db_url, model_list=_models(d, upstream), env=common) as gw, \
+    with GatewayProcess(d, database_url=module_db_url, model_list=upstream.model_list(d / "models.yaml"), env=common) as gw, \
             WorkerProcess(d, database_url=module_db_url, broker_url=redis_url, env=worker_env):
         yield Stack(gw, phoenix, project)
 
@@ -161,7 +153,7 @@ def test_a_receiver_that_is_down_costs_no_turn(upstream: UpstreamProcess, tmp_pa
     closed = free_port()  # nobody listens there
     env = {"NEXTSTATE_OTEL_TRACES": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed}",
            "OTEL_EXPORTER_OTLP_TIMEOUT": "1", "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", model_list=_models(tmp_path, upstream),
+    with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", model_list=upstream.model_list(tmp_path / "models.yaml"),
                         env=env) as gw:
         turns = []
         for i in range(20):

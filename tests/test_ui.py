@@ -3,6 +3,7 @@ labels reaching the trainer (lease, samples, scorer), filters and the streamed e
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -65,6 +66,33 @@ def app_and_ids(database_url: str, tmp_path: Path) -> Iterator[tuple[TestClient,
                         admin_password="pw-456", data_dir=tmp_path / "data")
     with TestClient(create_app(settings)) as client:
         yield client, ids, database_url
+
+
+@contextlib.contextmanager
+def admin_client(database_url: str, tmp_path: Path) -> Iterator[TestClient]:
+    """The gateway app on *database_url* (admin token ``tok-123``, no upstream), logged in as alice."""
+    settings_ = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
+                         data_dir=tmp_path / "data")
+    with TestClient(create_app(settings_)) as client:
+        login(client)
+        yield client
+
+
+def admin_page(database_url: str, tmp_path: Path, path: str) -> str:
+    """The HTML of the admin page *path*, which must answer 200."""
+    with admin_client(database_url, tmp_path) as client:
+        r = client.get(path)
+        assert r.status_code == 200, r.text
+        return r.text
+
+
+def cells(html: str, testid: str) -> list[list[str]]:
+    """The body rows of the table *testid*, as the text of their cells."""
+    table = re.search(rf'data-testid="{testid}">(.*?)</table>', html, re.S)
+    assert table, f"no table {testid}"
+    body = table.group(1).split("<tbody>")[1]
+    return [[" ".join(re.sub(r"<[^>]+>", " ", c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
 
 
 def login(client: TestClient, secret: str = "tok-123", name: str = "alice") -> str:

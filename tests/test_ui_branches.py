@@ -29,12 +29,10 @@ from datapool import queries
 from datapool.db import make_engine, upgrade
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
-from datapool.settings import Settings
-from gateway.app import create_app
 from gateway.ui.branches import graph
 from tests.conversations import draw_steps, requests
 from tests.test_trajectories import plan
-from tests.test_ui import login
+from tests.test_ui import admin_client
 
 T0 = datetime(2026, 11, 28, tzinfo=timezone.utc)
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -94,10 +92,7 @@ def branch_rows(page: str) -> list[Row]:
 @pytest.fixture
 def ui(database_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Engine]]:
     engine = make_engine(database_url)
-    settings_ = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                         data_dir=tmp_path / "data")
-    with TestClient(create_app(settings_)) as client:
-        login(client)
+    with admin_client(database_url, tmp_path) as client:
         yield client, engine
     engine.dispose()
 

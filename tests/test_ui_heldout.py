@@ -6,7 +6,6 @@ training page rendering each state."""
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -14,17 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings, strategies as st
 from sqlalchemy import Engine, delete
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import evals
 from datapool.models import Session, Turn
-from datapool.settings import Settings
-from gateway.app import create_app
 from nextstate.rollout import RolloutRecord, RunSummary
-from tests.test_ui import login
+from tests.test_ui import admin_page, cells
 from tests.ui_seed import _turn
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -59,22 +55,8 @@ def heldout(engine: Engine, **kw: Any) -> evals.HeldOut:
 
 
 def page(database_url: str, tmp_path: Path) -> str:
-    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                        data_dir=tmp_path / "data")
-    with TestClient(create_app(settings)) as client:
-        login(client)
-        r = client.get("/admin/training")
-        assert r.status_code == 200, r.text
-        return " ".join(r.text.split())  # the phrases below, whatever the template's line breaks
-
-
-def cells(html: str, testid: str) -> list[list[str]]:
-    """The body rows of the table *testid*, as the text of their cells."""
-    table = re.search(rf'data-testid="{testid}">(.*?)</table>', html, re.S)
-    assert table, f"no table {testid}"
-    body = table.group(1).split("<tbody>")[1]
-    return [[" ".join(re.sub(r"<[^>]+>", " ", c).split()) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
-            for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+    # the phrases the tests look for, whatever the template's line breaks
+    return " ".join(admin_page(database_url, tmp_path, "/admin/training").split())
 
 
 def test_no_eval_session(engine: Engine, database_url: str, tmp_path: Path) -> None:

@@ -94,9 +94,10 @@ async def _resample(engine: Engine, cfg: SiblingConfig, turn_ids: Sequence[str] 
         sampled = [r for r in await asyncio.gather(*(one(j) for j in jobs)) if r is not None]
     out: list[str] = []
     with OrmSession(engine) as db, db.begin():
+        taken = siblings.siblings_of(db, [tid for tid, *_ in sampled])
         for tid, model, version, replies in sampled:
             original = db.get(Turn, tid)
-            if original is None or siblings.siblings_of(db, [tid]):  # forgotten, or resampled meanwhile
+            if original is None or tid in taken:  # forgotten, or resampled meanwhile
                 continue
             out += siblings.add_siblings(db, original, replies, model=model, policy_version=version)
     if out:

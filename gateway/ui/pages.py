@@ -21,6 +21,7 @@ from gateway.clients import profiles, words_of
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
+from gateway.tenants import tenant_of_request as _tenant  # the login's tenant; None: the admin
 from gateway.ui import branches, facts, markup, plots, tokens
 
 HERE = Path(__file__).parent
@@ -156,12 +157,6 @@ async def home() -> RedirectResponse:
 # sessions
 
 
-def _tenant(request: Request) -> str | None:
-    """The tenant whose data this page may show (a tenant's login); None: the admin, everything."""
-    admin: Admin | None = getattr(request.state, "admin", None)
-    return admin.tenant if admin is not None else None
-
-
 def _scoped(request: Request, f: browse.Browse) -> browse.Browse:
     """*f* within the login's tenant: a tenant's own ``tenant=`` parameter cannot widen it."""
     tenant = _tenant(request)
@@ -170,17 +165,6 @@ def _scoped(request: Request, f: browse.Browse) -> browse.Browse:
 
 def _filters(request: Request) -> browse.Browse:
     return _scoped(request, browse.Browse.from_params(request.query_params))
-
-
-def _choices(request: Request) -> Any:
-    """What the filter forms list, of the login's tenant only; ``tenants`` (the admin's tenant
-    filter and column) is empty for a tenant and where no session has a tenant."""
-    tenant = _tenant(request)
-
-    def run(db: OrmSession) -> dict[str, list[str]]:
-        return browse.filter_choices(db, tenant=tenant)
-
-    return run
 
 
 async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
@@ -214,7 +198,7 @@ async def sessions_page(request: Request) -> Response:
     data = await _results(request, f)
     if _is_htmx(request) and request.headers.get("hx-target") == "results":
         return _fragment(render(request, "_rows.html", **data))
-    choices = await in_pool(gateway_of(request).engine, _choices(request))
+    choices = await in_pool(gateway_of(request).engine, browse.filter_choices, tenant=_tenant(request))
     return _fragment(render(request, "sessions.html", **data, **choices, modes=browse.MODES, captures=browse.CAPTURES,
                             rewards=browse.REWARDS, label_filters=labels.FILTERS, turn_types=browse.TURN_TYPES))
 
@@ -534,6 +518,6 @@ async def turns_page(request: Request) -> Response:
     data = await turns_data(request)
     if _is_htmx(request) and request.headers.get("hx-target") == "turn-results":
         return _fragment(render(request, "_turn_rows.html", **data))
-    choices = await in_pool(gateway_of(request).engine, _choices(request))
+    choices = await in_pool(gateway_of(request).engine, browse.filter_choices, tenant=_tenant(request))
     return _fragment(render(request, "turns.html", **data, **choices, captures=browse.CAPTURES, rewards=browse.REWARDS,
                             label_filters=labels.FILTERS, statuses=browse.JUDGE_STATUSES, turn_types=browse.TURN_TYPES))

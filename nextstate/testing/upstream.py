@@ -271,6 +271,16 @@ class UpstreamProcess:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
+    def model_list(self, path: "os.PathLike[str] | str") -> "os.PathLike[str] | str":
+        """Writes a gateway model list (``--model-list``) with one group, ``fixed``, served by this
+        upstream as a vLLM (white-box) deployment, to *path*; returns *path*."""
+        import yaml
+
+        with open(path, "w") as f:
+            yaml.safe_dump({"model_list": [{"model_name": "fixed", "litellm_params": {
+                "model": "hosted_vllm/fixed", "api_base": self.base_url}}]}, f)
+        return path
+
     def start(self, timeout: float = 30.0) -> "UpstreamProcess":
         import subprocess
         import sys
