@@ -18,8 +18,10 @@ from typing import Any
 import httpx
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import func, select
 
 from datapool.db import make_engine
+from datapool.models import PolicyEvent
 from tests.conftest import RunningVLLM
 from nextstate.testing.processes import GatewayProcess, free_port, wait_for
 from tests.processes import PolicyStream, alias_root, greedy_reply
@@ -239,6 +241,20 @@ def test_publish_copies_to_a_new_path_every_time(
     with pytest.raises(PublishError, match="already the path of version"):
         publish(sqlite_engine, PublishRequest(own, kind=VersionKind.LORA, name=d, base_model=BASE_MODEL,
                                               vllm_urls=servers, parent=None, stats={}, copy=False))
+
+
+def test_full_weights_need_dev_mode(sqlite_engine: Any, vllm_server: RunningVLLM, model_dir: Path,
+                                    tmp_path: Path) -> None:
+    """A vLLM without dev mode cannot reload full weights (here the base checkpoint itself): a clear
+    error, nothing registered, no copy left. Reloading on a dev-mode vLLM: tests/test_publish_full.py."""
+    store = tmp_path / "store"
+    with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
+        publish(sqlite_engine, PublishRequest(model_dir, kind=VersionKind.FULL, base_model=BASE_MODEL,
+                                              vllm_urls=[vllm_server.base_url], store=store))
+    assert list_versions(sqlite_engine) == []
+    with sqlite_engine.connect() as db:
+        assert db.execute(select(func.count()).select_from(PolicyEvent)).scalar_one() == 0
+    assert not store.exists() or list(store.iterdir()) == []
 
 
 def test_broken_adapter_fails_cleanly_and_leaves_the_alias(

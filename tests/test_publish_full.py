@@ -277,17 +277,6 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, sqlite_engin
               f"{keep_reload['reload_s']:.3f}s)")
 
 
-def test_full_weights_need_dev_mode(sqlite_engine: Any, vllm_server: RunningVLLM, perturbed_checkpoint: Path,
-                                    tmp_path: Path) -> None:
-    """A vLLM without dev mode cannot reload: a clear error, nothing registered, no copy left."""
-    store = tmp_path / "store"
-    with pytest.raises(PublishError, match="VLLM_SERVER_DEV_MODE=1"):
-        publish(sqlite_engine, PublishRequest(perturbed_checkpoint, kind=VersionKind.FULL, base_model=BASE_MODEL,
-                                              vllm_urls=[vllm_server.base_url], store=store))
-    assert list_versions(sqlite_engine) == [] and events(sqlite_engine) == []
-    assert not store.exists() or list(store.iterdir()) == []
-
-
 def test_broken_checkpoints_change_nothing(gateway: GatewayProcess, sqlite_engine: Any, dev_url: str,
                                            perturbed_checkpoint: Path, tmp_path: Path) -> None:
     """A checkpoint of another architecture, or with a truncated weights file, is refused before

@@ -232,14 +232,15 @@ def test_hanging_agents_are_killed_at_their_timeout(gateway: GatewayProcess, tmp
         "time.sleep(600)\n"
     )
     (tmp_path / "hang.py").write_text(script)
-    # long enough for the one 4-token model call on a loaded CPU (seconds); the agent then sleeps
-    # far longer
-    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="hang", timeout_s=30, workdir=tmp_path / "work")
+    # long enough for the one 4-token model call on a loaded CPU (about a second); the agent then
+    # sleeps far longer
+    timeout = 15
+    cfg = ro.RolloutConfig(gateway_url=gateway.url, run="hang", timeout_s=timeout, workdir=tmp_path / "work")
     started = time.monotonic()
     summary = _run(cfg, ro.CommandAgent(f"{shlex.quote(sys.executable)} {tmp_path / 'hang.py'}", api_key=None,
                                         model="policy"), WORDS[:1], ro.load_callable("tests.rollout_agents:said_the_word"))
     elapsed = time.monotonic() - started
-    assert 30 <= elapsed < 30 + ro.KILL_GRACE_S + 30, elapsed
+    assert timeout <= elapsed < timeout + ro.KILL_GRACE_S + 30, elapsed
     (record,) = summary.records
     assert record.status == "timed_out" and record.outcome is None
     for pid in map(int, pids.read_text().split()):  # the agent and the child it started

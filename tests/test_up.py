@@ -1,7 +1,7 @@
 """`nextstate up` as a user runs it, with the real vLLM CPU build: from the venv,
 `up --train combined` trains and promotes a version while a client chats; a vLLM killed under
 it is reported in /readyz and /metrics and restarted with the active version; SIGINT, SIGTERM
-and SIGHUP each leave no process behind and every port free."""
+and SIGHUP (this one while vLLM starts) each leave no process behind and every port free."""
 
 from __future__ import annotations
 
@@ -168,10 +168,23 @@ def test_a_killed_vllm_is_reported_and_restarted_and_sigint_stops_everything(up_
     assert_nothing_left(up, pids)
 
 
-def test_sighup_stops_everything(up_no_scoring: Up) -> None:
-    pids = descendants(up_no_scoring.proc.pid)
-    assert up_no_scoring.stop(signal.SIGHUP) == 0
-    assert_nothing_left(up_no_scoring, pids)
+def test_sighup_while_vllm_starts_stops_everything(tmp_path: Path) -> None:
+    """A user who gives up on a slow start: SIGHUP once vLLM has started its engine process, before
+    it serves, stops the whole tree."""
+    up = Up(tmp_path, "--no-scoring")
+    try:
+        def engine_started() -> set[int] | None:
+            assert up.proc.poll() is None, up.output()[-3000:]
+            pids = descendants(up.proc.pid)
+            vllm = [pid for pid in pids if f"--port\0{up.ports['vllm']}\0" in _cmdline(pid)]
+            return pids if vllm and descendants(min(vllm)) else None
+        pids = wait_for(engine_started, timeout=300, interval=0.2)
+        assert "base_url: " not in up.output()
+        assert up.stop(signal.SIGHUP) == 0
+        assert "SIGHUP: stopping every process" in up.output()
+        assert_nothing_left(up, pids)
+    finally:
+        up.kill()
 
 
 QUESTIONS = ["Name a fruit.", "Name a color.", "Name an animal.", "Name a city."]
