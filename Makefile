@@ -14,12 +14,12 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # `make test-fast`, while you change code, only the tests that need none of them (no vLLM, no chromium,
 # no npm agent, no gateway/worker/upstream process or throwaway database of their own).
 FAST   ?= not vllm and not browser and not agent and not processes
-# Workers (pytest-xdist, a module at a time on each: docs/testing.md): the fast tier on JOBS (2; 0 runs
-# it in one process); the whole suite on TEST_JOBS (0, one process: on 2 workers each would start its own
-# vLLM servers)
+# Workers (pytest-xdist; 0 runs in one process; docs/testing.md): the fast tier on JOBS (2), a module at
+# a time on each; the whole suite on TEST_JOBS (2), a group at a time: the modules that use the shared
+# vLLM servers are one group on one worker (one pair of servers), every other module a group of its own
 JOBS      ?= 2
-TEST_JOBS ?= 0
-xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist loadfile)
+TEST_JOBS ?= 2
+xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist $(2))
 
 .PHONY: up test test-fast install install-test torch browser openclaw clean
 
@@ -28,10 +28,10 @@ up: install
 
 test: install-test browser openclaw
 	$(VENV)/bin/nextstate vllm setup
-	$(VENV)/bin/python -m pytest $(call xdist,$(TEST_JOBS)) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(TEST_JOBS),loadgroup) $(PYTEST_ARGS)
 
 test-fast: install-test
-	$(VENV)/bin/python -m pytest $(call xdist,$(JOBS)) -m "$(FAST)" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(JOBS),loadfile) -m "$(FAST)" $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test

@@ -23,6 +23,7 @@ from datapool.db import upgrade  # noqa: E402
 from datapool.settings import Settings  # noqa: E402
 from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
 from nextstate.testing.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
+from tests import xdist_groups  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,23 @@ def _imports(module: Any, wanted: set[tuple[str, str | None]]) -> bool:
     return False
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    xdist_groups.configure(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    xdist_groups.unconfigure(config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`make test`'s `--dist loadgroup`: the modules on the shared vLLM servers as one group
+    (tests/xdist_groups.py)."""
+    return xdist_groups.make_scheduler(config, log) if xdist_groups.is_grouped_run(config) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist_groups.write(config, items)
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in TIER_FIXTURES.items():

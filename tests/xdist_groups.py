@@ -1,0 +1,84 @@
+"""`make test` on two pytest-xdist workers, a group of modules at a time (docs/testing.md).
+
+Every module that uses the shared vLLM servers (``vllm_server``, ``teacher_server``, directly or
+through another fixture) is in one group, run in order on one worker: one pair of servers is
+started, and no two tests change their adapters at once. Every other module is a group of its
+own, run whole on whichever worker is free, so its module-scoped fixtures are made once.
+
+Which fixtures a test uses is known only once the workers have collected, and the scheduling runs
+in the controller, which does not collect: each worker writes the module-to-group map to the file
+named by ``NEXTSTATE_TEST_GROUPS`` (set by the controller before the workers start, so they
+inherit it), and the controller's scheduler reads it when it splits the collection into scopes.
+(pytest-xdist's own ``--dist loadgroup`` suffixes node ids in a way pytest 9.2 no longer honours,
+so every test became its own scope.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SERVER_FIXTURES = {"vllm_server", "teacher_server"}
+SERVER_GROUP = "vllm-servers"
+ENV = "NEXTSTATE_TEST_GROUPS"
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def groups(items: list[pytest.Item]) -> dict[str, str]:
+    """module path -> its group: SERVER_GROUP for a module with any test on the servers, else itself."""
+    on_servers = {module_of(item.nodeid) for item in items
+                  if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES}
+    return {module_of(item.nodeid): SERVER_GROUP if module_of(item.nodeid) in on_servers else module_of(item.nodeid)
+            for item in items}
+
+
+def is_grouped_run(config: pytest.Config) -> bool:
+    return getattr(config.option, "dist", "no") == "loadgroup" and bool(getattr(config.option, "numprocesses", 0))
+
+
+def configure(config: pytest.Config) -> None:
+    """In the controller of a grouped run: name the file the workers write the groups to."""
+    if is_grouped_run(config) and not hasattr(config, "workerinput"):
+        os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="nextstate-test-groups-")) / "groups.json")
+
+
+def unconfigure(config: pytest.Config) -> None:
+    path = os.environ.pop(ENV, None) if not hasattr(config, "workerinput") else None
+    if path:
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
+
+
+def write(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a worker of a grouped run: write the groups (each worker collects the same tests)."""
+    path = os.environ.get(ENV)
+    if path and hasattr(config, "workerinput"):
+        tmp = Path(f"{path}.{config.workerinput['workerid']}")
+        tmp.write_text(json.dumps(groups(items)))
+        tmp.replace(path)
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """LoadScope with a module's group as its scope (the module when the map lacks it)."""
+
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                path = os.environ.get(ENV)
+                self._groups = json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
+            module = module_of(nodeid)
+            return self._groups.get(module, module)
+
+    return GroupScheduling(config, log)
