@@ -263,7 +263,7 @@ def browser() -> Iterator[Any]:
 # it uses, so a new test lands in its tier without saying so: a fixture below (directly or through
 # another fixture), or what its module imports.
 TIER_FIXTURES = {
-    "vllm": {"vllm_server", "teacher_server", "model_dir"},
+    "vllm": xdist_groups.SERVER_FIXTURES | {"model_dir"},
     "browser": {"browser"},
     "agent": {"openclaw"},
     "processes": {"pg_cluster"},
@@ -286,22 +286,10 @@ def _imports(module: Any, wanted: set[tuple[str, str | None]]) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    xdist_groups.configure(config)
+    xdist_groups.register(config)  # `make test`'s grouping of modules onto two workers
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    xdist_groups.unconfigure(config)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`make test`'s `--dist loadgroup`: the modules on the shared vLLM servers as one group
-    (tests/xdist_groups.py)."""
-    return xdist_groups.make_scheduler(config, log) if xdist_groups.is_grouped_run(config) else None
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    xdist_groups.write(config, items)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         used = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in TIER_FIXTURES.items():

@@ -22,17 +22,7 @@ import pytest
 from tests import xdist_groups
 
 def pytest_configure(config):
-    xdist_groups.configure(config)
-
-def pytest_unconfigure(config):
-    xdist_groups.unconfigure(config)
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    return xdist_groups.make_scheduler(config, log) if xdist_groups.is_grouped_run(config) else None
-
-def pytest_collection_modifyitems(config, items):
-    xdist_groups.write(config, items)
+    xdist_groups.register(config)
 
 @pytest.fixture(scope="session")
 def vllm_server():

@@ -11,6 +11,8 @@ named by ``NEXTSTATE_TEST_GROUPS`` (set by the controller before the workers sta
 inherit it), and the controller's scheduler reads it when it splits the collection into scopes.
 (pytest-xdist's own ``--dist loadgroup`` suffixes node ids in a way pytest 9.2 no longer honours,
 so every test became its own scope.)
+
+A pytest plugin: ``tests/conftest.py`` registers this module (``register``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,35 +32,41 @@ SERVER_GROUP = "vllm-servers"
 ENV = "NEXTSTATE_TEST_GROUPS"
 
 
+def register(config: pytest.Config) -> None:
+    """Make this module a plugin of *config* (from a conftest's ``pytest_configure``: that hook is
+    historic, so this module's own ``pytest_configure`` runs at once)."""
+    config.pluginmanager.register(sys.modules[__name__], "nextstate-xdist-groups")
+
+
 def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
 def groups(items: list[pytest.Item]) -> dict[str, str]:
     """module path -> its group: SERVER_GROUP for a module with any test on the servers, else itself."""
+    modules = {module_of(item.nodeid) for item in items}
     on_servers = {module_of(item.nodeid) for item in items
                   if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES}
-    return {module_of(item.nodeid): SERVER_GROUP if module_of(item.nodeid) in on_servers else module_of(item.nodeid)
-            for item in items}
+    return {m: SERVER_GROUP if m in on_servers else m for m in modules}
 
 
 def is_grouped_run(config: pytest.Config) -> bool:
     return getattr(config.option, "dist", "no") == "loadgroup" and bool(getattr(config.option, "numprocesses", 0))
 
 
-def configure(config: pytest.Config) -> None:
+def pytest_configure(config: pytest.Config) -> None:
     """In the controller of a grouped run: name the file the workers write the groups to."""
     if is_grouped_run(config) and not hasattr(config, "workerinput"):
         os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="nextstate-test-groups-")) / "groups.json")
 
 
-def unconfigure(config: pytest.Config) -> None:
+def pytest_unconfigure(config: pytest.Config) -> None:
     path = os.environ.pop(ENV, None) if not hasattr(config, "workerinput") else None
     if path:
         shutil.rmtree(Path(path).parent, ignore_errors=True)
 
 
-def write(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In a worker of a grouped run: write the groups (each worker collects the same tests)."""
     path = os.environ.get(ENV)
     if path and hasattr(config, "workerinput"):
@@ -66,7 +75,10 @@ def write(config: pytest.Config, items: list[pytest.Item]) -> None:
         tmp.replace(path)
 
 
-def make_scheduler(config: pytest.Config, log: Any) -> Any:
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if not is_grouped_run(config):
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
