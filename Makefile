@@ -65,12 +65,12 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { s=""; [ "$$(id -u)" = 0 ] || s=sudo; \
 	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq chromium; }
 
-# tests/test_openclaw.py runs the real OpenClaw agent: Node 24 and OpenClaw from npm into the cache
+# tests/agents/test_openclaw.py runs the real OpenClaw agent: Node 24 and OpenClaw from npm into the cache
 # (~/.cache/nextstate/openclaw; ~40 s the first time, instant after). Needs npm (any version).
 openclaw: install-test
 	@command -v npm >/dev/null 2>&1 || { s=""; [ "$$(id -u)" = 0 ] || s=sudo; \
 	  $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq npm; }
-	$(VENV)/bin/python -m tests.openclaw_agent install
+	$(VENV)/bin/python -m tests.support.openclaw_agent install
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -162,9 +162,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from datapool.db import make_engine, upgrade
-    from datapool.settings import Settings
-    from datapool.vocab import VersionKind
-    from trainer.publish import PublishRequest, publish
+    from base.settings import Settings
+    from base.vocab import VersionKind
+    from publishing.publish import PublishRequest, publish
 
     cache = Settings().cache_dir
     python = args.vllm_python or ensure_vllm_env(cache)

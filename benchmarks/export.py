@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--database-url")
     args = ap.parse_args()
-    from nextstate.testing.pg import benchmark_database
+    from tests.support.pg import benchmark_database
 
     with benchmark_database(args.database_url) as url:
         engine = make_engine(url)

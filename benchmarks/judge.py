@@ -15,7 +15,7 @@ vLLM, SQLite pool, kombu's SQLAlchemy broker on a SQLite file), in a temporary d
    its `ready.` log line until every judgement is final (scored / tie / unparsable / dead)
    and every hinted one has its teacher logprobs (polled every --poll seconds through the
    admin API). Done once with the LLM judge (m votes each from --upstream, guided JSON) and
-   once with the deterministic python judge `tests.judges:verdict`, whose row is the
+   once with the deterministic python judge `tests.support.judges:verdict`, whose row is the
    pipeline's own cost (broker, pool, aggregation, teacher logprobs) without LLM votes.
    "task s" is the mean run time of a scoring task as Celery logs it.
 
@@ -59,11 +59,11 @@ from openai import OpenAI
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from datapool.settings import Settings  # noqa: E402
-from nextstate.testing.processes import GatewayProcess, WorkerProcess, wait_for  # noqa: E402
+from base.settings import Settings  # noqa: E402
+from tests.support.processes import GatewayProcess, WorkerProcess, wait_for  # noqa: E402
 
 FINAL = frozenset({"scored", "tie", "unparsable", "dead"})
-PYTHON_JUDGE = "tests.judges:verdict"
+PYTHON_JUDGE = "tests.support.judges:verdict"
 
 # (question, correction); a conversation's user reply is either a thanks or the correction.
 # Keep the number of questions odd (see converse).

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from nextstate.testing.processes import GatewayProcess  # noqa: E402
+from tests.support.processes import GatewayProcess  # noqa: E402
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -97,7 +97,7 @@ def _record(messages: list[dict[str, Any]], reply: dict[str, Any], at: datetime)
 
 
 def _conversation(tag: str) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
-    """(request messages, reply) of three turns of one conversation, as tests/test_sessions.py has."""
+    """(request messages, reply) of three turns of one conversation, as tests/datapool/test_sessions.py has."""
     sys_msg = {"role": "system", "content": f"You are a careful assistant. Conversation {tag}."}
     u1 = {"role": "user", "content": f"Hi, I am working on task {tag}."}
     a1 = {"role": "assistant", "content": f"Hello! What do you need for {tag}?"}
@@ -213,7 +213,7 @@ def database_maker(stack: ExitStack, work: Path) -> Callable[[str], str]:
     """A function giving a fresh, migrated database of a kind ("postgresql" | "sqlite"): a file
     in ``work``, or a database on the local PostgreSQL service (else a throwaway cluster),
     dropped when ``stack`` closes."""
-    from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn
+    from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn
 
     admin: list[str] = []
 

@@ -147,7 +147,7 @@ def main() -> None:
         except ImportError:
             print("matplotlib not installed (pip install -e .[bench]): its row skipped", file=sys.stderr)
 
-    from nextstate.testing.pg import benchmark_database
+    from tests.support.pg import benchmark_database
 
     with benchmark_database(args.database_url) as url:
         engine = make_engine(url)

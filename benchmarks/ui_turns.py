@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--database-url")
     args = ap.parse_args()
-    from nextstate.testing.pg import benchmark_database
+    from tests.support.pg import benchmark_database
 
     with benchmark_database(args.database_url) as url:
         engine = make_engine(url)

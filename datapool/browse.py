@@ -25,12 +25,12 @@ from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
 from datapool.queries import decode_cursor, encode_cursor
-from datapool.vocab import JudgementStatus, TurnKind, WireFormat, values
+from base.vocab import JudgementStatus, TurnKind, WireFormat, values
 
 MODES = ("online", "offline", "eval")
 CAPTURES = ("white-box", "black-box")

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import chunked
 from datapool.records import TurnRecord
-from datapool.redact import Found, Redactor
+from base.redact import Found, Redactor
 from datapool.token_mask import DecoderFor, blank, mask_ids, redact_text
 from datapool.sessions import Stitcher
 

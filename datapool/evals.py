@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import utcnow
 from datapool.models import EvalReply, Session, Turn
-from datapool.vocab import SessionMode, TurnKind
+from base.vocab import SessionMode, TurnKind
 from datapool.sessions import history_hash
 
 

@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import audit, versions
 from datapool.db import chunked
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 from datapool.evals import prompt_hash
 from datapool.lineage import versions_trained_on
 from datapool.models import (
@@ -52,7 +52,7 @@ from datapool.models import (
     TurnContinuation,
     Vote,
 )
-from datapool.vocab import AuditAction, VersionKind, VersionStatus
+from base.vocab import AuditAction, VersionKind, VersionStatus
 
 
 class ForgetError(NextstateError, ValueError):

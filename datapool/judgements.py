@@ -2,7 +2,7 @@
 
 The pool, not the broker, remembers what must be scored: a judgement row in state ``pending``
 exists before a task is sent (:func:`mark_pending`, called in the transaction that made the
-turn ready), and :func:`sweep` re-sends stale ones. The workers (``datapool.scoring``) read
+turn ready), and :func:`sweep` re-sends stale ones. The workers (``scoring``) read
 :func:`effective_next_state` and record failures here; the gateway records feedback, outcomes
 and session ends here and sends the returned turn ids with ``datapool.queue.Enqueuer``.
 """
@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import as_utc, chunked, dialect_insert, utcnow
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
-from datapool.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
+from base.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
 
 
 def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:

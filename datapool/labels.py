@@ -11,7 +11,7 @@ What the trainer does with them:
 * ``override`` r — r replaces the judge's reward (``trainer.samples``);
 * ``correction`` text — the corrected reply becomes the turn's OPD hint: the scorer uses it
   before any feedback or judge hint and computes teacher logprobs under it
-  (``datapool.scoring``); the turn is re-queued for scoring when one is added;
+  (``scoring``); the turn is re-queued for scoring when one is added;
 * ``thumb`` ±1, ``tag``, ``note`` — for people and for the ``labels`` batch filter; ``untag``
   NAME removes the tag NAME from the same target (a later ``tag`` NAME adds it again).
 
@@ -30,7 +30,7 @@ from sqlalchemy import Float, Text, and_, cast, exists, func, or_, select
 from sqlalchemy.orm import Session as OrmSession, aliased
 from sqlalchemy.sql.elements import ColumnElement
 
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 from datapool.db import iso, utcnow
 from datapool.models import Label, Session, Turn
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import labels
 from datapool.db import dialect_insert, utcnow
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
-from datapool.vocab import RunStatus, SessionMode, TurnKind, TurnStatus
+from base.vocab import RunStatus, SessionMode, TurnKind, TurnStatus
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import chunked
 from datapool.models import PolicyVersion, TrainingLease, TrainingRun, Turn
-from datapool.vocab import TurnKind
+from base.vocab import TurnKind
 
 
 def versions_trained_on(db: OrmSession, turn_ids: Sequence[str]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from datapool.db import UTCDateTime, utcnow
-from datapool.vocab import SessionMode, TurnKind, WireFormat
+from base.vocab import SessionMode, TurnKind, WireFormat
 
 # JSONB on PostgreSQL (indexable, compact), plain JSON text elsewhere; Python None is SQL NULL.
 Json = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
@@ -37,7 +37,7 @@ class Session(Base):
     __tablename__ = "sessions"
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # how the gateway knew the session: datapool.vocab.SessionSource
+    # how the gateway knew the session: base.vocab.SessionSource
     source: Mapped[str] = mapped_column(String(16))
     task_id: Mapped[str | None] = mapped_column(String(256), index=True)
     group_id: Mapped[str | None] = mapped_column(String(256), index=True)
@@ -49,9 +49,9 @@ class Session(Base):
     outcome: Mapped[float | None] = mapped_column(Float)
     outcome_source: Mapped[str | None] = mapped_column(String(256))
     outcome_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
-    # datapool.vocab.SessionMode
+    # base.vocab.SessionMode
     mode: Mapped[str] = mapped_column(String(16), default=SessionMode.ONLINE, server_default="online", index=True)
-    # why the session ended when it did not end normally: datapool.vocab.EndReason
+    # why the session ended when it did not end normally: base.vocab.EndReason
     end_reason: Mapped[str | None] = mapped_column(String(32))
     # the agent the session came from: a client profile's name (gateway.clients), if one matched
     client: Mapped[str | None] = mapped_column(String(32), index=True)

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import iso
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, ToolCallArguments, Turn, Vote
-from datapool.vocab import SessionMode, TurnKind, VersionKind, VersionStatus
+from base.vocab import SessionMode, TurnKind, VersionKind, VersionStatus
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The producer side of scoring: task names, the Celery app's configuration and the Enqueuer
 that the gateway and the sweep send tasks with. The tasks themselves run in
-``datapool.scoring.worker``; nothing here imports a judge.
+``scoring.worker``; nothing here imports a judge.
 
 Broker: Redis (or any Celery broker) from ``NEXTSTATE_BROKER_URL``. With none configured, kombu's
 SQLAlchemy transport over a SQLite file in the data directory — a real queue that needs no
@@ -18,7 +18,7 @@ from typing import Any
 
 from celery import Celery
 
-from datapool.settings import Settings
+from base.settings import Settings
 
 log = logging.getLogger("nextstate.worker")
 

@@ -12,7 +12,7 @@ prompt version: every vote on a turn with a verdict (a vote agrees when it equal
 verdict's sign; unparsable votes are counted apart, never as agreement), and every such turn's
 majority of that judge's votes (:func:`majority`; a tie has none).
 
-**The hint gate** (``datapool.scoring.judge.hint_is_valid``) sees a judgement's hint when a
+**The hint gate** (``scoring.judge.hint_is_valid``) sees a judgement's hint when a
 vote of the majority (any vote, for a tie) gave one and no person wrote one (a corrected reply
 or a feedback hint are never gated). Such a judgement kept its hint (``hint_source = "prm"``)
 or had it dropped (no hint): the acceptance rate is kept / seen. With the gate off every hint
@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import chunked
 from datapool.labels import in_force
 from datapool.models import Judgement, Label, TrainingLease, Turn, Vote
-from datapool.vocab import HintSource, VoteKind
+from base.vocab import HintSource, VoteKind
 
 #: how many disagreeing turns the page lists per judge
 EXAMPLES = 10

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import audit
 from datapool.db import iso, utcnow
 from datapool.models import EvalReply, Judgement, Label, ToolCallArguments, Turn, TurnContinuation, Vote
-from datapool.vocab import AuditAction, LabelKind
+from base.vocab import AuditAction, LabelKind
 
 CHUNK = 500
 

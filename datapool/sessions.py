@@ -32,7 +32,7 @@ from datapool.db import as_utc, chunked, dialect_insert
 from datapool.models import Session, ToolCallArguments, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.judgements import end_session, mark_pending
-from datapool.vocab import Endpoint, TurnKind, TurnStatus, WireFormat
+from base.vocab import Endpoint, TurnKind, TurnStatus, WireFormat
 
 Message = dict[str, Any]
 

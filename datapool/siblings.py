@@ -1,7 +1,7 @@
 """Shadow siblings: alternative replies to a captured turn, so one online turn gets a group.
 
 A live turn is a single sample: binary RL has nothing to compare its reward with. When the
-policy server has room (``datapool.scoring.siblings`` decides and asks it), a finished main
+policy server has room (``scoring.siblings`` decides and asks it), a finished main
 turn is resampled k times from its exact prompt token ids, and each reply is stored here as a
 **sibling**: a turn of its own (``turn_type = "sibling"``, ``sibling_of`` = the original) in the
 same session, with the original's request, parent and time, and the original's next state —
@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session as OrmSession, aliased
 from datapool.db import chunked
 from datapool.judgements import mark_pending
 from datapool.models import Judgement, Session, Turn
-from datapool.vocab import CaptureKind, Endpoint, SessionMode, TurnKind, TurnStatus
+from base.vocab import CaptureKind, Endpoint, SessionMode, TurnKind, TurnStatus
 
 #: a sibling's reply is cut at this many tokens when the original request set no limit
 DEFAULT_MAX_TOKENS = 512

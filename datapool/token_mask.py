@@ -1,5 +1,5 @@
 """Masking the token ids of redacted text, so that decoding a stored turn's ids does not give back
-what :mod:`datapool.redact` took out of its text.
+what :mod:`base.redact` took out of its text.
 
 A white-box turn keeps the ids vLLM saw and sampled. Where a turn's text had something redacted,
 each id is decoded on its own (one ``/detokenize`` call for the whole list: the ids interleaved
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from datapool.records import TurnRecord
-from datapool.redact import PLACEHOLDER, Found, Redactor
-from datapool.vocab import CaptureKind
+from base.redact import PLACEHOLDER, Found, Redactor
+from base.vocab import CaptureKind
 
 log = logging.getLogger("nextstate.redact")
 

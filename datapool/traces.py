@@ -46,8 +46,8 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import Judgement, Session, Turn, Vote
 from datapool.records import TurnRecord
-from datapool.settings import Settings
-from datapool.vocab import Endpoint, TurnStatus, VoteKind
+from base.settings import Settings
+from base.vocab import Endpoint, TurnStatus, VoteKind
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -16,7 +16,7 @@ from datapool import evals
 from datapool.db import utcnow
 from datapool.models import (Judgement, PolicyEvent, PolicyVersion, TrainingLease, TrainingRun, TrainingStep, Turn,
                              Vote)
-from datapool.vocab import PolicyAction, VoteKind
+from base.vocab import PolicyAction, VoteKind
 
 
 def versions(db: OrmSession) -> list[dict[str, Any]]:

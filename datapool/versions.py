@@ -10,7 +10,7 @@ a full version's weights reloaded in place (``vllm_client``). So no gateway ever
 the alias at a model the server does not have; a request resolved just before a switch finishes
 on the version it started on.
 
-Statuses (:class:`datapool.vocab.VersionStatus`): ``candidate`` (published, not activated),
+Statuses (:class:`base.vocab.VersionStatus`): ``candidate`` (published, not activated),
 ``active``, ``retired`` (was active, replaced by a promotion or a newer publish),
 ``rolled_back`` (was active and was rolled back from; never chosen again by a plain
 :func:`rollback`), ``refused`` (a candidate the eval gate refused). Apart from its status, a
@@ -26,7 +26,7 @@ the policy rolls back to the base or to a LoRA version, because LoRA versions ar
 the original base.
 
 All functions are synchronous (SQLAlchemy ``Engine`` + ``httpx.Client``); call them from a
-thread in async code. Publishing new versions is the trainer's (``trainer.publish``).
+thread in async code. Publishing new versions is the trainer's (``publishing.publish``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from sqlalchemy import Engine, false, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 from datapool import audit, policy_signal
 from vllm_client.adapters import ensure_loaded
 from vllm_client.http import AdminError, openai_bases
@@ -50,7 +50,7 @@ from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weig
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
-from datapool.vocab import AuditAction, PauseMode, PolicyAction, VersionKind, VersionStatus
+from base.vocab import AuditAction, PauseMode, PolicyAction, VersionKind, VersionStatus
 
 log = logging.getLogger("nextstate.publish")
 
@@ -147,7 +147,7 @@ def _lock(db: OrmSession) -> None:
     still true when it writes: an advisory transaction lock on PostgreSQL; on SQLite the write
     lock, taken now by an UPDATE that changes nothing. (The sqlite3 driver begins a transaction
     only at the first write, so without it two promotions could both read "none active" and both
-    set theirs: a race tests/test_publish.py caught with 9 concurrent promotions.)"""
+    set theirs: a race tests/publishing/test_publish.py caught with 9 concurrent promotions.)"""
     dialect = db.get_bind().dialect.name
     if dialect == "postgresql":
         db.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import browse, export, judgements, labels, versions
 from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending
-from datapool.vocab import LabelKind
+from base.vocab import LabelKind
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway

@@ -32,11 +32,11 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 from gateway.errors import OpenAIError
 from gateway.state import gateway_of
 from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
-from datapool.settings import Settings
+from base.settings import Settings
 
 COOKIE = "nextstate_admin"
 CSRF_FIELD = "csrf_token"

@@ -13,8 +13,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from datapool.settings import SessionKey, SideTurnRule
-from datapool.vocab import SessionSource, TurnKind
+from base.settings import SessionKey, SideTurnRule
+from base.vocab import SessionSource, TurnKind
 from gateway.errors import OpenAIError
 from gateway.protocol import SESSION_ID
 

@@ -2,7 +2,7 @@
 which of its calls are housekeeping, and what it wraps around a person's words (docs/clients.md).
 
 The built-in profiles below were written from requests the real clients sent to a gateway
-(versions in tests/agents.py); ``client_profiles`` in the settings adds a user's own, tried first.
+(versions in tests/support/agents.py); ``client_profiles`` in the settings adds a user's own, tried first.
 A request matches the first profile whose every recognition condition holds; the profile's name
 is stored on the session it starts (``sessions.client``).
 """
@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from datapool.settings import OPENCLAW_SESSION_ID, ClientProfile, Settings
+from base.settings import OPENCLAW_SESSION_ID, ClientProfile, Settings
 from gateway.classify import first_message, message_text
 
 # Claude Code and Qwen Code wrap context they add in these; a person's message may carry several

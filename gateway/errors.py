@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from datapool.errors import NextstateError
+from base.errors import NextstateError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -134,7 +134,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(NextstateError)
     async def _domain_error(request: Request, exc: NextstateError) -> Response:
         """A layer's own error, answered with the status and code its class names
-        (datapool.errors); one that is not the client's fault (500) is logged."""
+        (base.errors); one that is not the client's fault (500) is logged."""
         if exc.status >= 500:
             log.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
         return respond(request, OpenAIError(exc.status, str(exc), code=exc.code, param=exc.param))

@@ -30,7 +30,7 @@ from typing import Any
 
 from cachetools import TTLCache
 
-from datapool.vocab import WireFormat
+from base.vocab import WireFormat
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError
 
 _PROVIDER = "hosted_vllm"

@@ -135,7 +135,7 @@ class PoolCollector(Collector):
 
     def _refresh(self) -> None:
         from datapool.models import Judgement, Vote
-        from datapool.vocab import JudgementStatus
+        from base.vocab import JudgementStatus
 
         with OrmSession(self.engine) as db:
             self._judgements = [(s, n) for s, n in db.execute(

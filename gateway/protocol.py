@@ -13,7 +13,7 @@ from typing import Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from datapool.vocab import EndReason, SessionMode
+from base.vocab import EndReason, SessionMode
 from gateway.errors import OpenAIError
 
 #: a session id the client may name (header, /s/{id} path, PUT /api/sessions/{id}): no "..", no leading dot

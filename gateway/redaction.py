@@ -1,6 +1,6 @@
 """What the capture writer needs to redact turns in this gateway: the detectors the settings ask
 for, and each white-box upstream's tokenizer (its vLLM's ``/tokenize`` and ``/detokenize``),
-through which the token ids of redacted text are masked (datapool.redact, datapool.token_mask)."""
+through which the token ids of redacted text are masked (base.redact, datapool.token_mask)."""
 
 from __future__ import annotations
 

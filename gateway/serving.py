@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
-from datapool.settings import ClientProfile
-from datapool.vocab import Endpoint, TurnStatus, WireFormat
+from base.settings import ClientProfile
+from base.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget

@@ -22,8 +22,8 @@ from datapool.policy_signal import PolicyWatch
 from datapool.db import make_engine
 from datapool.queries import active_policy_version
 from datapool.queue import Enqueuer
-from datapool.redact import Redactor
-from datapool.settings import Settings
+from base.redact import Redactor
+from base.settings import Settings
 from datapool.traces import Traces, traces
 from gateway.metrics import Metrics
 from gateway.redaction import decoders

@@ -26,8 +26,8 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import audit
 from datapool.db import utcnow
 from datapool.models import ApiKey, Session, Turn
-from datapool.settings import TENANT_NAME, Settings
-from datapool.vocab import AuditAction
+from base.settings import TENANT_NAME, Settings
+from base.vocab import AuditAction
 from gateway.errors import OpenAIError
 
 SEPARATOR = "~"  # between a tenant and its own session id; not in any tenant name

@@ -22,7 +22,7 @@ import aiohttp
 import yaml
 
 from gateway.errors import OpenAIError, unavailable
-from datapool.vocab import VersionKind
+from base.vocab import VersionKind
 
 if TYPE_CHECKING:
     from litellm import Router

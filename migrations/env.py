@@ -12,7 +12,7 @@ def _url() -> str:
     url = config.get_main_option("sqlalchemy.url")
     if url:
         return url
-    from datapool.settings import Settings  # `alembic revision` run by hand
+    from base.settings import Settings  # `alembic revision` run by hand
 
     return Settings().resolved_database_url
 

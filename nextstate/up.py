@@ -21,8 +21,8 @@ from pathlib import Path
 
 import click
 
-from datapool.settings import Settings
-from datapool.vocab import VersionKind
+from base.settings import Settings
+from base.vocab import VersionKind
 from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
 from nextstate.supervisor import Command, RestartPolicy, Supervisor, on_stop_signals
 

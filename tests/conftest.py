@@ -20,10 +20,10 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # holds for the in-process trainers of this pytest process too
 import trainer  # noqa: E402, F401
 from datapool.db import upgrade  # noqa: E402
-from datapool.settings import Settings  # noqa: E402
-from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
-from nextstate.testing.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
-from tests import xdist_groups  # noqa: E402
+from base.settings import Settings  # noqa: E402
+from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
+from tests.support.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
+from tests.support import xdist_groups  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -252,8 +252,8 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """One headless Debian chromium per browser-test module (tests/browser.py)."""
-    from tests.browser import chromium
+    """One headless Debian chromium per browser-test module (tests/support/browser.py)."""
+    from tests.support.browser import chromium
 
     with chromium() as b:
         yield b
@@ -268,12 +268,12 @@ TIER_FIXTURES = {
     "agent": {"openclaw"},
     "processes": {"pg_cluster"},
 }
-# what a module imports: an agent installer, or a class that starts a process (nextstate.testing)
+# what a module imports: an agent installer, or a class that starts a process (tests.support)
 TIER_IMPORTS = {
-    "agent": {("tests.agents", None), ("tests.openclaw_agent", None)},
-    "processes": {("nextstate.testing.processes", "GatewayProcess"), ("nextstate.testing.processes", "WorkerProcess"),
-                  ("nextstate.testing.upstream", "UpstreamProcess"), ("nextstate.testing.pg", "ThrowawayPostgres"),
-                  ("nextstate.testing.redis_server", "ThrowawayRedis"), ("tests.phoenix", "PhoenixProcess")},
+    "agent": {("tests.support.agents", None), ("tests.support.openclaw_agent", None)},
+    "processes": {("tests.support.processes", "GatewayProcess"), ("tests.support.processes", "WorkerProcess"),
+                  ("tests.support.upstream", "UpstreamProcess"), ("tests.support.pg", "ThrowawayPostgres"),
+                  ("tests.support.redis_server", "ThrowawayRedis"), ("tests.support.phoenix", "PhoenixProcess")},
 }
 
 

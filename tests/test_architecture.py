@@ -11,7 +11,8 @@ from pathlib import Path
 import grimp
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("nextstate", "gateway", "trainer", "datapool")
+# the shipped packages, top to bottom (pyproject.toml's [tool.importlinter] root_packages)
+PACKAGES = tuple(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"])
 
 
 def _graph() -> grimp.ImportGraph:
@@ -66,7 +67,7 @@ def test_import_contracts_hold() -> None:
 
 def test_no_import_cycles_deferred_imports_included() -> None:
     graph = _graph()
-    assert "gateway.routes.openai" in graph.modules and "datapool.scoring.worker" in graph.modules
+    assert "gateway.routes.openai" in graph.modules and "scoring.worker" in graph.modules
     assert _cycles(graph) == []
 
 
@@ -81,13 +82,17 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles(graph) == [["a.x", "a.y"]]
 
 
-def test_every_pool_module_is_in_a_layer() -> None:
-    """A new module under datapool/ must be placed in the contract, or no rule would cover it."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
-    named = {m.strip() for layer in config["layers"] for part in layer.split("|") for m in part.split(":")}
-    modules = {f"datapool.{p.stem}" for p in (ROOT / "datapool").glob("*.py") if p.stem != "__init__"}
-    assert modules - named == set()
-    assert "datapool.scoring" in named
+def test_every_package_is_in_a_layer() -> None:
+    """A new top-level package must be placed in the layers contract, or no rule would cover it;
+    and every package that setuptools ships is one the contract knows."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    layers = config["importlinter"]["contracts"][0]["layers"]
+    named = {m.strip().split(".")[0] for layer in layers for part in layer.split("|") for m in part.split(":")}
+    assert named == set(PACKAGES)
+    shipped = {pattern.rstrip("*") for pattern in config["setuptools"]["packages"]["find"]["include"]}
+    assert shipped - {"migrations"} == set(PACKAGES)
+    on_disk = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "migrations", "benchmarks", "examples"}
+    assert on_disk == set(PACKAGES)
 
 
 def test_routers_never_import_the_app() -> None:
@@ -96,8 +101,10 @@ def test_routers_never_import_the_app() -> None:
     assert importers == {"nextstate.gateway_server"}  # only the server that serves it (gateway, up)
 
 
-def test_nothing_that_serves_or_trains_imports_the_test_support() -> None:
-    """nextstate.testing (PostgreSQL, Redis, processes, a fake upstream) is for tests/ and benchmarks/."""
-    graph = _graph()
-    assert "nextstate.testing.pg" in graph.modules
-    assert graph.find_downstream_modules("nextstate.testing", as_package=True) == set()
+def test_nothing_shipped_imports_the_tests() -> None:
+    """tests.support (PostgreSQL, Redis, processes, a fake upstream) is for tests/ and benchmarks/
+    and is not installed: no shipped module may import anything under tests/."""
+    graph = grimp.build_graph(*PACKAGES, "tests", include_external_packages=False, cache_dir=None)
+    assert "tests.support.pg" in graph.modules
+    importers = graph.find_downstream_modules("tests", as_package=True)
+    assert {m for m in importers if not m.startswith("tests.")} == set()

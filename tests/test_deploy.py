@@ -32,10 +32,10 @@ from nextstate.cli import main as cli
 from nextstate.configref import COMPOSE_VARIABLES, entries, env_example, reference_markdown
 from nextstate.healthcheck import check_trainer
 from nextstate.modelserver import LORA_TARGET_MODULES
-from datapool.settings import Settings
-from nextstate.testing.pg import to_conninfo
-from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for
-from tests.processes import SilentUpstream
+from base.settings import Settings
+from tests.support.pg import to_conninfo
+from tests.support.processes import GatewayProcess, WorkerProcess, free_port, wait_for
+from tests.support.upstreams import SilentUpstream
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -439,7 +439,7 @@ def test_postgres_init_script_gives_grafana_a_read_only_role() -> None:
     import psycopg
 
     from datapool.db import upgrade
-    from nextstate.testing.pg import ThrowawayPostgres, throwaway_unavailable_reason
+    from tests.support.pg import ThrowawayPostgres, throwaway_unavailable_reason
 
     reason = throwaway_unavailable_reason()
     if reason:
@@ -687,7 +687,7 @@ def test_the_images_build_context_installs_a_package_whose_migrations_run(tmp_pa
             "NEXTSTATE_DATA_DIR": str(tmp_path / "data")}
     run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True,  # noqa: E731
                                        timeout=300, cwd=tmp_path, env=env)
-    where = run("-c", "import nextstate, migrations, datapool.scoring.judge as j; print(nextstate.__file__, j.PROMPTS_DIR)")
+    where = run("-c", "import nextstate, migrations, scoring.judge as j; print(nextstate.__file__, j.PROMPTS_DIR)")
     assert where.returncode == 0 and where.stdout.startswith(str(target)), where.stdout + where.stderr
     upgraded = run("-m", "nextstate.cli", "db", "upgrade")
     assert upgraded.returncode == 0, upgraded.stderr
@@ -729,7 +729,7 @@ def test_worker_healthcheck_pings_the_real_worker(tmp_path: Path, redis_url: str
     assert idle.returncode == 1 and "did not answer" in idle.stderr
     worker = WorkerProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}", broker_url=broker,
                            env={**env, "NEXTSTATE_JUDGE_BACKEND": "python",
-                                "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict"})
+                                "NEXTSTATE_JUDGE_PYTHON": "tests.support.judges:verdict"})
     subprocess.run([sys.executable, "-m", "nextstate.cli", "db", "upgrade", "--database-url",
                     f"sqlite:///{tmp_path / 'pool.db'}"], check=True, capture_output=True)
     worker.start(timeout=240)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from datapool.vocab import Objective
+from base.vocab import Objective
 
 #: (reply text, prompt messages) -> score in [0, 1]: the online eval gate's scorer
 Scorer = Callable[[str, list[dict[str, Any]]], float]
@@ -202,7 +202,7 @@ class VerlConfig:
     #: row with position ids restarting per sequence. None: on with flash-attn (varlen kernels),
     #: off otherwise. True with sdpa is exact too — transformers (>= 4.53) builds a block-diagonal
     #: causal mask from the restarting position ids when the attention mask is None (checked in
-    #: tests/test_verl_backend.py) — but sdpa then runs with an explicit mask over the whole packed
+    #: tests/trainer/test_verl_backend.py) — but sdpa then runs with an explicit mask over the whole packed
     #: row (no flash/cuDNN causal path, attention cost ∝ (micro-batch tokens)²): worth it only where
     #: much of a micro-batch would be padding.
     remove_padding: bool | None = None
@@ -214,7 +214,7 @@ class VerlConfig:
     #: one log_softmax per *token* (bf16), forward and backward — see benchmarks/trainer/README.md,
     #: "Where a veRL step's time goes". On by default since 2026-11-27: on one H100 the 1.7 B
     #: model's step (64 × 768 tokens) took 4.2 s with it and 15 s without, same trajectory
-    #: (tests/test_verl_kernels.py: same log-probs to 2e-5 and same gradients on the CPU).
+    #: (tests/trainer/test_verl_kernels.py: same log-probs to 2e-5 and same gradients on the CPU).
     fused_kernels: bool = True
     #: veRL's dynamic micro-batches (``use_dynamic_bsz``): micro-batches packed up to this many
     #: tokens per GPU (prompt + response) instead of ``micro_batch_size`` samples; 0: off

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import evals, queries, versions
 from vllm_client.adapters import unload
 from datapool.db import utcnow
-from datapool.vocab import PolicyAction
+from base.vocab import PolicyAction
 from trainer.config import Scorer
 
 log = logging.getLogger("nextstate.online")

@@ -504,7 +504,7 @@ def policy_loss_vanilla(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """veRL's ``compute_policy_loss_vanilla`` (0.9.1) step by step, with its three metrics
     returned as detached tensors instead of ``.item()`` floats: each ``.item()`` makes the host
-    wait for the GPU, three times per micro-batch. Same arithmetic (``tests/test_objectives.py``
+    wait for the GPU, three times per micro-batch. Same arithmetic (``tests/trainer/test_objectives.py``
     compares the two)."""
     clip_ratio_low = config.clip_ratio_low if config.clip_ratio_low is not None else config.clip_ratio
     clip_ratio_high = config.clip_ratio_high if config.clip_ratio_high is not None else config.clip_ratio

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.queries import active_policy_version
 from datapool import leases
-from datapool.vocab import VersionKind
+from base.vocab import VersionKind
 from trainer.config import RunLimits
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig

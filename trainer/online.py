@@ -53,13 +53,13 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import leases, queries, versions
 from vllm_client.adapters import ensure_loaded
 from vllm_client.http import AdminError, openai_base
-from datapool.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
+from base.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
 from trainer.config import OnlineConfig, Scorer
 from trainer.eval_gate import EvalGate
 from trainer.local import LocalConfig, LocalTrainer, StepProgress
 from trainer.monitor import LiveMonitor
 from trainer.objectives import ObjectiveConfig
-from trainer.publish import PublishRequest, publish
+from publishing.publish import PublishRequest, publish
 from trainer.samples import load_samples
 
 log = logging.getLogger("nextstate.online")

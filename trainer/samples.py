@@ -19,7 +19,7 @@ from datapool.labels import reward_overrides
 from datapool.siblings import siblings_of as sibling_rows
 from datapool.models import Judgement, Session, Turn
 from datapool.token_mask import placeholder_positions
-from datapool.vocab import CaptureKind, TurnKind
+from base.vocab import CaptureKind, TurnKind
 
 
 @dataclass

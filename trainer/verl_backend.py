@@ -20,11 +20,11 @@ Built on veRL 0.9.1's own classes, patched nowhere:
   engine veRL started, it writes them — the LoRA adapter in PEFT layout, or the full model in
   Hugging Face layout — to a new directory. :class:`PoolCheckpointManager` (the trainer's
   ``checkpoint_manager``, loadable through ``rollout.checkpoint_manager_class``) then
-  hot-loads that directory into the serving vLLM through ``trainer.publish``, the same
+  hot-loads that directory into the serving vLLM through ``publishing.publish``, the same
   policy-version bookkeeping the local backend uses.
 
 The batch maths is the local backend's (``trainer.local``) to the token: the same samples
-give the same tensors, advantages and loss (tests/test_verl_backend.py, on the CPU). What
+give the same tensors, advantages and loss (tests/trainer/test_verl_backend.py, on the CPU). What
 needs a GPU is only the Ray workers (veRL places them on GPU bundles).
 
 veRL pins ``transformers<5.11`` and vLLM needs ``>=5.16``: the trainer runs from the ``train``
@@ -66,7 +66,7 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from trainer import objectives
 from trainer.config import RunLimits, VerlConfig
 from trainer.samples import Sample
-from datapool.vocab import VersionKind
+from base.vocab import VersionKind
 
 log = logging.getLogger("nextstate.trainer.verl")
 
@@ -453,7 +453,7 @@ class PoolCheckpointEngine(CheckpointEngine):
         return self.write(iter(weights), global_steps=global_steps, peft_config=peft_config)
 
     async def receive_weights(self, global_steps: int | None = None) -> Any:
-        raise NotImplementedError("the serving vLLM loads the written directory over HTTP (trainer.publish)")
+        raise NotImplementedError("the serving vLLM loads the written directory over HTTP (publishing.publish)")
 
 
 class PoolActorWorker(ActorRolloutRefWorker):
@@ -788,7 +788,7 @@ def train_verl(
     """``trainer.offline.train_offline`` on the veRL backend: lease scored turns, one veRL step
     per batch, record and ack each step, and push the weights through the checkpoint engine
     every ``push_every`` steps (0: only at the end) and at the end; with ``publish`` each push
-    is hot-loaded into vLLM and registered as the active policy version (``trainer.publish.publish``).
+    is hot-loaded into vLLM and registered as the active policy version (``publishing.publish.publish``).
     A LoRA run continues from the active version's adapter, as the local backend does."""
     from sqlalchemy.orm import Session as OrmSession
 

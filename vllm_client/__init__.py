@@ -9,8 +9,8 @@ vLLM's admin wire format itself:
 - :mod:`vllm_client.http` names servers, carries the errors and one JSON POST.
 
 The gateway's promote/rollback and the trainer's publish go through ``datapool.versions``,
-which uses this package. It sits below the pool: it imports only ``datapool.settings`` and
-``datapool.vocab``.
+which uses this package. It sits below the pool: it imports only ``base.settings`` and
+``base.vocab``.
 
 URLs. A server is named by its OpenAI base ``http://host:port/v1``
 (:func:`vllm_client.http.openai_base` adds the ``/v1``); its development endpoints live at the

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import httpx
 
-from datapool.errors import NextstateError
-from datapool.settings import Settings
+from base.errors import NextstateError
+from base.settings import Settings
 
 
 class AdminError(NextstateError, RuntimeError):

@@ -1,5 +1,5 @@
 """Resampling a captured turn on the policy server, and whether that server has room for it
-(shadow siblings, ``datapool.scoring.siblings``).
+(shadow siblings, ``scoring.siblings``).
 
 - :func:`server_load` reads vLLM's Prometheus ``/metrics`` (at the server's root):
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, summed over their label sets.

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from datapool.vocab import PauseMode, values
+from base.vocab import PauseMode, values
 from vllm_client.http import AdminError, response_text, server_root
 
 log = logging.getLogger("nextstate.publish")

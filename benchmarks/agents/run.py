@@ -7,10 +7,10 @@
 
 Per suite, arm and seed, everything is real and goes through the pool: a `nextstate gateway`
 process in front of the --upstream vLLM with its own SQLite pool; the suite's agent
-(examples/agents) driven by ``nextstate.rollout.Runner`` — the code of `nextstate rollout` —
+(examples/agents) driven by ``rollout.runner.Runner`` — the code of `nextstate rollout` —
 over n samples of each training task (one GRPO group per task, temperature 1), each terminal
 and SWE episode in its own sandbox; every turn scored from its next state by
-``datapool.scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
+``scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
 iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
 adapter published and served; then the held-out tasks answered greedily by the new version
 (`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
@@ -19,7 +19,7 @@ Arms (the reward each turn is trained on; the trainer standardizes it within the
 
 - ``outcome``: R_t = O, the verifier's outcome (the judge abstains on every turn);
 - ``integrated``: R_t = O + (1/m) Σ r_t^(i), the rule-based next-state judge's votes
-  (``datapool.scoring.rules``) added to the outcome;
+  (``scoring.rules``) added to the outcome;
 - ``integrated+opd``: the same reward plus hindsight OPD on the turns the judge hinted
   (objective ``combined``; teacher logprobs from --teacher);
 - ``integrated-llm``: R_t = O plus the LLM judge's votes (prompt prm-v1, 3 votes, the base model
@@ -71,14 +71,14 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from examples.agents import swe, terminal, toolcall  # noqa: E402
-from nextstate import rollout as ro  # noqa: E402
+from rollout import runner as ro  # noqa: E402
 
 SUITES = {"toolcall": toolcall, "terminal": terminal, "swe": swe}
 TASKS = ROOT / "examples" / "agents"
 ARMS = {  # arm -> (judge, objective, teacher logprobs)
     "outcome": ("benchmarks.agents.run:abstain", "rl", False),
-    "integrated": ("datapool.scoring.rules:vote", "rl", False),
-    "integrated+opd": ("datapool.scoring.rules:vote", "combined", True),
+    "integrated": ("scoring.rules:vote", "rl", False),
+    "integrated+opd": ("scoring.rules:vote", "combined", True),
     "integrated-llm": ("llm", "rl", False),  # the LLM judge (prm-v1, 3 votes) in place of the rules
 }
 SHORT = {"outcome": "out", "integrated": "int", "integrated+opd": "opd", "integrated-llm": "llm"}
@@ -204,8 +204,8 @@ class Job:
         return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1])
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
-        from datapool.vocab import VersionKind
-        from trainer.publish import PublishRequest, publish
+        from base.vocab import VersionKind
+        from publishing.publish import PublishRequest, publish
 
         publish(self.engine, PublishRequest(directory, base_model=self.args.model, vllm_urls=self.urls,
                                             kind=VersionKind.LORA, name=name, parent=parent, activate=True,
@@ -223,8 +223,8 @@ class Job:
         from sqlalchemy.orm import Session as OrmSession
 
         from datapool.models import Judgement, Turn
-        from datapool.scoring.judge import JudgeRefused, LLMJudge, PythonJudge
-        from datapool.scoring.score import JudgeError, TeacherConfig, score_turn
+        from scoring.judge import JudgeRefused, LLMJudge, PythonJudge
+        from scoring.score import JudgeError, TeacherConfig, score_turn
 
         judge_path, _, teacher = ARMS[base_arm(self.arm)]
         if judge_path == "llm":  # on the teacher replica where there is one (vllm#48421, as the workers do)
@@ -268,8 +268,8 @@ class Job:
     def start_gateway(self) -> Any:
         """The job's `nextstate gateway`, in front of --upstream, on its own pool. It dies with the
         thread that starts it (``die_with_parent``): a job process that is killed (the OOM killer)
-        leaves no gateway holding its port; the sandboxes' commands die with it too (nextstate.sandbox)."""
-        from nextstate.testing.processes import GatewayProcess
+        leaves no gateway holding its port; the sandboxes' commands die with it too (rollout.sandbox)."""
+        from tests.support.processes import GatewayProcess
 
         gw = GatewayProcess(self.work / "gw", database_url=self.pool, upstream_url=self.args.upstream,
                             die_with_parent=True)
@@ -431,7 +431,7 @@ def try_escapes(work: Path, rounds: int = 3) -> dict[str, Any]:
     import socket
     import threading
 
-    from nextstate.sandbox import Limits, Sandbox
+    from rollout.sandbox import Limits, Sandbox
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -482,7 +482,7 @@ def try_escapes(work: Path, rounds: int = 3) -> dict[str, Any]:
 def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[str, dict[str, Any]]:
     """Each suite's held-out tasks answered by the base model, through a gateway of its own."""
     from datapool.db import upgrade
-    from nextstate.testing.processes import GatewayProcess
+    from tests.support.processes import GatewayProcess
 
     pool = f"sqlite:///{work / 'base.db'}"
     upgrade(pool)
@@ -697,7 +697,7 @@ def main() -> None:
     with contextlib.ExitStack() as servers:
         need_teacher = any(ARMS[base_arm(a)][2] for a in arms) and not args.calibrate
         if not args.upstream or (need_teacher and not args.teacher) or not args.model_dir:
-            from datapool.settings import Settings
+            from base.settings import Settings
             from nextstate.modelserver import TEACHER_ARGS, VLLMServer, ensure_model, ensure_vllm_env
 
             cache = Settings().cache_dir
@@ -762,7 +762,7 @@ def clean_job(d: Path) -> list[str]:
     """After a job's process ended: unmount what its sandboxes left mounted and remove their
     directory. A job that was killed could not close them: its processes die with it
     (:func:`job_process`), its tmpfs mounts would not."""
-    from nextstate.sandbox import unmount_under
+    from rollout.sandbox import unmount_under
 
     root = job_sandboxes(d)
     left = unmount_under(root)

@@ -4,7 +4,7 @@
     python -m benchmarks.gateway --leak-requests 100000 --duration 20
 
 One run starts, on this machine:
-- a fast OpenAI-wire-format upstream with a fixed reply (nextstate/testing/upstream.py);
+- a fast OpenAI-wire-format upstream with a fixed reply (tests/support/upstream.py);
 - nextstate's gateway in front of it, capturing into a fresh PostgreSQL database, with a
   Celery scoring worker (Redis broker) running;
 - LiteLLM's proxy server (``litellm[proxy]``) in front of the same upstream, installed into its
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gateway.redaction import AGENT_BODY  # noqa: E402
-from nextstate.testing.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
+from tests.support.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
 
 LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
 LITELLM_SPEC = "litellm[proxy]"
@@ -234,8 +234,8 @@ def _pool_turns(database_url: str) -> int:
 
 
 def _pg_and_redis(stack: ExitStack) -> tuple[str, str]:
-    from nextstate.testing.pg import ThrowawayPostgres, fresh_database, service_dsn
-    from nextstate.testing.redis_server import ThrowawayRedis, service_redis_url
+    from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn
+    from tests.support.redis_server import ThrowawayRedis, service_redis_url
 
     admin = service_dsn()
     if admin is None:
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as stack:
         # the upstream
         up_port = free_port()
-        upstream = Proc(_pinned(other_cpus, [sys.executable, "-m", "nextstate.testing.upstream", "--port", str(up_port)]),
+        upstream = Proc(_pinned(other_cpus, [sys.executable, "-m", "tests.support.upstream", "--port", str(up_port)]),
                         work / "upstream.log", {"PYTHONPATH": str(ROOT)})
         stack.callback(upstream.stop)
         upstream_url = f"http://127.0.0.1:{up_port}/v1"
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # nextstate: PostgreSQL pool, Redis broker, a scoring worker, the gateway
         database_url, broker = _pg_and_redis(stack)
         env = {"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_QUEUE": f"bench-{os.getpid()}",
-               "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.judges:verdict",
+               "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.support.judges:verdict",
                "PYTHONPATH": str(ROOT), "NEXTSTATE_API_KEYS": CLIENT_KEY}
         models = work / "models.yaml"
         model_list = [{"model_name": "fixed", "litellm_params": {"model": "hosted_vllm/fixed",
@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _try_litellm_db(exe: Path, upstream_url: str, work: Path, cpu: int | None, stack: ExitStack) -> dict[str, Any]:
     """LiteLLM's PostgreSQL spend logs need Prisma's query engine, which Prisma downloads from
     its own servers at first use. Try it and report what happened."""
-    from nextstate.testing.pg import fresh_database, service_dsn
+    from tests.support.pg import fresh_database, service_dsn
 
     admin = service_dsn()
     if admin is None:

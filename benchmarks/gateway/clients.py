@@ -2,7 +2,7 @@
 
     python -m benchmarks.gateway.clients [--requests 4000] [--rounds 2]
 
-Starts the fixed OpenAI-wire-format upstream (nextstate/testing/upstream.py) in its own process,
+Starts the fixed OpenAI-wire-format upstream (tests/support/upstream.py) in its own process,
 then, in this process on uvloop, sends the same non-streamed chat request through each client
 the way the gateway does (a pooled client, 8 requests in flight), alternating the clients for
 ``--rounds`` rounds so both see the same machine. Prints the CPU time and wall time this
@@ -27,7 +27,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from nextstate.testing.upstream import UpstreamProcess  # noqa: E402
+from tests.support.upstream import UpstreamProcess  # noqa: E402
 
 BODY = {"model": "fixed", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 IN_FLIGHT = 8

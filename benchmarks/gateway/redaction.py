@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from datapool.records import TurnRecord
-from datapool.redact import CLASSES, Redactor
+from base.redact import CLASSES, Redactor
 from datapool.token_mask import redact_text
 
 # an agent's turn: system prompt, a tool call and its result holding an API key and an e-mail

@@ -6,7 +6,7 @@
 It starts --gateways `nextstate gateway` processes on one SQLite pool (as the GPU runs do:
 benchmarks/gpu/shape2.py, publish_load.py) and --concurrency workers that each stream chat
 completions through them in turn with httpx (one client, keep-alive, as those runs' load),
-until --duration has passed. The upstream is the fast fake (nextstate/testing/upstream.py: --chunks
+until --duration has passed. The upstream is the fast fake (tests/support/upstream.py: --chunks
 tokens, --chunk-delay-s apart) or, with --upstream, a real vLLM. Every failure is classified:
 an HTTP status, a stream without ``[DONE]``, an error event, or an httpx exception (with how
 many lines had arrived and after how long). Prints a table and the first failures; exits 1 if
@@ -35,8 +35,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from nextstate.testing.upstream import UpstreamProcess  # noqa: E402
-from nextstate.testing.processes import GatewayProcess  # noqa: E402
+from tests.support.upstream import UpstreamProcess  # noqa: E402
+from tests.support.processes import GatewayProcess  # noqa: E402
 
 
 class Streams:

@@ -1,6 +1,6 @@
 """CPU time of trace export per stored turn, in process: what the capture writer spends making an
 agent's turn into a span (datapool.traces) and what the batch processor's thread spends encoding
-and sending it over OTLP/HTTP to a real receiver (Arize Phoenix, tests/phoenix.py).
+and sending it over OTLP/HTTP to a real receiver (Arize Phoenix, tests/support/phoenix.py).
 
     python -m benchmarks.gateway.traces [--turns 2000]
 
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gateway.redaction import _turn
-from datapool.settings import Settings
+from base.settings import Settings
 from datapool.traces import Traces, traces
 
 
@@ -37,7 +37,7 @@ def measure(t: Traces, turns: int) -> dict[str, float]:
 
 
 def main() -> None:
-    from tests.phoenix import PhoenixProcess
+    from tests.support.phoenix import PhoenixProcess
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=2000)

@@ -6,7 +6,7 @@
 
 Real parts: `nextstate gateway` processes on one SQLite pool (the switch reaches them through
 ``datapool.policy_signal``: the file's data_version), vLLM with runtime LoRA loading, the
-official publish path (``trainer.publish.publish``: load into vLLM, then activate in the pool).
+official publish path (``publishing.publish.publish``: load into vLLM, then activate in the pool).
 Each round writes a fresh PEFT LoRA adapter (random B, so it really changes the output) for
 the base model in --model-dir, publishes it, and polls every gateway's ``GET /v1/models``
 until its ``policy`` alias points at the new version. Reported per publish: load (vLLM),
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from datapool import versions  # noqa: E402
 from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade  # noqa: E402
-from datapool.vocab import PauseMode, VersionKind  # noqa: E402
-from nextstate.testing.processes import GatewayProcess  # noqa: E402
-from trainer.publish import PublishRequest, publish  # noqa: E402
+from base.vocab import PauseMode, VersionKind  # noqa: E402
+from tests.support.processes import GatewayProcess  # noqa: E402
+from publishing.publish import PublishRequest, publish  # noqa: E402
 
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "How do vaccines work?", "What is gravity?",
              "How does a compass work?", "What is DNA?", "Why do cats purr?", "What is a galaxy?"]
@@ -74,7 +74,7 @@ def write_adapter(model_dir: Path, out: Path, seed: int) -> None:
 
 def write_checkpoint(model_dir: Path, out: Path, seed: int) -> None:
     """A whole checkpoint of the base model whose q projections carry fixed noise: other weights
-    of the same architecture, as full fine-tuning would write (tests/test_publish_full.py)."""
+    of the same architecture, as full fine-tuning would write (tests/publishing/test_publish_full.py)."""
     import shutil
 
     import torch
@@ -283,7 +283,7 @@ def main() -> None:
     p.add_argument("--kind", choices=[VersionKind.LORA, VersionKind.FULL], default=VersionKind.LORA,
                    help="publish LoRA adapters, or whole checkpoints (vLLM needs VLLM_SERVER_DEV_MODE=1)")
     p.add_argument("--pause-mode", choices=[m.value for m in PauseMode], default=PauseMode.WAIT,
-                   help="full: what requests in flight do during a reload (datapool.vocab.PauseMode)")
+                   help="full: what requests in flight do during a reload (base.vocab.PauseMode)")
     p.add_argument("--tag", help="file name suffix (default: the kind, for full)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/gpu/results"))
     args = p.parse_args()

@@ -16,7 +16,7 @@ Phases:
 1. **fill** — ``--fill`` interactions of the learning benchmark's simulated user (a question on
    the `policy` alias at temperature 1, then the user's reaction, which is the reply's next
    state) through the gateways, each scored by the python judge
-   (``benchmarks.learning.preference:judge`` through ``datapool.scoring.score.score_turn``):
+   (``benchmarks.learning.preference:judge`` through ``scoring.score.score_turn``):
    white-box turns with token ids, behaviour logprobs and a reward, as the trainer leases them.
 2. **load** — ``--concurrency`` streaming chats on `policy` through the gateways (the load of
    ``publish_load.py``) from here to the end of the last trainer run; the simulated user keeps
@@ -79,9 +79,9 @@ from vllm_client.adapters import unload
 from vllm_client.weights import WeightsError, labels, require_weight_labels
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingRun, TrainingStep, Turn  # noqa: E402
-from datapool.scoring.judge import PythonJudge  # noqa: E402
-from datapool.scoring.score import score_turn  # noqa: E402
-from nextstate.testing.processes import GatewayProcess, wait_for  # noqa: E402
+from scoring.judge import PythonJudge  # noqa: E402
+from scoring.score import score_turn  # noqa: E402
+from tests.support.processes import GatewayProcess, wait_for  # noqa: E402
 
 T0 = time.time()
 

@@ -8,7 +8,7 @@ LoRA loading, and the teacher replica), as the test suite does, and stops them a
 
 Everything is real: per arm and seed a `nextstate gateway` process in front of the vLLM
 --upstream, its own SQLite pool, the official `openai` client as the user, the python (or LLM)
-judge scoring each turn from its next state through ``datapool.scoring.score.score_turn`` (the
+judge scoring each turn from its next state through ``scoring.score.score_turn`` (the
 code a Celery worker runs, called in-process so that scoring finishes before the next round is
 counted), teacher logprobs from --teacher, and the online trainer
 (``trainer.online.OnlineTrainer``: lease, train LoRA, publish to both vLLMs, flip the alias).
@@ -90,16 +90,16 @@ from datapool import versions
 from datapool.db import make_engine, upgrade
 from datapool.leases import Filters
 from datapool.models import Judgement, Turn, Vote
-from datapool.scoring.judge import LLMJudge, PythonJudge
-from datapool.scoring.score import TeacherConfig, score_turn
-from datapool.scoring.siblings import SiblingConfig, resample_siblings
-from datapool.vocab import VersionKind
-from nextstate.testing.processes import GatewayProcess, wait_for
+from scoring.judge import LLMJudge, PythonJudge
+from scoring.score import TeacherConfig, score_turn
+from scoring.siblings import SiblingConfig, resample_siblings
+from base.vocab import VersionKind
+from tests.support.processes import GatewayProcess, wait_for
 from trainer.config import COMPUTE_DTYPES, RL_BASELINES
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import OnlineConfig, OnlineTrainer
-from trainer.publish import PublishRequest, publish
+from publishing.publish import PublishRequest, publish
 from vllm_client.adapters import unload
 
 TRAIN = [
@@ -594,7 +594,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-learning-"))
     with contextlib.ExitStack() as servers:
         if not args.upstream or not args.teacher or not args.model_dir:
-            from datapool.settings import Settings
+            from base.settings import Settings
             from nextstate.modelserver import (
                 TEACHER_ARGS,
                 VLLMServer,

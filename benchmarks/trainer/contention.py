@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from datapool.settings import Settings  # noqa: E402
+from base.settings import Settings  # noqa: E402
 from nextstate.modelserver import VLLMServer, ensure_model, ensure_vllm_env, free_port  # noqa: E402
 
 _PASSES = """

@@ -5,7 +5,7 @@
 
 The agent reads and edits files through tools (``replace``, ``run_tests``, ``read_file``;
 up to ``MAX_TURNS`` turns, ending early when its run of the tests passes) inside its rollout's
-:class:`nextstate.sandbox.Sandbox`; then pytest runs there once more and its exit status decides
+:class:`rollout.sandbox.Sandbox`; then pytest runs there once more and its exit status decides
 the outcome (``check``).
 """
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.agents.loop import run_tools, tool  # noqa: E402
 from examples.agents.terminal import _ensure, sandbox_root  # noqa: E402
-from nextstate.sandbox import Limits, Sandbox  # noqa: E402
+from rollout.sandbox import Limits, Sandbox  # noqa: E402
 
 SYSTEM = ("You fix a bug in a small Python repository so that its tests pass. Tools: replace swaps one exact "
           "piece of text in a file for another, run_tests runs pytest, read_file shows a file. Make the smallest "

@@ -3,7 +3,7 @@
     nextstate rollout --tasks examples/agents/terminal/train.jsonl --n 8 \\
         --agent examples/agents/terminal.py:solve --verifier examples/agents/terminal.py:verify
 
-Each rollout gets its own :class:`nextstate.sandbox.Sandbox` holding the task's files; the model
+Each rollout gets its own :class:`rollout.sandbox.Sandbox` holding the task's files; the model
 runs shell commands there (``run``), up to ``MAX_TURNS`` of them. The task's
 check then reads the files (``check``), before the sandbox is removed; ``verify`` reports it.
 A command that hits a limit (time, CPU, memory, disk, processes, network) fails the rollout
@@ -22,7 +22,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.agents.loop import run_tools, tool  # noqa: E402
-from nextstate.sandbox import Limits, Sandbox  # noqa: E402
+from rollout.sandbox import Limits, Sandbox  # noqa: E402
 
 SYSTEM = ("You operate a Linux shell in a directory with the task's files. Call run with one shell command "
           "that does the task.")

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel
 
 from datapool import queries
-from datapool.vocab import PolicyAction
+from base.vocab import PolicyAction
 from gateway import actions
 from gateway.auth import Admin, require_api
 from gateway.errors import OpenAIError

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datapool import audit, forget as forgetting, versions
-from datapool.vocab import AuditAction
+from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread

@@ -16,7 +16,7 @@ from datapool import lineage, queries
 from datapool.db import dialect_insert, utcnow
 from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
-from datapool.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
+from base.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
 from gateway.auth import require_api
 from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread

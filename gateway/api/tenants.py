@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
-from datapool.settings import TENANT_NAME
+from base.settings import TENANT_NAME
 from gateway import tenants
 from gateway.auth import Admin, require_api
 from gateway.errors import OpenAIError

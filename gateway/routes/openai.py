@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from datapool import queries
-from datapool.vocab import WireFormat
+from base.vocab import WireFormat
 from gateway.auth import require_api_key
 from gateway.errors import OpenAIError
 from gateway.formats import messages_to_chat, responses_object

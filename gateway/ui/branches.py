@@ -25,7 +25,7 @@ from typing import Any
 
 from datapool import browse
 from datapool.sessions import history_hash
-from datapool.vocab import TurnKind, TurnStatus
+from base.vocab import TurnKind, TurnStatus
 
 _SYSTEM = ("system", "developer")
 

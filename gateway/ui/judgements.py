@@ -14,7 +14,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import judgements, reliability
-from datapool.vocab import JudgementStatus
+from base.vocab import JudgementStatus
 from gateway import actions
 from gateway.auth import require_ui
 from gateway.errors import OpenAIError

@@ -14,7 +14,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse, evals, labels, queries, training_view, versions
-from datapool.vocab import CaptureKind, TurnKind
+from base.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
 from gateway.clients import profiles, words_of

@@ -4,7 +4,7 @@ Hand-drawn rather than matplotlib: the charts are small and few, a chart renders
 millisecond, the page keeps its own CSS (classes, not baked colours), each point can carry an
 SVG ``<title>`` (the hover value, without JavaScript), and the gateway needs no plotting
 dependency. What makes axes hard to keep right lives here and is tested on its own
-(tests/test_ui_training.py): ``nice_ticks`` (1/2/5 x 10^k steps covering the data),
+(tests/gateway/ui/test_ui_training.py): ``nice_ticks`` (1/2/5 x 10^k steps covering the data),
 ``tick_labels`` (fixed decimals from the step, an SI prefix outside 0.001..10,000: never
 ``-4.75e-03``) and ``time_ticks``.
 

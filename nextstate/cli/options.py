@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 import click
 from pydantic import ValidationError
 
-from datapool.settings import Settings
-from datapool.vocab import CaptureKind, Objective, PauseMode, SessionMode, TrainBackend, values
+from base.settings import Settings
+from base.vocab import CaptureKind, Objective, PauseMode, SessionMode, TrainBackend, values
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,7 +50,7 @@ def field_default(cls: type, name: str) -> Any:
 
 
 def choice(enum: type[StrEnum]) -> click.Choice:
-    """``click.Choice`` of an enum's values (the vocabulary of ``datapool.vocab``)."""
+    """``click.Choice`` of an enum's values (the vocabulary of ``base.vocab``)."""
     return click.Choice(values(enum))
 
 

@@ -12,8 +12,8 @@ import click
 from sqlalchemy import Engine
 
 from vllm_client.http import policy_servers
-from datapool.settings import Settings
-from datapool.vocab import PauseMode
+from base.settings import Settings
+from base.vocab import PauseMode
 from nextstate.cli import options as opt
 
 _VLLM_HELP = (
@@ -120,7 +120,7 @@ def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, par
     and resuming), and only then registers it (active: the previous active version is
     retired). On failure nothing is registered and every vLLM serves what it served before.
     """
-    from trainer.publish import PublishError, PublishRequest, publish
+    from publishing.publish import PublishError, PublishRequest, publish
 
     settings = _settings(database_url)
     with _engine(database_url) as engine:

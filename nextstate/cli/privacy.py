@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from datapool.vocab import AuditAction
+from base.vocab import AuditAction
 from nextstate.cli import options as opt
 from nextstate.cli.policy import _VLLM_HELP, _engine, _settings, _urls
 
@@ -72,7 +72,7 @@ def forget(session_id: str | None, tenant: str | None, end_user: str | None, dry
     deleted (trained weights, other machines' spools, exports already written).
     """
     from datapool import audit
-    from datapool.errors import NextstateError
+    from base.errors import NextstateError
     from datapool.forget import forget_waiting, rollback_tainted
 
     settings = _settings(database_url)

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from vllm_client.http import server_root
-from datapool.vocab import Objective, SessionMode
+from base.vocab import Objective, SessionMode
 from nextstate.cli import options as opt
 from nextstate.cli.train import train
 
@@ -89,7 +89,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     import asyncio
     from datetime import datetime, timezone
 
-    from nextstate import rollout as ro
+    from rollout import runner as ro
 
     opt.setup_logging(log_level)
     if (agent_fn is None) == (agent_cmd is None):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
-from datapool.settings import AdminExposed, Settings, check_admin_exposure
-from datapool.vocab import Objective
+from base.settings import AdminExposed, Settings, check_admin_exposure
+from base.vocab import Objective
 from nextstate.cli import options as opt
 
 
@@ -86,7 +86,7 @@ def worker(database_url: str | None, broker_url: str | None, concurrency: int | 
     default the local vLLM) or =python with NEXTSTATE_JUDGE_PYTHON=module:function.
     NEXTSTATE_JUDGE_VOTES sets m (default 3).
     """
-    from datapool.scoring.worker import build_worker_app
+    from scoring.worker import build_worker_app
 
     opt.setup_logging(log_level)
     settings = opt.settings(database_url=database_url, broker_url=broker_url, worker_concurrency=concurrency)
@@ -240,7 +240,7 @@ def up(port: int | None, vllm_port: int | None, database_url: str | None, scorin
 @click.group("config")
 def config_group() -> None:
     """The settings every process reads: print the reference and the compose .env.example,
-    both generated from datapool/settings.py."""
+    both generated from base/settings.py."""
 
 
 @config_group.command("reference")

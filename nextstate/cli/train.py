@@ -10,8 +10,8 @@ import click
 from vllm_client.http import policy_servers
 from datapool.db import as_utc
 from datapool.leases import Filters
-from datapool.settings import Settings
-from datapool.vocab import Objective, TrainBackend, VersionKind
+from base.settings import Settings
+from base.vocab import Objective, TrainBackend, VersionKind
 from nextstate.cli import options as opt
 from trainer.config import (
     COMPUTE_DTYPES,
@@ -296,7 +296,7 @@ def _train_online(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objec
 def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
                    filters: Filters, urls: list[str], base_model: str, model_dir: Path) -> None:
     from trainer.offline import train_offline
-    from trainer.publish import PublishError, PublishRequest, publish
+    from publishing.publish import PublishError, PublishRequest, publish
 
     board_dir = settings.data_dir / "tensorboard"
     writer = None
@@ -350,7 +350,7 @@ def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: Obje
 
 def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
                 model_dir: Path, urls: list[str], base_model: str, on_step: Any) -> Any:
-    """`train --backend verl`: trainer.verl_backend, publishing each push through trainer.publish."""
+    """`train --backend verl`: trainer.verl_backend, publishing each push through publishing.publish."""
     from trainer.verl_backend import train_verl
 
     gpus, nnodes, batch_size = p["gpus"], p["nnodes"], p["batch_size"]
@@ -361,7 +361,7 @@ def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objecti
 
     def publish_written(written: dict[str, Any]) -> dict[str, Any]:
         from datapool.versions import active_version
-        from trainer.publish import PublishRequest, publish
+        from publishing.publish import PublishRequest, publish
 
         current = active_version(engine)
         # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1

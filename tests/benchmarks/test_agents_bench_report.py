@@ -1,0 +1,126 @@
+"""The agents benchmark's pipelining and report, without a model: iteration k+1's rollouts overlap
+iteration k's learning in an ``@async`` arm, and the report's standard errors and time-to-target."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.agents import run as bench
+
+
+def test_arm_names() -> None:
+    assert bench.base_arm("integrated@async") == "integrated" and bench.is_async("integrated@async")
+    assert bench.base_arm("outcome") == "outcome" and not bench.is_async("outcome")
+    assert bench.short("integrated+opd@async") == "opda" and bench.short("outcome") == "out"
+
+
+def test_pipelined_overlaps_the_next_rollouts_with_learning(tmp_path: Path) -> None:
+    job = bench.Job(argparse.Namespace(upstream="http://127.0.0.1:9/v1", teacher=None), tmp_path, "toolcall",
+                    "integrated@async", seed=0)
+    events: list[tuple[str, int, float]] = []
+    lock = threading.Lock()
+
+    def mark(what: str, it: int) -> None:
+        with lock:
+            events.append((what, it, time.monotonic()))
+
+    def collect(gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        mark("collect-start", it)
+        time.sleep(0.2)
+        mark("collect-end", it)
+        return {"iteration": it, "tasks": tasks}
+
+    learned: list[dict[str, Any]] = []
+
+    def learn(gw_url: str, it: int, point: dict[str, Any], heldout: list[Any], row: dict[str, Any],
+              t0: float) -> None:
+        mark("learn-start", it)
+        assert point["iteration"] == it and point["tasks"] == [{"id": f"t{it}"}]  # its own iteration's rollouts
+        time.sleep(0.2)
+        learned.append(point)
+        mark("learn-end", it)
+
+    job.collect, job.learn = collect, learn  # type: ignore[method-assign]
+    job.pipelined("http://gw", [[{"id": f"t{i}"}] for i in (1, 2, 3)], [], {}, time.monotonic())
+    at = {(w, i): t for w, i, t in events}
+    assert [p["iteration"] for p in learned] == [1, 2, 3]
+    for it in (1, 2):
+        # the next rollouts started before this iteration's learning ended, after its own rollouts
+        assert at[("collect-end", it)] <= at[("collect-start", it + 1)] < at[("learn-end", it)]
+        assert at[("collect-end", it + 1)] <= at[("learn-start", it + 1)]
+    assert ("collect-start", 4) not in at
+
+
+def _row(suite: str, arm: str, seed: int, curve: list[float], t: list[float]) -> dict[str, Any]:
+    return {"suite": suite, "arm": arm, "seed": seed, "pass_at_1": curve, "t_s": t, "iterations": []}
+
+
+def test_compare_table_standard_errors_and_speedup() -> None:
+    rows = [_row("toolcall", "outcome", s, [0.1, v], [0, 100]) for s, v in enumerate((0.10, 0.20, 0.30))]
+    rows += [_row("toolcall", "integrated", s, [0.1, 0.3, v], [0, 100, 200]) for s, v in enumerate((0.5, 0.6, 0.7))]
+    rows += [_row("toolcall", "integrated@async", s, [0.1, 0.3, v], [0, 50, 90]) for s, v in enumerate((0.5, 0.6, 0.7))]
+    text = bench.compare_table(rows)
+    # outcome: mean 0.2, SE 0.1/sqrt(3); integrated: 0.6, same SE; difference 0.4 / (0.1*sqrt(2/3)) = 4.9 SE
+    assert "| toolcall | outcome | 3 | 1 | 0.200 ± 0.058 | +0.100 | – |" in text
+    assert "| toolcall | integrated | 3 | 2 | 0.600 ± 0.058 | +0.500 | +0.400 (+4.9 SE) |" in text
+    # both reach 0.6 (the lower of the two best mean points): sync at 200 s, async at 90 s
+    assert "| toolcall | integrated | 0.600 | 200.0 | 90.0 | 2.22× |" in text
+
+
+def test_compare_table_uses_the_point_every_seed_reached() -> None:
+    rows = [_row("toolcall", "integrated", 0, [0.1, 0.2, 0.9], [0, 10, 20]),
+            _row("toolcall", "integrated", 1, [0.1, 0.4], [0, 10]) | {"partial": True}]
+    assert "| toolcall | integrated | 2 | 1 | 0.300 ± 0.100 | +0.200 | – |" in bench.compare_table(rows)
+
+
+def test_compare_table_without_outcome_or_twin() -> None:
+    rows = [_row("terminal", "integrated", 0, [0.2, 0.4], [0, 10])]
+    text = bench.compare_table(rows)
+    assert "| terminal | integrated | 1 | 1 | 0.400 ± nan | +0.200 | – |" in text and "speed-up" not in text
+
+
+@pytest.mark.parametrize("arms", ["outcome,bogus", "integrated@sync"])
+def test_unknown_arm_is_refused(arms: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr("sys.argv", ["run", "--arms", arms, "--suites", "toolcall"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and "unknown arm" in capsys.readouterr().err
+
+
+def test_escapes_are_tried_and_contained(tmp_path: Path) -> None:
+    """What the benchmark tries beside its environments; each is stopped by its own limit."""
+    from rollout.sandbox import SandboxUnavailable, check_available
+
+    try:
+        check_available()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"this machine cannot isolate commands: {exc}")
+    out = bench.try_escapes(tmp_path, rounds=1)
+    assert set(out["tries"]) == set(bench.ESCAPES)
+    assert out["contained"], out
+    assert out["accepted_connections"] == 0
+    assert "all contained" in bench.escape_line(out)
+
+
+def test_gateway_seconds_reads_the_gateways_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = ("# TYPE nextstate_request_seconds histogram\n"
+            'nextstate_request_seconds_count{endpoint="openai-chat",status="200"} 4\n'
+            'nextstate_request_seconds_sum{endpoint="openai-chat",status="200"} 2.5\n'
+            'nextstate_request_seconds_count{endpoint="openai-chat",status="400"} 1\n'
+            'nextstate_request_seconds_sum{endpoint="openai-chat",status="400"} 0.5\n'
+            "# TYPE nextstate_upstream_seconds histogram\n"
+            'nextstate_upstream_seconds_count{model="policy"} 5\n'
+            'nextstate_upstream_seconds_sum{model="policy"} 2.75\n')
+
+    class Reply:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+    monkeypatch.setattr(bench.httpx, "get", lambda url, timeout: Reply(text))
+    assert bench.gateway_seconds("http://gw") == (5.0, 3.0, 2.75)

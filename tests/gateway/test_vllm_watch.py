@@ -1,0 +1,79 @@
+"""A vLLM upstream that dies and comes back, seen from a real gateway: requests get 503 with
+Retry-After in the client's dialect and are recorded as error turns, /readyz and /metrics say
+so, and the next request after the restart is served (the LoRA reload into a restarted real
+vLLM is measured by benchmarks/chaos.py and tests/nextstate/test_up.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.support.upstream import UpstreamProcess
+from tests.support.processes import GatewayProcess, wait_for
+
+
+def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_path: Path) -> None:
+    upstream = UpstreamProcess(tmp_path / "upstream.log").start()
+    try:
+        with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                            upstream_url=upstream.base_url) as gw, httpx.Client(timeout=30) as http:
+            chat = {"model": "fixed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
+            upstream.stop()
+            r = http.post(f"{gw.base_url}/chat/completions", json=chat)
+            assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+            assert r.json()["error"]["code"] == "upstream_unavailable"
+            turn = wait_for(lambda: (t := http.get(f"{gw.url}/api/turns/{r.headers['x-turn-id']}")).status_code
+                            == 200 and t.json())
+            assert turn["status"] == "error" and turn["error"]["status"] == 503
+            r = http.post(f"{gw.base_url}/responses", json={"model": "fixed", "input": "hi"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "2"
+            assert r.json()["error"]["type"] == "service_unavailable"
+            r = http.post(f"{gw.base_url}/messages", json={"model": "fixed", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 529 and r.headers["retry-after"] == "2"
+            assert r.json() == {"type": "error", "error": {"type": "overloaded_error",
+                                                          "message": r.json()["error"]["message"]}}
+            ready = http.get(f"{gw.url}/readyz")
+            assert ready.status_code == 503
+            assert "nextstate_upstream_up{upstream=" in http.get(f"{gw.url}/metrics").text
+
+            upstream.start()
+            wait_for(lambda: http.get(f"{gw.url}/readyz").status_code == 200, timeout=30)
+            assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
+            base = upstream.base_url
+            # the watch looks once a second, on its own: /readyz may see the server first
+            up = f'nextstate_upstream_up{{upstream="{base}"}} 1.0'
+            metrics = wait_for(lambda: m if up in (m := http.get(f"{gw.url}/metrics").text) else None, timeout=30)
+            assert f'nextstate_upstream_restarts_total{{upstream="{base}"}} 1.0' in metrics
+    finally:
+        upstream.stop()
+
+
+def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused() -> None:
+    """The watch found the active version `a` missing (a restart, or an unload) and is loading
+    it; meanwhile `b` is activated (its activation loaded it everywhere). A request for `b` goes
+    through; one for `a` while it is still `a`'s turn to load gets the 503; a 404 for `b` later
+    makes `b` the one being loaded."""
+    import pytest
+
+    from gateway.errors import OpenAIError
+    from gateway.metrics import Metrics
+    from gateway.upstream import ActiveVersion
+    from gateway.vllm_watch import State, VLLMWatch
+
+    active = [ActiveVersion("a")]
+    watch = VLLMWatch(None, None, Metrics(), bases=dict, active=lambda: active[0])  # type: ignore[arg-type]
+    base = "http://vllm:8000/v1"
+    watch._set(base, State.LOADING, "the active version a is not loaded", "a")
+    with pytest.raises(OpenAIError, match="loading the active version a"):
+        watch.refuse(base, "a", "policy")
+    active[0] = ActiveVersion("b")
+    watch.refuse(base, "b", "policy")  # b was loaded by its activation: not refused
+    watch.mark_loading(base)  # ... unless vLLM answers 404 for it after all
+    with pytest.raises(OpenAIError, match="loading the active version b"):
+        watch.refuse(base + "/", "b", "policy")
+    watch._set(base, State.OK, "the active version b loaded")
+    watch.refuse(base, "b", "policy")
+    assert watch.loading == {}

@@ -1,0 +1,61 @@
+"""Status changes of policy versions under concurrency, on both databases. Only the pool's side of
+a promotion is exercised here (making vLLM serve the version, ``datapool.versions.serve``, is
+replaced by a no-op); tests/publishing/test_publish.py runs the same against real servers."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from datapool.db import make_engine
+from datapool import versions
+from datapool.versions import activate, list_versions, register
+from base.vocab import VersionKind
+
+BASE_MODEL = "smollm2"
+URLS = ["http://127.0.0.1:9/v1"]  # never called: serve is replaced
+
+
+def promote_at_once(engine: Any, names: list[str], urls: list[str], n: int = 9) -> list[BaseException]:
+    """*n* promotions started together, by threads (several operators, several processes), cycling
+    through *names*; returns what they raised."""
+    errors: list[BaseException] = []
+
+    def promote(name: str) -> None:
+        try:
+            activate(engine, name, urls)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=promote, args=(names[i % len(names)],)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+def test_concurrent_promotions_leave_exactly_one_active(database_url: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nine promotions at once, from no active version (where each could read "none active" and
+    demote nothing): exactly one version ends active, every round. SQLite once ended with two
+    (its driver begins a transaction only at the first write)."""
+    monkeypatch.setattr(versions, "serve", lambda *a, **kw: {})
+    engine = make_engine(database_url)
+    names = ["v1", "v2", "v3"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        register(engine, name=name, kind=VersionKind.LORA, base_model=BASE_MODEL, path=tmp_path / name,
+                 parent_id=None, activate=False, stats={}, actor="test", reason=None, metrics={})
+
+    def actives() -> list[str]:
+        return [v["name"] for v in list_versions(engine) if v["status"] == "active"]
+
+    for _ in range(3):
+        assert activate(engine, "base", URLS) is None and actives() == []
+        assert not promote_at_once(engine, names, URLS)
+        assert len(actives()) == 1
+    engine.dispose()

@@ -1,0 +1,17 @@
+"""Real services for the test suite and the benchmarks, in one place both may import.
+
+- :mod:`tests.support.pg`: a PostgreSQL to test on (the local service, or a throwaway cluster
+  that can be crashed and restarted), fresh databases on it;
+- :mod:`tests.support.redis_server`: the same for Redis;
+- :mod:`tests.support.processes`: `nextstate gateway` / `nextstate worker` in processes of
+  their own, waiting on a state;
+- :mod:`tests.support.upstream`: a fast fake of vLLM's OpenAI wire format
+  (`python -m tests.support.upstream --port N`).
+
+Nothing that serves or trains imports it (tests/test_architecture.py checks, deferred imports included).
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+"""The repository's root: the working directory of the commands the tests run."""

@@ -1,0 +1,76 @@
+"""`make test`'s grouping (tests/support/xdist_groups.py), through a real pytest-xdist run on two workers:
+the modules on the shared servers run on one worker, which starts the servers once; a module that
+does not use them runs on a worker of its own. pytest-xdist's own loadgroup stopped working with
+pytest 9.2 without a word, so the run is checked, not the map alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+pytest.importorskip("xdist", reason="the test extra's pytest-xdist runs the suite on two workers")
+
+CONFTEST = """
+import json, os, time
+import pytest
+from tests.support import xdist_groups
+
+def pytest_configure(config):
+    xdist_groups.register(config)
+
+@pytest.fixture(scope="session")
+def vllm_server():
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(json.dumps({"started": os.environ["PYTEST_XDIST_WORKER"]}) + "\\n")
+    return "server"
+
+@pytest.fixture(scope="session")
+def teacher_server(vllm_server):
+    return "teacher"
+
+@pytest.fixture(scope="module")
+def gateway(vllm_server):  # on the servers through another fixture
+    return "gateway"
+
+def record(name):
+    with open(os.environ["RECORD"], "a") as f:
+        f.write(json.dumps({"test": name, "worker": os.environ["PYTEST_XDIST_WORKER"]}) + "\\n")
+    time.sleep(0.3)  # long enough that an idle worker would be handed the next group
+"""
+
+MODULES = {
+    "test_a.py": "from conftest import record\n\ndef test_a1(vllm_server):\n    record('a1')\n\n"
+                 "def test_a2():\n    record('a2')\n",
+    "test_b.py": "from conftest import record\n\ndef test_b1():\n    record('b1')\n\ndef test_b2():\n    record('b2')\n",
+    "test_c.py": "from conftest import record\n\ndef test_c1(gateway):\n    record('c1')\n",
+    "test_d.py": "from conftest import record\n\ndef test_d1(teacher_server):\n    record('d1')\n",
+}
+
+
+def test_the_modules_on_the_servers_share_one_worker_and_one_start(tmp_path: Path) -> None:
+    for name, text in {"conftest.py": CONFTEST, **MODULES}.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    record = tmp_path / "record.jsonl"
+    root = REPO
+    env = {**os.environ, "RECORD": str(record), "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    env.pop("NEXTSTATE_TEST_GROUPS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                           "-q", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    worker = {line["test"]: line["worker"] for line in lines if "test" in line}
+    assert set(worker) == {"a1", "a2", "b1", "b2", "c1", "d1"}
+    # a (one test on the servers is enough), c (through a fixture) and d (the teacher): one worker
+    assert worker["a1"] == worker["a2"] == worker["c1"] == worker["d1"]
+    assert [line["started"] for line in lines if "started" in line] == [worker["a1"]]
+    # b is a group of its own, whole on one worker: the other one, idle while the servers' group runs
+    assert worker["b1"] == worker["b2"] != worker["a1"]
