@@ -33,8 +33,20 @@ def versions(db: OrmSession) -> list[dict[str, Any]]:
         out.append({"id": r.id, "name": r.name, "kind": r.kind, "status": r.status, "base_model": r.base_model,
                     "path": r.path, "parent": names.get(r.parent_id) if r.parent_id else None,
                     "created_at": r.created_at, "stats": dict(r.stats or {}), "events": evs,
-                    "evals": [e["metrics"] for e in evs if e["action"] == "eval"]})
+                    "evals": [e["metrics"] for e in evs if e["action"] == "eval"],
+                    "serving": _train_serve(evs)})
     return out
+
+
+def _train_serve(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What trainer.agreement found when the version was published: does the server serve the
+    policy that was trained (mean and max |Δ log-prob|, or the error that kept it from checking)."""
+    for e in events:  # newest first
+        m = e["metrics"]
+        if e["action"] == "publish" and ("train_serve_mean_abs" in m or "train_serve_error" in m):
+            return {k: m[k] for k in ("train_serve_mean_abs", "train_serve_max_abs", "train_serve_kl",
+                                      "train_serve_tokens", "train_serve_error") if k in m}
+    return None
 
 
 def event_dict(e: PolicyEvent, names: dict[int, str]) -> dict[str, Any]:

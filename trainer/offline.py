@@ -40,6 +40,9 @@ class RunResult:
     version: str | None
     metrics: list[dict[str, float]]
     parent: str | None  # the version the run started from (None: the base model)
+    # the local backend's trainer, holding the trained policy (trainer.agreement checks that a
+    # published version serves it); None for the veRL backend
+    trainer: Any = None
 
 
 def train_offline(
@@ -79,7 +82,7 @@ def train_offline(
     if not metrics:
         return RunResult(run_id, 0, 0, None, None, [], parent_name)
     out = trainer.save(output_root / f"run-{run_id}")
-    return RunResult(run_id, len(metrics), turns, out, None, metrics, parent_name)
+    return RunResult(run_id, len(metrics), turns, out, None, metrics, parent_name, trainer)
 
 
 def run_epochs(

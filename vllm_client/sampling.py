@@ -85,3 +85,31 @@ async def sample_from_ids(http: AsyncHTTP, base: str, model: str, prompt_ids: li
     if len(choices) != n:
         raise CallError.unexpected(url, f"asked for {n} replies, got {len(choices)}")
     return [_reply(c, url) for c in choices]
+
+
+async def score_from_ids(http: AsyncHTTP, base: str, model: str, prompt_ids: list[int], response_ids: list[int], *,
+                         api_key: str | None = None) -> list[float]:
+    """The log-prob *model* on the vLLM at *base* (…/v1) gives each of *response_ids* after *prompt_ids*
+    and the response tokens before it (``prompt_logprobs`` over the concatenation, one generated
+    token). Raises :class:`CallError` (a 404: *model* is not loaded there)."""
+    if not prompt_ids or not response_ids:
+        raise ValueError("score_from_ids needs a prompt and a response")
+    url = f"{base.rstrip('/')}/completions"
+    answer = await post_json(http, url, {"model": model, "prompt": list(prompt_ids) + list(response_ids),
+                                         "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}, api_key=api_key)
+    try:
+        entries = answer["choices"][0]["prompt_logprobs"]
+    except (KeyError, IndexError, TypeError):
+        raise CallError.unexpected(url, f"a reply without choices[0].prompt_logprobs: {str(answer)[:200]}") from None
+    if not isinstance(entries, list) or len(entries) != len(prompt_ids) + len(response_ids):
+        raise CallError.unexpected(url, f"{len(entries) if isinstance(entries, list) else entries!r} prompt_logprobs "
+                                        f"for {len(prompt_ids)} + {len(response_ids)} tokens")
+    out = []
+    for position, token in enumerate(response_ids, start=len(prompt_ids)):
+        entry = entries[position] or {}
+        info = entry.get(str(token)) if isinstance(entry, dict) else None
+        value = info.get("logprob") if isinstance(info, dict) else info
+        if not isinstance(value, (int, float)):
+            raise CallError.unexpected(url, f"prompt_logprobs[{position}] has no log-prob for token {token}")
+        out.append(float(value))
+    return out

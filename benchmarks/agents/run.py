@@ -364,7 +364,17 @@ class Job:
         point |= {"train_s": round(time.monotonic() - started, 1), "steps": result.steps,
                   "trained_turns": result.turns, "loss": [round(m.get("loss", float("nan")), 4) for m in result.metrics]}
         if result.output_dir is not None:
-            self.publish(result.output_dir, f"{self.prefix}-v{it}", result.parent, gw_url)
+            name = f"{self.prefix}-v{it}"
+            self.publish(result.output_dir, name, result.parent, gw_url)
+            # does the server serve what was trained? (trainer.agreement; on the teacher where there is
+            # one: vLLM-CPU must not batch prompt_logprobs with LoRA requests)
+            from trainer.agreement import check_published
+            from vllm_client.http import openai_base
+
+            point["train_serve"] = check_published(self.engine, result.trainer, name,
+                                                   openai_base(self.args.teacher or self.args.upstream),
+                                                   run_id=result.run_id)
+            result.trainer = None  # its model is not needed any more
         started = time.monotonic()
         ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work)
         point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
@@ -516,9 +526,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _agreement(metrics: dict[str, Any] | None) -> str:
+    if not metrics:
+        return "–"
+    if "train_serve_error" in metrics:
+        return "error"
+    return f"{metrics['train_serve_mean_abs']:.4f} ({metrics['train_serve_max_abs']:.3f})"
+
+
 def load_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| suite | arm | seed | iteration | episodes | episodes/min | sent | captured | lost | gateway added ms | "
-             "rollout s | score s | train s | steps | eval s | votes −1/0/+1 | OPD samples |", "|---" * 17 + "|"]
+             "rollout s | score s | train s | steps | eval s | votes −1/0/+1 | OPD samples | train/serve mean (max) |Δ logprob| |",
+             "|---" * 18 + "|"]
     for r in rows:
         for p in r["iterations"]:
             v = p["scoring"]["votes"]
@@ -526,7 +545,8 @@ def load_table(rows: list[dict[str, Any]]) -> str:
                          f"{p['episodes_per_min']} | {p['sent']} | {p['captured']} | {p['sent'] - p['captured']} | "
                          f"{p.get('gateway_added_ms', '–')} | "
                          f"{p['rollout_s']} | {p['score_s']} | {p['train_s']} | {p['steps']} | {p['eval_s']} | "
-                         f"{v.get('-1', 0)}/{v.get('0', 0)}/{v.get('1', 0)} | {p['scoring']['opd_samples']} |")
+                         f"{v.get('-1', 0)}/{v.get('0', 0)}/{v.get('1', 0)} | {p['scoring']['opd_samples']} | "
+                         f"{_agreement(p.get('train_serve'))} |")
     return "\n".join(lines)
 
 

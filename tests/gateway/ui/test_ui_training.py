@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import evals, leases
+from base.vocab import PolicyAction
+from datapool import evals, leases, versions
 from datapool.db import make_engine
 from datapool.models import (
     EvalReply,
@@ -199,6 +200,32 @@ def test_run_page_shows_config_steps_versions_and_curves(client: tuple[TestClien
     assert 'data-testid="chart-pg_loss"' in r.text and 'data-testid="chart-kl"' in r.text
     assert 'data-testid="chart-loss"' not in r.text  # the other run's metric is not this run's
     assert c.get(f"/admin/training/runs/{run}x").status_code == 404
+
+
+def test_each_version_shows_whether_the_server_serves_what_was_trained(client: tuple[TestClient, Any]) -> None:
+    """trainer.agreement's numbers on the publish event: shown per version, flagged above 0.02 nats,
+    and an unchecked version says so instead of showing a number."""
+    c, engine = client
+    for name, metrics in (("v-good", {"train_serve_mean_abs": 0.0041, "train_serve_max_abs": 0.052,
+                                      "train_serve_kl": 1e-5, "train_serve_tokens": 812.0}),
+                          ("v-scaled", {"train_serve_mean_abs": 0.3127, "train_serve_max_abs": 2.5,
+                                        "train_serve_kl": 0.2, "train_serve_tokens": 790.0}),
+                          ("v-down", {"train_serve_error": "ConnectError: refused"}),
+                          ("v-older", None)):
+        _version(engine, name, None, 1, None)
+        versions.record_event(engine, PolicyAction.PUBLISH, version=name, actor="trainer")
+        if metrics:
+            versions.add_event_metrics(engine, name, PolicyAction.PUBLISH, metrics)
+    page = c.get("/admin/training").text
+
+    def cell(name: str) -> str:
+        return re.search(rf'data-testid="train-serve-{name}">(.*?)</td>', page, re.DOTALL).group(1)
+
+    assert "0.0041" in cell("v-good") and "(0.052)" in cell("v-good") and "812 tokens" in cell("v-good")
+    assert "neg" not in cell("v-good")
+    assert "0.3127" in cell("v-scaled") and "badge neg" in cell("v-scaled")
+    assert "not checked" in cell("v-down") and "refused" in cell("v-down")
+    assert cell("v-older").strip() == "–"
 
 
 def test_reward_by_policy_version(client: tuple[TestClient, Any]) -> None:
