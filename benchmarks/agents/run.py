@@ -8,7 +8,7 @@
 Per suite, arm and seed, everything is real and goes through the pool: a `nextstate gateway`
 process in front of the --upstream vLLM with its own SQLite pool; the suite's agent
 (examples/agents) driven by ``rollout.runner.Runner`` — the code of `nextstate rollout` —
-over n samples of each training task (one GRPO group per task, temperature 1), each terminal
+over n samples of each training task (one GRPO group per task, at --temperature, 1 by default), each terminal
 and SWE episode in its own sandbox; every turn scored from its next state by
 ``scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
 iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
@@ -100,12 +100,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # proves the path on a shared 2-core machine in under 20 minutes
     "cpu": {"suites": "toolcall", "arms": "outcome,integrated", "seeds": 1, "iterations": 2, "tasks": 4, "n": 8,
             "heldout": 16, "concurrency": 16, "batch_size": 16, "micro_batch_size": 4, "lr": 2e-3, "jobs": 1,
+            "temperature": 1.0,
             "escapes": False,
             "timeout": 900.0},  # a loaded 2-core machine took over 300 s for a 4-turn episode
     # one H100: 16 tasks x 8 samples = 128 environments at once per job
     "gpu": {"suites": "toolcall,terminal,swe", "arms": "outcome,integrated,integrated+opd", "seeds": 3,
             "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
-            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0, "escapes": True},
+            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0, "escapes": True, "temperature": 1.0},
 }
 log = logging.getLogger("bench.agents")
 _MIGRATING = threading.Lock()
@@ -337,7 +338,8 @@ class Job:
         started = time.monotonic()
         run = f"{self.prefix}-i{it}"
         before = gateway_seconds(gw_url)
-        summary = asyncio.run(rollout(gw_url, run, self.suite, tasks, n=a.n, mode="offline",
+        sampled = [t | {"temperature": a.temperature} for t in tasks]
+        summary = asyncio.run(rollout(gw_url, run, self.suite, sampled, n=a.n, mode="offline",
                                       concurrency=a.concurrency, timeout=a.timeout, workdir=self.work, tally=tally))
         wall = time.monotonic() - started
         after = gateway_seconds(gw_url)
@@ -348,7 +350,8 @@ class Job:
                 "gateway_added_ms": round((after[1] - before[1] - after[2] + before[2]) / calls * 1000, 2)
                 if calls else None,
                 "episodes": len(summary.records), "episodes_per_min": round(len(summary.records) / wall * 60, 1),
-                "train_success": report["success_rate"], "sent": tally.sent, "captured": tally.captured,
+                "train_success": report["success_rate"], "groups_with_signal": groups_with_signal(summary),
+                "sent": tally.sent, "captured": tally.captured,
                 "failed": report["failed"], "timed_out": report["timed_out"],
                 "sandbox_failures": dict(tally.failures)}
 
@@ -526,6 +529,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def groups_with_signal(summary: Any) -> float | None:
+    """The share of training tasks (GRPO groups) whose samples did not all pass or all fail: only
+    those give the outcome a non-zero advantage within the group."""
+    by_task: dict[str, set[bool]] = {}
+    for r in summary.records:
+        if r.outcome is not None:
+            by_task.setdefault(r.task_id, set()).add(r.passed(summary.pass_threshold))
+    return round(sum(len(v) == 2 for v in by_task.values()) / len(by_task), 3) if by_task else None
+
+
 def _agreement(metrics: dict[str, Any] | None) -> str:
     if not metrics:
         return "–"
@@ -536,8 +549,8 @@ def _agreement(metrics: dict[str, Any] | None) -> str:
 
 def load_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| suite | arm | seed | iteration | episodes | episodes/min | sent | captured | lost | gateway added ms | "
-             "rollout s | score s | train s | steps | eval s | votes −1/0/+1 | OPD samples | train/serve mean (max) |Δ logprob| |",
-             "|---" * 18 + "|"]
+             "rollout s | score s | train s | steps | eval s | votes −1/0/+1 | OPD samples | train success | groups with signal | "
+             "train/serve mean (max) |Δ logprob| |", "|---" * 20 + "|"]
     for r in rows:
         for p in r["iterations"]:
             v = p["scoring"]["votes"]
@@ -546,6 +559,7 @@ def load_table(rows: list[dict[str, Any]]) -> str:
                          f"{p.get('gateway_added_ms', '–')} | "
                          f"{p['rollout_s']} | {p['score_s']} | {p['train_s']} | {p['steps']} | {p['eval_s']} | "
                          f"{v.get('-1', 0)}/{v.get('0', 0)}/{v.get('1', 0)} | {p['scoring']['opd_samples']} | "
+                         f"{p.get('train_success')} | {p.get('groups_with_signal', '–')} | "
                          f"{_agreement(p.get('train_serve'))} |")
     return "\n".join(lines)
 
@@ -677,6 +691,8 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--timeout", type=float, help="seconds per rollout")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature of the training rollouts (held-out evaluation is greedy)")
     p.add_argument("--deadline-min", type=float,
                    help="minutes after which no job starts another iteration; the report then covers the "
                         "iterations done (rows marked partial): for a machine lent for a limited time")
