@@ -257,7 +257,7 @@ class OnlineConfig:
 @dataclass(frozen=True)
 class RunLimits:
     """How an offline run (either backend) walks the pool: its defaults, shared by the CLI and
-    ``trainer.offline.train_offline`` / ``trainer.verl_backend.train_verl``."""
+    ``trainer.offline.train_offline`` / ``trainer.verl.backend.train_verl``."""
 
     batch_size: int = 8  # turns per optimizer step
     epochs: int = 1  # passes over the pool

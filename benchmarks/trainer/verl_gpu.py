@@ -13,7 +13,7 @@
    groups: A = r), behaviour logprobs = the initial model's own (so the PPO ratio starts at 1
    and moves as the policy moves, like turns captured from the version being trained).
 2. ``run --backend local`` (``trainer.local.LocalTrainer``, 1 GPU) and ``run --backend verl
-   --gpus N`` (``trainer.verl_backend.VerlTrainer``: veRL's Ray trainer, FSDP2 over N GPUs) for
+   --gpus N`` (``trainer.verl.backend.VerlTrainer``: veRL's Ray trainer, FSDP2 over N GPUs) for
    each mode (full fine-tuning; LoRA with ``--lora``) and each veRL variant (``--verl
    NAME=GPUS``; :data:`VARIANTS`: ``plain`` = veRL's default log-prob path, ``fused`` = its fused
    log-prob kernels, ``fused-rmpad`` = also padding-free packing). Each run does ``--warmup`` +
@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> None:
                 return trainer.response_logprobs(samples)
         gpus = 1
     else:
-        from trainer.verl_backend import VerlConfig, VerlTrainer
+        from trainer.config import VerlConfig
+        from trainer.verl.backend import VerlTrainer
 
         gpus = args.gpus
         remove_padding = {"auto": None, "on": True, "off": False}[args.remove_padding]

@@ -350,8 +350,8 @@ def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: Obje
 
 def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
                 model_dir: Path, urls: list[str], base_model: str, on_step: Any) -> Any:
-    """`train --backend verl`: trainer.verl_backend, publishing each push through publishing.publish."""
-    from trainer.verl_backend import train_verl
+    """`train --backend verl`: trainer.verl.backend, publishing each push through publishing.publish."""
+    from trainer.verl.backend import train_verl
 
     gpus, nnodes, batch_size = p["gpus"], p["nnodes"], p["batch_size"]
     if cfg.kl_coef > 0:

@@ -319,7 +319,7 @@ async def test_a_training_batch_gives_masked_positions_no_weight(bpe: BPETokens,
     from trainer.local import LocalTrainer
     from trainer.objectives import ObjectiveConfig
     from trainer.samples import load_samples
-    from trainer.verl_backend import samples_to_batch
+    from trainer.verl.batch import samples_to_batch
 
     rng = random.Random(5)
     secrets = [SECRETS["openai_key"](rng), PERSONAL["email"](rng)]

@@ -29,14 +29,10 @@ from trainer import objectives
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import Sample, load_samples
-from trainer.verl_backend import (
-    BACKEND,
-    PoolCheckpointEngine,
-    VerlConfig,
-    add_advantages,
-    build_config,
-    samples_to_batch,
-)
+from trainer.config import VerlConfig
+from trainer.verl.batch import add_advantages, samples_to_batch
+from trainer.verl.config import build_config
+from trainer.verl.weights import BACKEND, PoolCheckpointEngine
 
 QUESTIONS = ["Name a fruit.", "Name a color that you like.", "Name an animal that lives in the sea.",
              "Name a city.", "Name a planet of the solar system, please.", "Name a tree."]
@@ -320,7 +316,7 @@ def test_cli_train_backend_verl_fused_kernels_flag(model_dir: Path, tmp_path: Pa
 
     from click.testing import CliRunner
 
-    import trainer.verl_backend
+    import trainer.verl.backend
     from nextstate.cli import main
 
     seen: list[VerlConfig] = []
@@ -329,7 +325,7 @@ def test_cli_train_backend_verl_fused_kernels_flag(model_dir: Path, tmp_path: Pa
         seen.append(verl)
         return SimpleNamespace(output_dir=None)
 
-    monkeypatch.setattr(trainer.verl_backend, "train_verl", fake_train_verl)
+    monkeypatch.setattr(trainer.verl.backend, "train_verl", fake_train_verl)
     base = ["train", "--objective", "rl", "--backend", "verl", "--model-dir", str(model_dir), "--no-publish",
             "--database-url", f"sqlite:///{tmp_path / 'pool.db'}"]
     for extra, fused in (([], True), (["--no-verl-fused-kernels"], False), (["--verl-fused-kernels"], True)):

@@ -26,7 +26,9 @@ import torch
 from tests.support import REPO
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import Sample
-from trainer.verl_backend import VerlConfig, build_config, samples_to_batch
+from trainer.config import VerlConfig
+from trainer.verl.batch import samples_to_batch
+from trainer.verl.config import build_config
 
 BENCH = REPO / "benchmarks" / "trainer"
 if str(BENCH) not in sys.path:
@@ -359,7 +361,9 @@ def test_topk_opd_loss_is_the_local_backends(tiny_qwen3: Path, remove_padding: b
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
 
-    from trainer.verl_backend import add_advantages, topk_opd_loss, update_actor_batch
+    from trainer.verl.batch import add_advantages
+    from trainer.verl.ppo import update_actor_batch
+    from trainer.verl.topk_loss import topk_opd_loss
 
     samples = _topk_samples()
     cfg = ObjectiveConfig(objective="combined", opd_topk=True, w_rl=0.7, w_opd=1.3, loss_agg_mode=agg)
@@ -427,7 +431,7 @@ def test_topk_opd_batches_reach_the_actor_marked(tiny_qwen3: Path) -> None:
 
     from verl.utils import tensordict_utils as tu
 
-    from trainer.verl_backend import PoolPPOTrainer
+    from trainer.verl.ppo import PoolPPOTrainer
 
     cfg = ObjectiveConfig(objective="opd", opd_topk=True)
     conf = build_config(VerlConfig(model_dir=tiny_qwen3, fused_kernels=False), cfg, batch_size=5, total_steps=1)
