@@ -116,6 +116,7 @@ class Ledger:
         except OSError as exc:
             self.error = f" (not written: {exc})"
 
+    @pytest.hookimpl(trylast=True)  # after the slowest durations: next to pytest's closing lines
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         tr = terminalreporter
         flakes = self.flakes()
