@@ -90,7 +90,8 @@ class Ledger:
         elif report.failed:
             self.failed.add(report.nodeid)
         elif report.when == "call" and report.nodeid in self.seen:
-            # an attempt's call that passed before its own teardown failed came ahead of the rerun report
+            # only a pass after the rerun report counts: an attempt whose call passed and whose teardown
+            # failed reports that pass ahead of its rerun report
             self.seen[report.nodeid].passed = True
 
     def flakes(self) -> list[Flake]:
