@@ -20,6 +20,10 @@ FAST   ?= not vllm and not browser and not agent and not processes
 JOBS      ?= 2
 TEST_JOBS ?= 2
 xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist $(2))
+# A failed test is run once more (pytest-rerunfailures); one that passes then is a flake: the run stays
+# green and tests/support/flakes.py writes it to tests/flakes.md and prints it (docs/testing.md).
+# RERUNS=0 runs each test once.
+RERUNS ?= 1
 
 .PHONY: up test test-fast install install-test torch browser openclaw clean
 
@@ -28,10 +32,10 @@ up: install
 
 test: install-test browser openclaw
 	$(VENV)/bin/nextstate vllm setup
-	$(VENV)/bin/python -m pytest $(call xdist,$(TEST_JOBS),loadgroup) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(TEST_JOBS),loadgroup) --reruns $(RERUNS) $(PYTEST_ARGS)
 
 test-fast: install-test
-	$(VENV)/bin/python -m pytest $(call xdist,$(JOBS),loadfile) -m "$(FAST)" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(call xdist,$(JOBS),loadfile) --reruns $(RERUNS) -m "$(FAST)" $(PYTEST_ARGS)
 
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
@@ -49,7 +53,7 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/bin/python
 	$(MAKE) --no-print-directory torch
 	$(PIP) install -e '.[test,train,rollout,bench]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(VENV)/bin/python -c "import pytest, xdist, openai, nextstate.cli, torch, peft, verl, matplotlib"
+	$(VENV)/bin/python -c "import pytest, xdist, pytest_rerunfailures, openai, nextstate.cli, torch, peft, verl, matplotlib"
 	touch $(VENV)/.installed $@
 
 torch: | $(VENV)/bin/python

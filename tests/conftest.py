@@ -23,7 +23,7 @@ from datapool.db import upgrade  # noqa: E402
 from base.settings import Settings  # noqa: E402
 from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
 from tests.support.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
-from tests.support import xdist_groups  # noqa: E402
+from tests.support import flakes, xdist_groups  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,7 @@ def _imports(module: Any, wanted: set[tuple[str, str | None]]) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     xdist_groups.register(config)  # `make test`'s grouping of modules onto two workers
+    flakes.register(config)  # tests that passed on their re-run: the ledger and the summary line
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
