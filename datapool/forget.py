@@ -6,9 +6,10 @@ What goes, in one transaction: the sessions and every row keyed to them or to th
 eval gate's stored replies to those turns' prompts (``eval_replies`` by prompt hash). The
 lineage (:mod:`datapool.lineage`) is read first, in the same transaction, since the leases it
 reads go with the turns. With *taint*, those versions (trained on the turns, or descended from
-one that was) get ``tainted``: :func:`datapool.versions.activate` refuses them from then on, and
-:func:`rollback_tainted` moves the policy off a tainted active version. An ``audit_log`` row
-records the action and its counts in the same transaction.
+one that was) get ``tainted``: promotion (``datapool.versions.switch_active``) refuses them from
+then on, and ``publishing.publish.rollback_tainted`` moves the policy off a tainted active
+version (to :func:`tainted_rollback_target`). An ``audit_log`` row records the action and its
+counts in the same transaction.
 
 An end user is the ``user`` field of the requests (the OpenAI API's end-user id; Anthropic's
 ``metadata.user_id``), as the pool keeps it in ``request.params``: every session holding a turn
@@ -92,7 +93,7 @@ def forget(engine: Engine, *, session_id: str | None = None, tenant: str | None 
            dry_run: bool = False, taint: bool = False, spool_dir: Path | None = None) -> dict[str, Any]:
     """Forget what the target names (see the module). Returns the report: ``deleted`` counts per
     table, ``versions`` that learned from the data, ``tainted`` names, ``active_tainted`` (the
-    active version is tainted now: call :func:`rollback_tainted`), ``spool``."""
+    active version is tainted now: call ``publishing.publish.rollback_tainted``), ``spool``."""
     kind, value = _target(session_id, tenant, end_user)
     with OrmSession(engine) as db, db.begin():
         sids = session_ids(db, kind, value, within_tenant=within_tenant)
@@ -274,24 +275,17 @@ def scrub_spool(spool_dir: Path | None, kind: str, value: str, sids: set[str], w
 # after tainting
 
 
-def clean_target(engine: Engine) -> str | None:
-    """The newest version that served before and is not tainted (None: the base model)."""
-    with OrmSession(engine) as db:
-        return db.scalars(
-            select(PolicyVersion.name).where(
-                PolicyVersion.tainted.is_(False), PolicyVersion.status == VersionStatus.RETIRED,
-                PolicyVersion.kind.in_((VersionKind.LORA, VersionKind.FULL)))
-            .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc()).limit(1)).first()
-
-
-def rollback_tainted(engine: Engine, vllm_urls: Sequence[str], *, actor: str, timeout_s: float = 120.0
-                     ) -> dict[str, Any] | None:
-    """If the active version is tainted, roll back to :func:`clean_target` (or the base); None
-    when the active version is clean."""
+def tainted_rollback_target(engine: Engine) -> str | None:
+    """Where the policy goes when its active version is tainted: the newest version that served
+    before and is not tainted, else ``versions.BASE``; None when the active version is clean (or
+    none is active). ``publishing.publish.rollback_tainted`` rolls back to it."""
     with OrmSession(engine) as db:
         active = db.scalars(select(PolicyVersion).where(PolicyVersion.status == VersionStatus.ACTIVE)).first()
         if active is None or not active.tainted:
             return None
-    target = clean_target(engine)
-    return versions.rollback(engine, vllm_urls, to=target or versions.BASE, actor=actor, timeout_s=timeout_s,
-                             reason="the active version learned from forgotten data")
+        clean = db.scalars(
+            select(PolicyVersion.name).where(
+                PolicyVersion.tainted.is_(False), PolicyVersion.status == VersionStatus.RETIRED,
+                PolicyVersion.kind.in_((VersionKind.LORA, VersionKind.FULL)))
+            .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc()).limit(1)).first()
+    return clean or versions.BASE

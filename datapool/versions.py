@@ -1,65 +1,58 @@
 """The policy-version registry: which versions exist, which one the ``policy`` alias serves, and
-every decision about them (``policy_events``).
+every decision about them (``policy_events``). Rows only: making the model servers serve a
+version is ``publishing.publish``'s, which calls :func:`register` and :func:`switch_active`.
 
 The ``policy_versions`` table is the single source of truth the gateways follow (told of every
 switch at commit by ``datapool.policy_signal``, and re-read on a slow fallback poll): the
 ``policy`` alias serves the newest ``active`` non-base row, or the base model when there is none.
-The invariant kept here: **a row is only ever made ``active`` after every vLLM in
-``vllm_urls`` serves it** — a LoRA adapter listed in ``/v1/models`` under the version's name, or
-a full version's weights reloaded in place (``vllm_client``). So no gateway ever points
-the alias at a model the server does not have; a request resolved just before a switch finishes
-on the version it started on.
+The invariant, kept by the callers: **a row is only ever made ``active`` after every model
+server serves it** — so no gateway ever points the alias at a model the server does not have;
+a request resolved just before a switch finishes on the version it started on.
 
 Statuses (:class:`base.vocab.VersionStatus`): ``candidate`` (published, not activated),
 ``active``, ``retired`` (was active, replaced by a promotion or a newer publish),
 ``rolled_back`` (was active and was rolled back from; never chosen again by a plain
-:func:`rollback`), ``refused`` (a candidate the eval gate refused). Apart from its status, a
-version may be ``tainted`` (it learned from data that was forgotten, ``datapool.forget``):
-:func:`activate` and :func:`rollback` refuse a tainted target, and a plain rollback skips them. :func:`activate` and
-:func:`rollback` change no row unless the target is served everywhere; each status change
-writes a ``policy_events`` row in the same transaction.
+rollback), ``refused`` (a candidate the eval gate refused). Apart from its status, a version
+may be ``tainted`` (it learned from data that was forgotten, ``datapool.forget``):
+:func:`switch_active` refuses a tainted target, and a plain rollback skips them. Each status
+change writes a ``policy_events`` row in the same transaction.
 
 Full versions and names: vLLM keeps serving full weights under its **base served name**, so
 while a full version is active "the base model" on those servers *is* that version; the
-original base weights come back (reloaded from the server's own ``--model`` directory) when
-the policy rolls back to the base or to a LoRA version, because LoRA versions are adapters of
-the original base.
+original base weights come back when the policy rolls back to the base or to a LoRA version,
+because LoRA versions are adapters of the original base.
 
-All functions are synchronous (SQLAlchemy ``Engine`` + ``httpx.Client``); call them from a
-thread in async code. Publishing new versions is the trainer's (``publishing.publish``).
+All functions are synchronous (SQLAlchemy ``Engine``); call them from a thread in async code.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 from sqlalchemy import Engine, false, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from base.errors import NextstateError
 from datapool import audit, policy_signal
-from vllm_client.adapters import ensure_loaded
-from vllm_client.http import AdminError, openai_bases
-from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, check_checkpoint, require_weight_labels, switch_weights, weight_label
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
-from base.vocab import AuditAction, PauseMode, PolicyAction, VersionKind, VersionStatus
+from base.vocab import AuditAction, PolicyAction, VersionKind, VersionStatus
 
 log = logging.getLogger("nextstate.publish")
 
-#: ``rollback(to=BASE)`` / ``activate(name=BASE)``: serve the base model (no active LoRA version).
+#: ``rollback(to=BASE)`` / ``activate(name=BASE)``: serve the base model (no active version).
 BASE = "base"
 #: Names a version may not take: the gateway alias and the base keyword.
 RESERVED_NAMES = frozenset({BASE, "policy"})
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-#: Statuses a plain :func:`rollback` may return to: versions that served before and were
+#: Statuses a plain rollback may return to: versions that served before and were
 #: replaced, not ones found bad (``rolled_back``) nor never served (``candidate``).
 ROLLBACK_TARGET_STATUSES = (VersionStatus.RETIRED,)
 # an arbitrary constant: PostgreSQL advisory lock that serialises status changes across processes
@@ -313,212 +306,144 @@ def lineage(engine: Engine) -> list[str]:
     return chain
 
 
-# --------------------------------------------------------------------------------------------
-# which weights each server holds (full versions; see vllm_client.weights)
-
-
-def _path_of(engine: Engine) -> Any:
-    """``path_of(http, url, label)``: the checkpoint of the full version named *label* (None:
-    the base, or no such full version)."""
-    def path_of(_http: httpx.Client, _url: str, label: str | None) -> str | None:
-        if label is None or label in BASE_LABELS:
-            return None
-        with OrmSession(engine) as db:
-            row = db.scalars(select(PolicyVersion).where(PolicyVersion.name == label)).first()
-        return row.path if row is not None and row.kind == VersionKind.FULL else None
-    return path_of
-
-
-def _base_target(http: httpx.Client, url: str) -> tuple[str, str] | None:
-    """Servers holding a full version's weights go back to their base; others stay as they are
-    (one without dev mode can only hold its base)."""
-    try:
-        label = weight_label(http, url)
-    except httpx.TransportError as exc:
-        # down: when it comes back it holds its base weights (a restart forgets a reload)
-        log.warning("%s did not answer (%s); it will hold its base weights when it is back", url, exc)
-        return None
-    if label is None or label in BASE_LABELS:
-        return None
-    return BASE_LABEL, base_weights_path(http, url)
-
-
-def _full_target(name: str, path: str) -> Any:
-    def target(http: httpx.Client, url: str) -> tuple[str, str] | None:
-        label = require_weight_labels(http, url)
-        return None if label == name else (name, path)
-    return target
-
-
-def serve(engine: Engine, kind: str, name: str | None, path: str | None, base_model: str | None,
-           urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> dict[str, Any]:
-    """Make every server serve version *name* of *kind* (``base``: the base model): a full
-    version's weights reloaded in place; for a LoRA version or the base, the original base
-    weights (reloaded where a full version held the server) and then the adapter. All servers
-    or none: a failure puts back the weights each held. Returns metrics for the event row."""
-    metrics: dict[str, Any] = {}
-    try:
-        if kind == VersionKind.FULL:
-            assert name is not None and path is not None
-            reloads = switch_weights(
-                urls, _full_target(name, path), path_of=_path_of(engine), pause_mode=pause_mode,
-                served_name=base_model, timeout_s=timeout_s)
-        else:
-            def load_adapter() -> None:
-                if kind == VersionKind.LORA:
-                    assert name is not None and path is not None
-                    report = ensure_loaded(name, path, urls, base_model=base_model, timeout_s=timeout_s)
-                    metrics["lora_load_s"] = report.seconds
-            reloads = switch_weights(
-                urls, _base_target, path_of=_path_of(engine), pause_mode=pause_mode,
-                served_name=base_model, timeout_s=timeout_s, then=load_adapter)
-    except AdminError as exc:
-        raise PublishError(str(exc)) from exc
-    except httpx.HTTPError as exc:
-        raise PublishError(f"vLLM did not answer while switching weights: {type(exc).__name__}: {exc}") from exc
-    if reloads:
-        metrics["reloads"] = [vars(r) for r in reloads]
-    return metrics
-
-
-def serve_pool_state(engine: Engine, urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> None:
-    """Best effort, after a failed registration: make the servers hold what the pool says is active."""
-    with OrmSession(engine) as db:
-        row = active_policy_version(db)
-        kind, name, path, base = (row.kind, row.name, row.path, row.base_model) if row else ("base", None, None, None)
-    if kind == VersionKind.LORA:
-        kind = "base"  # its adapter is still loaded; only the weights under it may have changed
-    try:
-        serve(engine, kind, name, path, base, urls, pause_mode=pause_mode, timeout_s=timeout_s)
-    except PublishError as exc:
-        log.error("could not put back the active version's weights: %s", exc)
 
 
 # --------------------------------------------------------------------------------------------
-# promote / rollback
+# promote / rollback: the pool's side of a switch of the alias
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a promotion or rollback makes the ``policy`` alias serve, as the pool has it."""
+
+    name: str | None  # None: the base model
+    kind: str  # a VersionKind: lora, full or base
+    path: str | None  # the adapter or checkpoint directory (None for the base)
+    base_model: str | None
+    #: every full version's checkpoint by name: what a server that holds one is given back if the
+    #: switch fails half-way (servers report the weights they hold by version name)
+    full_paths: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Switched:
+    """What :func:`switch_active` changed."""
+
+    active: dict[str, Any] | None  # the version the alias serves now (None: the base model)
+    previous: str | None  # the one it served before (None: the base model)
+    demoted: list[str]  # the versions that stopped being active
 
 
 _AUDIT = {PolicyAction.PROMOTE: AuditAction.PROMOTE, PolicyAction.ROLLBACK: AuditAction.ROLLBACK}
+#: what the version switched away from becomes: a rollback marks it never to be chosen again by default
+_DEMOTED_TO = {PolicyAction.PROMOTE: VersionStatus.RETIRED, PolicyAction.ROLLBACK: VersionStatus.ROLLED_BACK}
 
 
-def _switch_to(engine: Engine, target: str | None, vllm_urls: Sequence[str], *, demoted_status: str,
-               timeout_s: float, action: str, actor: str, reason: str | None,
-               pause_mode: str = PauseMode.WAIT, event_metrics: dict[str, Any] | None = None
-               ) -> tuple[dict[str, Any] | None, list[str]]:
-    """Make *target* (a version name; None: the base model) the active version; every other
-    active version gets *demoted_status*. Makes every server serve it first."""
-    urls = openai_bases(vllm_urls)
-    kind, path, base_model = "base", None, None
+def switch_active(engine: Engine, action: str, to: str | None, serve: Callable[[Target], dict[str, Any]], *,
+                  actor: str, reason: str | None, event_metrics: dict[str, Any] | None = None) -> Switched:
+    """Make *to* the active version: a promotion (*action* ``promote``; *to* a name or
+    :data:`BASE`) or a rollback (``rollback``; *to* None: the newest untainted ``retired``
+    version older than the active one, else the base model). Reads the :class:`Target` in one
+    short session, calls ``serve(target)`` — which makes every model server serve it and returns
+    metrics for the event, or raises to change nothing — then, in one short transaction under
+    the status lock, re-reads the target (a version tainted meanwhile is refused), makes it
+    ``active``, every other active version ``retired`` (promote) or ``rolled_back`` (rollback),
+    and writes the event, the audit row and the gateways' signal.
+
+    Why two short transactions and not one around *serve*: loading an adapter takes seconds and
+    reloading full weights minutes, and on SQLite the status lock is the database's write lock —
+    held through the load it would stall every capture write of the gateways (past their busy
+    timeout). So nothing is held while the servers switch; the record re-checks under the lock
+    what can have changed (the target tainted, another switch recorded) and demotes whatever is
+    active at that moment, so concurrent switches still leave exactly one version active.
+
+    Raises :class:`VersionNotFound`, :class:`VersionTainted`, or :class:`PublishError` (nothing to
+    roll back, the target already active on a rollback, no path), having changed nothing.
+    """
     with OrmSession(engine) as db:
-        if target is not None:
-            row = _get(db, target)
-            if row.tainted:
-                raise VersionTainted(f"version {target!r} is tainted: it learned from forgotten data "
-                                     "(nextstate forget --taint) and is never served again")
-            kind, path, base_model = row.kind, row.path, row.base_model
-            if kind in (VersionKind.LORA, VersionKind.FULL) and not path:
-                raise PublishError(f"version {target!r} has no {'adapter' if kind == 'lora' else 'checkpoint'} path")
-        else:
-            current = active_policy_version(db)
-            base_model = current.base_model if current is not None else None
-    if kind == VersionKind.FULL:
-        assert path is not None
-        try:
-            check_checkpoint(Path(path))
-        except WeightsError as exc:
-            raise PublishError(f"version {target!r}: {exc}") from exc
-    metrics = serve(engine, kind if kind in (VersionKind.LORA, VersionKind.FULL) else VersionKind.BASE, target, path, base_model, urls,
-                     pause_mode=pause_mode, timeout_s=timeout_s)
-    metrics = {**(event_metrics or {}), **metrics}
+        target = _resolve(db, action, to)
+    metrics = {**(event_metrics or {}), **serve(target)}
     with OrmSession(engine) as db, db.begin():
-        _lock(db)
-        if target is None or kind == VersionKind.BASE:
-            demoted = _demote_active(db, demoted_status)
-            event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
-            audit.record(db, actor, _AUDIT[action], BASE, {"from": demoted, "reason": reason})
-            policy_signal.announce(db, None)
-            return None, demoted
-        row = _get(db, target)
-        if row.tainted:  # tainted while vLLM was loading it
-            raise VersionTainted(f"version {target!r} is tainted: it learned from forgotten data")
-        demoted = _demote_active(db, demoted_status, keep_id=row.id)
-        row.status = VersionStatus.ACTIVE
-        db.flush()
-        event(db, row.id, action, actor, reason, {"to": row.name, "from": demoted, **metrics})
-        audit.record(db, actor, _AUDIT[action], row.name, {"from": demoted, "reason": reason})
-        policy_signal.announce(db, row.name)
-        return _dict(db, row), demoted
+        return _record(db, action, target, metrics, actor, reason)
 
 
-def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0,
-             pause_mode: str = PauseMode.WAIT, actor: str = "admin", reason: str | None = None,
-             event_metrics: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Promote version *name*: make every server of *vllm_urls* serve it (a LoRA adapter is
-    loaded where it is missing — after a vLLM restart none is; a full version's weights are
-    reloaded where the server holds others), then make it ``active`` and the previously active
-    one ``retired``, in one transaction, with a ``promote`` event.
-
-    Idempotent: promoting the active version just makes sure every server serves it (run it
-    after restarting vLLM). ``name="base"`` (or a ``kind="base"`` row) makes the alias serve
-    the base model. Returns the now active version (None for the base). Raises
-    :class:`VersionNotFound` / :class:`PublishError`, changing nothing.
-    """
-    kw = dict(demoted_status=VersionStatus.RETIRED, timeout_s=timeout_s, action=PolicyAction.PROMOTE, actor=actor, reason=reason,
-              pause_mode=pause_mode, event_metrics=event_metrics)
-    if name == BASE:
-        return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
+def active_target(engine: Engine) -> Target:
+    """The :class:`Target` the alias serves now (kind ``base`` when no version is active)."""
     with OrmSession(engine) as db:
-        is_base = _get(db, name).kind == VersionKind.BASE
-    if is_base:
-        return _switch_to(engine, None, vllm_urls, **kw)[0]  # type: ignore[arg-type]
-    active, demoted = _switch_to(engine, name, vllm_urls, **kw)  # type: ignore[arg-type]
-    log.info("activated %s%s", name, f", retired {demoted}" if demoted else "")
-    return active
+        return _target(db, active_policy_version(db), None)
 
 
-def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
-             timeout_s: float = 120.0, pause_mode: str = PauseMode.WAIT, actor: str = "admin",
-             reason: str | None = None, event_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Roll the policy back from the active version.
-
-    *to* None: to the newest ``retired`` version (LoRA or full) created before the active one,
-    or to the base model if there is none. *to* a name: to that version. *to* ``"base"``: to
-    the base model (no active version; the alias serves the base, and servers that held a full
-    version's weights get their base weights back). The target is made to serve everywhere
-    first (as in :func:`activate`); the version rolled back from becomes ``rolled_back``
-    (never a default rollback target again). A ``rollback`` event records it.
-
-    Returns ``{"active": version dict or None (base), "rolled_back": [names]}``. Raises
-    :class:`PublishError` when there is nothing to roll back from (``to`` None and the alias
-    already serves the base) or the target cannot be served; nothing changes then.
-    """
+def full_paths(engine: Engine) -> dict[str, str]:
+    """Every full version's checkpoint directory by name (see :attr:`Target.full_paths`)."""
     with OrmSession(engine) as db:
-        current = active_policy_version(db)
-        target: str | None
-        if to is None:
-            if current is None:
-                raise PublishError("nothing to roll back: the policy already serves the base model")
-            prev = db.scalars(
-                select(PolicyVersion)
-                .where(
-                    PolicyVersion.status.in_(ROLLBACK_TARGET_STATUSES),
-                    PolicyVersion.tainted.is_(False),
-                    PolicyVersion.kind.in_((VersionKind.LORA, VersionKind.FULL)),
-                    PolicyVersion.created_at < current.created_at,
-                )
-                .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
-                .limit(1)
-            ).first()
-            target = prev.name if prev else None
-        elif to == BASE:
-            target = None
-        else:
-            row = _get(db, to)
-            target = None if row.kind == VersionKind.BASE else row.name
-        if current is not None and target == current.name:
-            raise PublishError(f"{target!r} is the active version already")
-    active, demoted = _switch_to(engine, target, vllm_urls, demoted_status=VersionStatus.ROLLED_BACK,
-                                 timeout_s=timeout_s, action=PolicyAction.ROLLBACK, actor=actor, reason=reason,
-                                 pause_mode=pause_mode, event_metrics=event_metrics)
-    log.info("rolled back %s; now serving %s", demoted, target or "the base model")
-    return {"active": active, "rolled_back": demoted}
+        return _full_paths(db)
+
+
+def _full_paths(db: OrmSession) -> dict[str, str]:
+    rows = db.execute(select(PolicyVersion.name, PolicyVersion.path).where(PolicyVersion.kind == VersionKind.FULL))
+    return {name: path for name, path in rows if path}
+
+
+def _target(db: OrmSession, row: PolicyVersion | None, current: PolicyVersion | None) -> Target:
+    if row is None or row.kind == VersionKind.BASE:
+        base_model = current.base_model if current is not None else None
+        return Target(None, VersionKind.BASE, None, base_model, _full_paths(db))
+    return Target(row.name, row.kind, row.path, row.base_model, _full_paths(db))
+
+
+def _resolve(db: OrmSession, action: str, to: str | None) -> Target:
+    """The switch's target, checked: it exists, is not tainted, has its files' path."""
+    current = active_policy_version(db)
+    row: PolicyVersion | None = None
+    if action == PolicyAction.ROLLBACK and to is None:
+        if current is None:
+            raise PublishError("nothing to roll back: the policy already serves the base model")
+        row = db.scalars(
+            select(PolicyVersion)
+            .where(
+                PolicyVersion.status.in_(ROLLBACK_TARGET_STATUSES),
+                PolicyVersion.tainted.is_(False),
+                PolicyVersion.kind.in_((VersionKind.LORA, VersionKind.FULL)),
+                PolicyVersion.created_at < current.created_at,
+            )
+            .order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())
+            .limit(1)
+        ).first()
+    elif to is not None and to != BASE:
+        row = _get(db, to)
+    target = _target(db, row, current)
+    if target.name is None:
+        return target
+    if action == PolicyAction.ROLLBACK and current is not None and target.name == current.name:
+        raise PublishError(f"{target.name!r} is the active version already")
+    if row is not None and row.tainted:
+        raise VersionTainted(f"version {target.name!r} is tainted: it learned from forgotten data "
+                             "(nextstate forget --taint) and is never served again")
+    if not target.path:
+        raise PublishError(f"version {target.name!r} has no "
+                           f"{'adapter' if target.kind == VersionKind.LORA else 'checkpoint'} path")
+    return target
+
+
+def _record(db: OrmSession, action: str, target: Target, metrics: dict[str, Any], actor: str,
+            reason: str | None) -> Switched:
+    """The switch in the pool, under the status lock: statuses, event, audit row, signal."""
+    _lock(db)
+    demoted_to = _DEMOTED_TO[action]
+    if target.name is None:
+        demoted = _demote_active(db, demoted_to)
+        event(db, None, action, actor, reason, {"to": BASE, "from": demoted, **metrics})
+        audit.record(db, actor, _AUDIT[action], BASE, {"from": demoted, "reason": reason})
+        policy_signal.announce(db, None)
+        return Switched(None, demoted[0] if demoted else None, demoted)
+    row = _get(db, target.name)
+    if row.tainted:  # tainted while the servers were loading it
+        raise VersionTainted(f"version {target.name!r} is tainted: it learned from forgotten data")
+    previous = row.name if row.status == VersionStatus.ACTIVE else None
+    demoted = _demote_active(db, demoted_to, keep_id=row.id)
+    row.status = VersionStatus.ACTIVE
+    db.flush()
+    event(db, row.id, action, actor, reason, {"to": row.name, "from": demoted, **metrics})
+    audit.record(db, actor, _AUDIT[action], row.name, {"from": demoted, "reason": reason})
+    policy_signal.announce(db, row.name)
+    return Switched(_dict(db, row), previous or (demoted[0] if demoted else None), demoted)

@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import browse, export, judgements, labels, versions
+from publishing import publish
 from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending
 from base.vocab import LabelKind
@@ -49,11 +50,9 @@ async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
 async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first."""
     def run() -> dict[str, Any]:
-        previous = versions.active_name(gw.engine)
-        # datapool.versions writes the promote event in the same transaction as the switch
-        active = versions.activate(gw.engine, name, policy_servers(gw.settings), actor=actor,
-                                   reason=reason)
-        return {"active": active["name"] if active else None, "previous": previous}
+        # one read of the pool, the servers switched, one transaction that records it all
+        switched = publish.promote(gw.engine, name, policy_servers(gw.settings), actor=actor, reason=reason)
+        return {"active": switched.active["name"] if switched.active else None, "previous": switched.previous}
 
     return await _policy_change(run, "promote_failed")
 
@@ -61,8 +60,8 @@ async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None)
 async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None = None) -> dict[str, Any]:
     """Roll the policy back (to the previous version, or to *to*)."""
     def run() -> dict[str, Any]:
-        result = versions.rollback(gw.engine, policy_servers(gw.settings), to=to or None, actor=actor,
-                                   reason=reason)
+        result = publish.rollback(gw.engine, policy_servers(gw.settings), to=to or None, actor=actor,
+                                  reason=reason)
         active = result["active"]["name"] if result.get("active") else None
         return {"active": active, "rolled_back": list(result.get("rolled_back", []))}
 

@@ -1,17 +1,22 @@
-"""Weights back to serving: publish a trained LoRA adapter or full checkpoint as a new policy version.
+"""Weights back to serving: publish a trained LoRA adapter or full checkpoint as a new policy
+version, promote a version, roll back — the one place that changes what the model servers serve.
 
 A policy version is a LoRA adapter directory at a path of its own (never reused, never
 rewritten), loaded into every vLLM server that serves the policy — the replica serving live
 traffic *and* the teacher replica, so teacher logprobs of turns served by that version can be
 computed under it — or a full checkpoint whose weights every server reloads in place. The
-registry (statuses, events, promote and rollback) is ``datapool.versions``; vLLM's admin calls
-are ``vllm_client``. :func:`publish` takes one :class:`PublishRequest`.
+registry (rows, statuses, events) is ``datapool.versions``; vLLM's admin calls are
+``vllm_client``; this module is the only one that uses both. :func:`publish` takes one
+:class:`PublishRequest`; :func:`promote` (:func:`activate`), :func:`rollback` and
+:func:`rollback_tainted` switch the ``policy`` alias: one call into the pool
+(``datapool.versions.switch_active``: read the target, then record the switch) around one call
+that makes every server serve it (:func:`serve`).
 
 Failures. :func:`publish` registers **nothing** when loading fails anywhere: it
 unloads the adapter from the servers that did load it, deletes the copy it made, and raises
 :class:`PublishError` naming each server's error. A failed publish leaves no row (so the name
 can be reused once the adapter is fixed) and the alias untouched; the trainer's own run record
-is the place for its history. ``datapool.versions.activate`` and ``rollback`` likewise change no row
+is the place for its history. :func:`promote` and :func:`rollback` likewise change no row
 unless the target is loaded everywhere.
 
 Full weights (kind ``full``). A fully fine-tuned checkpoint cannot be served *beside* the
@@ -45,23 +50,32 @@ import json
 import logging
 import secrets
 import shutil
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 from sqlalchemy import Engine
 
-from datapool import versions
+from base.settings import Settings
+from base.vocab import PauseMode, PolicyAction, VersionKind
+from datapool import forget, versions
+from datapool.db import utcnow
+from datapool.versions import PublishError
+from publishing import full_weights
 from vllm_client.adapters import ADAPTER_CONFIG, ensure_loaded, unload
 from vllm_client.http import AdminError, openai_base, openai_bases
-from vllm_client.weights import WeightsError, base_weights_path, check_checkpoint as check_weight_files
-from datapool.db import utcnow
-from base.settings import Settings
-from datapool.versions import PublishError
-from base.vocab import PauseMode, VersionKind
-from publishing import full_weights
+from vllm_client.weights import (
+    BASE_LABEL,
+    BASE_LABELS,
+    WeightsError,
+    base_weights_path,
+    require_weight_labels,
+    switch_weights,
+    weight_label,
+)
+from vllm_client.weights import check_checkpoint as check_weight_files
 
 log = logging.getLogger("nextstate.publish")
 
@@ -123,7 +137,7 @@ def publish(engine: Engine, request: PublishRequest) -> dict[str, Any]:
        a checkpoint is reloaded in place (pause, ``reload_weights``, label, resume, confirm; the
        servers need ``VLLM_SERVER_DEV_MODE=1``) and keeps being served as ``base_model``. A
        candidate adapter is loaded (so it can be evaluated); a full candidate is reloaded by
-       ``datapool.versions.activate``.
+       :func:`promote`.
     4. Only then, in one transaction, registers it (``active``, retiring the active version, or
        ``candidate``) with a ``publish`` event.
 
@@ -158,8 +172,8 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
             else versions.own_path(engine, directory))
     try:
         if activate:
-            metrics = versions.serve(engine, kind, name, str(path), request.base_model, urls,
-                                     pause_mode=pause_mode, timeout_s=timeout_s)
+            target = versions.Target(name, kind, str(path), request.base_model, versions.full_paths(engine))
+            metrics = serve(target, urls, pause_mode=pause_mode, timeout_s=timeout_s)
         elif kind == VersionKind.LORA:  # a candidate adapter is loaded (so it can be evaluated)
             try:
                 report = ensure_loaded(name, path, urls, base_model=request.base_model,
@@ -167,7 +181,7 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
             except AdminError as exc:
                 raise PublishError(str(exc)) from exc
             metrics = {"lora_load_s": report.seconds}
-        else:  # a full candidate is reloaded by activate()
+        else:  # a full candidate is reloaded by promote()
             metrics = {}
     except BaseException:
         if copy:
@@ -188,7 +202,7 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
                 unload(http, urls, name)
         elif activate:
-            versions.serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+            serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
@@ -254,3 +268,173 @@ def _place(adapter_dir: Path, store: Path, name: str) -> Path:
     shutil.copytree(adapter_dir, tmp)
     tmp.rename(dest)
     return dest.resolve()
+
+
+# --------------------------------------------------------------------------------------------
+# making every server serve a version (vllm_client: adapters, weights)
+
+
+def _path_of(paths: Mapping[str, str]) -> Callable[[httpx.Client, str, str | None], str | None]:
+    """``path_of(http, url, label)`` for ``switch_weights``: the checkpoint of the full version a
+    server reports holding (None: its base, or no such full version)."""
+    def path_of(_http: httpx.Client, _url: str, label: str | None) -> str | None:
+        return None if label is None or label in BASE_LABELS else paths.get(label)
+    return path_of
+
+
+def _base_target(http: httpx.Client, url: str) -> tuple[str, str] | None:
+    """Servers holding a full version's weights go back to their base; others stay as they are
+    (one without dev mode can only hold its base)."""
+    try:
+        label = weight_label(http, url)
+    except httpx.TransportError as exc:
+        # down: when it comes back it holds its base weights (a restart forgets a reload)
+        log.warning("%s did not answer (%s); it will hold its base weights when it is back", url, exc)
+        return None
+    if label is None or label in BASE_LABELS:
+        return None
+    return BASE_LABEL, base_weights_path(http, url)
+
+
+def _full_target(name: str, path: str) -> Callable[[httpx.Client, str], tuple[str, str] | None]:
+    def target(http: httpx.Client, url: str) -> tuple[str, str] | None:
+        label = require_weight_labels(http, url)
+        return None if label == name else (name, path)
+    return target
+
+
+def serve(target: versions.Target, urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> dict[str, Any]:
+    """Make every server serve *target*: a full version's weights reloaded in place; for a LoRA
+    version or the base, the original base weights (reloaded where a full version held the
+    server) and then the adapter. All servers or none: a failure puts back the weights each held
+    (found by name in ``target.full_paths``). Returns metrics for the event row; touches no pool."""
+    metrics: dict[str, Any] = {}
+    kind, name, path = target.kind, target.name, target.path
+    path_of = _path_of(target.full_paths)
+    try:
+        if kind == VersionKind.FULL:
+            assert name is not None and path is not None
+            reloads = switch_weights(urls, _full_target(name, path), path_of=path_of, pause_mode=pause_mode,
+                                     served_name=target.base_model, timeout_s=timeout_s)
+        else:
+            def load_adapter() -> None:
+                if kind == VersionKind.LORA:
+                    assert name is not None and path is not None
+                    report = ensure_loaded(name, path, urls, base_model=target.base_model, timeout_s=timeout_s)
+                    metrics["lora_load_s"] = report.seconds
+            reloads = switch_weights(urls, _base_target, path_of=path_of, pause_mode=pause_mode,
+                                     served_name=target.base_model, timeout_s=timeout_s, then=load_adapter)
+    except AdminError as exc:
+        raise PublishError(str(exc)) from exc
+    except httpx.HTTPError as exc:
+        raise PublishError(f"vLLM did not answer while switching weights: {type(exc).__name__}: {exc}") from exc
+    if reloads:
+        metrics["reloads"] = [vars(r) for r in reloads]
+    return metrics
+
+
+def serve_pool_state(engine: Engine, urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> None:
+    """Best effort, after a switch the pool did not record: make the servers hold what the pool
+    says is active."""
+    target = versions.active_target(engine)
+    if target.kind == VersionKind.LORA:  # its adapter is still loaded; only the weights under it may have changed
+        target = replace(target, kind=VersionKind.BASE, name=None, path=None)
+    try:
+        serve(target, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+    except PublishError as exc:
+        log.error("could not put back the active version's weights: %s", exc)
+
+
+# --------------------------------------------------------------------------------------------
+# promote / rollback: the pool once (datapool.versions.switch_active), the servers once (serve)
+
+
+def promote(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0,
+            pause_mode: str = PauseMode.WAIT, actor: str = "admin", reason: str | None = None,
+            event_metrics: dict[str, Any] | None = None) -> versions.Switched:
+    """Promote version *name*: make every server of *vllm_urls* serve it (a LoRA adapter is
+    loaded where it is missing — after a vLLM restart none is; a full version's weights are
+    reloaded where the server holds others), then make it ``active`` and the previously active
+    one ``retired``, in one transaction, with a ``promote`` event.
+
+    Idempotent: promoting the active version just makes sure every server serves it (run it
+    after restarting vLLM). ``name="base"`` (or a ``kind="base"`` row) makes the alias serve
+    the base model. Returns what changed (:class:`datapool.versions.Switched`). Raises
+    :class:`VersionNotFound` / :class:`PublishError`, changing nothing.
+    """
+    switched = _switch(engine, PolicyAction.PROMOTE, name, vllm_urls, timeout_s=timeout_s, pause_mode=pause_mode,
+                       actor=actor, reason=reason, event_metrics=event_metrics)
+    log.info("activated %s%s", name, f", retired {switched.demoted}" if switched.demoted else "")
+    return switched
+
+
+def activate(engine: Engine, name: str, vllm_urls: Sequence[str], *, timeout_s: float = 120.0,
+             pause_mode: str = PauseMode.WAIT, actor: str = "admin", reason: str | None = None,
+             event_metrics: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """:func:`promote`, returning only the now active version (None for the base)."""
+    return promote(engine, name, vllm_urls, timeout_s=timeout_s, pause_mode=pause_mode, actor=actor,
+                   reason=reason, event_metrics=event_metrics).active
+
+
+def rollback(engine: Engine, vllm_urls: Sequence[str], to: str | None = None, *,
+             timeout_s: float = 120.0, pause_mode: str = PauseMode.WAIT, actor: str = "admin",
+             reason: str | None = None, event_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Roll the policy back from the active version.
+
+    *to* None: to the newest ``retired`` version (LoRA or full, not tainted) created before the
+    active one, or to the base model if there is none. *to* a name: to that version. *to*
+    ``"base"``: to the base model (no active version; the alias serves the base, and servers
+    that held a full version's weights get their base weights back). The target is made to
+    serve everywhere first (as in :func:`promote`); the version rolled back from becomes
+    ``rolled_back`` (never a default rollback target again). A ``rollback`` event records it.
+
+    Returns ``{"active": version dict or None (base), "rolled_back": [names]}``. Raises
+    :class:`PublishError` when there is nothing to roll back from (``to`` None and the alias
+    already serves the base) or the target cannot be served; nothing changes then.
+    """
+    switched = _switch(engine, PolicyAction.ROLLBACK, to, vllm_urls, timeout_s=timeout_s, pause_mode=pause_mode,
+                       actor=actor, reason=reason, event_metrics=event_metrics)
+    now = switched.active["name"] if switched.active else "the base model"
+    log.info("rolled back %s; now serving %s", switched.demoted, now)
+    return {"active": switched.active, "rolled_back": switched.demoted}
+
+
+def rollback_tainted(engine: Engine, vllm_urls: Sequence[str], *, actor: str, timeout_s: float = 120.0
+                     ) -> dict[str, Any] | None:
+    """If the active version is tainted (``nextstate forget --taint``), roll back to the newest
+    clean version that served before, or the base (``datapool.forget.tainted_rollback_target``);
+    None when the active version is clean."""
+    target = forget.tainted_rollback_target(engine)
+    if target is None:
+        return None
+    return rollback(engine, vllm_urls, to=target, actor=actor, timeout_s=timeout_s,
+                    reason="the active version learned from forgotten data")
+
+
+def _switch(engine: Engine, action: PolicyAction, to: str | None, vllm_urls: Sequence[str], *, timeout_s: float,
+            pause_mode: str, actor: str, reason: str | None, event_metrics: dict[str, Any] | None
+            ) -> versions.Switched:
+    """One call into the pool, which resolves *to*, has :func:`serve` switch the servers, and
+    records it. Should the pool refuse the record after the servers switched (the target was
+    tainted meanwhile), the servers are given back what the pool says is active."""
+    urls = openai_bases(vllm_urls)
+    served: list[versions.Target] = []
+
+    def serve_target(target: versions.Target) -> dict[str, Any]:
+        if target.kind == VersionKind.FULL:
+            assert target.path is not None
+            try:
+                check_weight_files(Path(target.path))
+            except WeightsError as exc:
+                raise PublishError(f"version {target.name!r}: {exc}") from exc
+        metrics = serve(target, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+        served.append(target)
+        return metrics
+
+    try:
+        return versions.switch_active(engine, action, to, serve_target, actor=actor, reason=reason,
+                                      event_metrics=event_metrics)
+    except PublishError:
+        if served:
+            serve_pool_state(engine, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+        raise

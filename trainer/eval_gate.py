@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import evals, queries, versions
+from publishing import publish
 from vllm_client.adapters import unload
 from datapool.db import utcnow
 from base.vocab import PolicyAction
@@ -100,7 +101,7 @@ class EvalGate:
         # learning latency: from a turn being scored to a version trained on it serving (the
         # alias flips at the end of activate; the adapter load before it dominates)
         started = utcnow()
-        versions.activate(self.engine, name, self.urls, actor="eval-gate", reason=reason, event_metrics=metrics)
+        publish.activate(self.engine, name, self.urls, actor="eval-gate", reason=reason, event_metrics=metrics)
         now = utcnow()
         latencies = [(now - datetime.fromisoformat(t)).total_seconds() for t in (stats.get("scored_at") or {}).values()]
         if latencies:

@@ -11,6 +11,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries, versions
+from publishing import publish
 
 log = logging.getLogger("nextstate.online")
 
@@ -43,7 +44,7 @@ class LiveMonitor:
             return None
         target = parent if parent is not None else versions.BASE
         try:
-            versions.rollback(self.engine, self.urls, to=target, actor="live-monitor",
+            publish.rollback(self.engine, self.urls, to=target, actor="live-monitor",
                               reason=f"mean live reward of {name} {mean:+.3f} over {len(live)} turns < "
                                      f"{parent_name} {base:+.3f} - {self.threshold}",
                               event_metrics={"live_reward": mean, "parent_reward": base, "n": len(live),

@@ -23,7 +23,7 @@ Crash safety. The run is one ``training_runs`` row that a restarted trainer cont
 (``resume_run`` releases its unacked leases at once). A candidate published but whose step was
 never recorded is discarded on restart (its turns are leased and trained again); a recorded
 candidate without a decision is put through the gate; a promotion whose event was not written
-is recorded. The alias only ever moves through ``datapool.versions``, which loads before it flips,
+is recorded. The alias only ever moves through ``publishing.publish``, which loads before it flips,
 and each round first makes sure every vLLM still has the active version (a restarted vLLM has
 no adapters).
 

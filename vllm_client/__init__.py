@@ -8,9 +8,9 @@ vLLM's admin wire format itself:
   Messages ``count_tokens`` and token view, the judge's prompt fitting, the teacher);
 - :mod:`vllm_client.http` names servers, carries the errors and one JSON POST.
 
-The gateway's promote/rollback and the trainer's publish go through ``datapool.versions``,
-which uses this package. It sits below the pool: it imports only ``base.settings`` and
-``base.vocab``.
+Publishing, promotion and rollback (``publishing.publish``) use this package beside the pool's
+version rows; it is the pool's sibling (neither imports the other) and imports only
+``base.settings`` and ``base.vocab``.
 
 URLs. A server is named by its OpenAI base ``http://host:port/v1``
 (:func:`vllm_client.http.openai_base` adds the ``/v1``); its development endpoints live at the

@@ -390,10 +390,11 @@ class Job:
         (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
 
     def unload(self) -> None:
-        from datapool import versions
+        from datapool.versions import BASE
+        from publishing.publish import activate
 
         with contextlib.suppress(Exception):
-            versions.activate(self.engine, versions.BASE, self.urls)
+            activate(self.engine, BASE, self.urls)
         with httpx.Client(timeout=30) as http:
             for name in self.names:
                 for url in self.urls:

@@ -42,7 +42,7 @@ from vllm_client.adapters import unload
 from datapool.db import make_engine, upgrade  # noqa: E402
 from base.vocab import PauseMode, VersionKind  # noqa: E402
 from tests.support.processes import GatewayProcess  # noqa: E402
-from publishing.publish import PublishRequest, publish  # noqa: E402
+from publishing.publish import PublishRequest, activate, publish  # noqa: E402
 
 QUESTIONS = ["What is photosynthesis?", "Why is the sky blue?", "How do vaccines work?", "What is gravity?",
              "How does a compass work?", "What is DNA?", "Why do cats purr?", "What is a galaxy?"]
@@ -216,7 +216,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         load.stop.set()
         await task
         # leave the server as it was: the base serves (its own weights), the adapters are unloaded
-        await asyncio.to_thread(versions.activate, engine, versions.BASE, [args.upstream])
+        await asyncio.to_thread(activate, engine, versions.BASE, [args.upstream])
         if args.kind == VersionKind.LORA:
             with httpx.Client(timeout=30) as sync:
                 for r in rounds:

@@ -75,6 +75,7 @@ from benchmarks.gpu.publish_load import Load, failed_in, pct  # noqa: E402
 from benchmarks.learning import preference  # noqa: E402
 from benchmarks.learning.bench import TRAIN  # noqa: E402
 from datapool import versions  # noqa: E402
+from publishing.publish import activate  # noqa: E402
 from vllm_client.adapters import unload
 from vllm_client.weights import WeightsError, labels, require_weight_labels
 from datapool.db import make_engine, upgrade  # noqa: E402
@@ -457,7 +458,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with OrmSession(engine) as db:
             names = [(n, k) for n, k in db.execute(select(PolicyVersion.name, PolicyVersion.kind))]
         try:
-            await asyncio.to_thread(versions.activate, engine, versions.BASE, [args.upstream], timeout_s=300)
+            await asyncio.to_thread(activate, engine, versions.BASE, [args.upstream], timeout_s=300)
             with httpx.Client(timeout=30) as http:
                 for n, k in names:
                     if k == "lora":

@@ -99,7 +99,7 @@ from trainer.config import COMPUTE_DTYPES, RL_BASELINES
 from trainer.local import LocalConfig
 from trainer.objectives import ObjectiveConfig
 from trainer.online import OnlineConfig, OnlineTrainer
-from publishing.publish import PublishRequest, publish
+from publishing.publish import PublishRequest, activate, publish
 from vllm_client.adapters import unload
 
 TRAIN = [
@@ -365,7 +365,7 @@ class Job:
         return snapshot()
 
     def unload(self) -> None:
-        versions.activate(self.engine, versions.BASE, self.urls)
+        activate(self.engine, versions.BASE, self.urls)
         with httpx.Client(timeout=30) as http:
             for name in self.names:
                 unload(http, self.urls, name)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from datapool import audit, forget as forgetting, versions
+from publishing.publish import rollback_tainted
 from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
 from gateway.errors import OpenAIError
@@ -68,7 +69,7 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
         spool_dir=gw.settings.resolved_spool_dir)
     if report["active_tainted"] and not body.dry_run:
         try:
-            done = await in_thread(forgetting.rollback_tainted, gw.engine, policy_servers(gw.settings),
+            done = await in_thread(rollback_tainted, gw.engine, policy_servers(gw.settings),
                                    actor=admin.name)
             report["rollback"] = {"active": (done["active"] or {}).get("name") if done else None,
                                   "rolled_back": list(done["rolled_back"]) if done else []}

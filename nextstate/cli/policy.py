@@ -148,7 +148,8 @@ def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ..
     and a full version's weights are gone), then marks it active and the previously active
     version retired. Promoting the active version again just reloads it where it is missing.
     """
-    from datapool.versions import PublishError, activate
+    from datapool.versions import PublishError
+    from publishing.publish import activate
 
     with _engine(database_url) as engine:
         try:
@@ -173,7 +174,8 @@ def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple
     model if there is none. The version rolled back from is marked rolled_back. Servers that
     held a full version's weights reload the target's (or their base weights).
     """
-    from datapool.versions import PublishError, rollback
+    from datapool.versions import PublishError
+    from publishing.publish import rollback
 
     with _engine(database_url) as engine:
         try:

@@ -73,7 +73,8 @@ def forget(session_id: str | None, tenant: str | None, end_user: str | None, dry
     """
     from datapool import audit
     from base.errors import NextstateError
-    from datapool.forget import forget_waiting, rollback_tainted
+    from datapool.forget import forget_waiting
+    from publishing.publish import rollback_tainted
 
     settings = _settings(database_url)
     actor = audit.cli_actor()

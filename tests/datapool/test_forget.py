@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import audit, evals, versions
 from datapool.capture import Spool
 from datapool.db import make_engine, upgrade
-from datapool.forget import ForgetError, forget, forget_waiting, rollback_tainted
+from datapool.forget import ForgetError, forget, forget_waiting
 from datapool.leases import ack, start_run
 from datapool.models import (
     AuditEntry,
@@ -37,6 +37,7 @@ from datapool.models import (
 )
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
+from publishing.publish import activate, rollback_tainted
 
 
 class _AdapterServer(ThreadingHTTPServer):
@@ -166,7 +167,7 @@ def test_forget_session_deletes_everything_keyed_to_it_and_taints(database_url: 
     assert log[1]["actor"] == "cli:test" and log[1]["details"]["deleted"]["turns"] == 2
     # tainted: never promoted again, skipped by rollback; the active one is rolled back to the clean one
     with pytest.raises(versions.VersionTainted, match="tainted"):
-        versions.activate(engine, f"v1child-{tag}", [])
+        activate(engine, f"v1child-{tag}", [])
     vllm = _AdapterServer()
     try:
         rolled = rollback_tainted(engine, [vllm.url], actor="cli:test")

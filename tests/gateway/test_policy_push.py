@@ -16,6 +16,7 @@ from datapool.db import make_engine
 from base.settings import Settings
 from base.vocab import VersionKind
 from gateway.state import Gateway, running
+from publishing.publish import rollback
 from tests.support import REPO
 
 HANG_GUARD_S = 120  # not a latency bound: only stops a test that would otherwise wait forever
@@ -63,7 +64,7 @@ async def test_switches_reach_the_gateway_in_process(database_url: str, tmp_path
             await asyncio.to_thread(_register, database_url, "cand", tmp_path, activate=False)
             await asyncio.to_thread(_register, database_url, "v2", tmp_path)
             await _until(gw, "v2")
-            await asyncio.to_thread(versions.rollback, engine, [], "base")
+            await asyncio.to_thread(rollback, engine, [], "base")
             await _until(gw, None)
     finally:
         engine.dispose()

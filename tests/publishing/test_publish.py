@@ -29,20 +29,12 @@ from tests.publishing.test_version_races import promote_at_once
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
-from datapool.versions import (  # noqa: E402
-    PublishError,
-    VersionNotFound,
-    activate,
-    active_version,
-    get_version,
-    list_versions,
-    rollback,
-)
+from datapool.versions import PublishError, VersionNotFound, active_version, get_version, list_versions  # noqa: E402
 from vllm_client.http import policy_servers, server_root  # noqa: E402
 from vllm_client.sampling import parse_load  # noqa: E402
 from base.vocab import VersionKind  # noqa: E402
 from nextstate.cli.policy import policy_cli  # noqa: E402
-from publishing.publish import PublishRequest, publish  # noqa: E402
+from publishing.publish import PublishRequest, activate, publish, rollback  # noqa: E402
 
 BASE_MODEL = "smollm2"
 PROMPT = [{"role": "user", "content": "Name three colors."}]

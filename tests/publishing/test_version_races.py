@@ -1,5 +1,5 @@
 """Status changes of policy versions under concurrency, on both databases. Only the pool's side of
-a promotion is exercised here (making vLLM serve the version, ``datapool.versions.serve``, is
+a promotion is exercised here (making vLLM serve the version, ``publishing.publish.serve``, is
 replaced by a no-op); tests/publishing/test_publish.py runs the same against real servers."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from datapool.db import make_engine
-from datapool import versions
-from datapool.versions import activate, list_versions, register
+from datapool.versions import list_versions, register
+from publishing import publish
+from publishing.publish import activate
 from base.vocab import VersionKind
 
 BASE_MODEL = "smollm2"
@@ -43,7 +44,7 @@ def test_concurrent_promotions_leave_exactly_one_active(database_url: str, tmp_p
     """Nine promotions at once, from no active version (where each could read "none active" and
     demote nothing): exactly one version ends active, every round. SQLite once ended with two
     (its driver begins a transaction only at the first write)."""
-    monkeypatch.setattr(versions, "serve", lambda *a, **kw: {})
+    monkeypatch.setattr(publish, "serve", lambda *a, **kw: {})
     engine = make_engine(database_url)
     names = ["v1", "v2", "v3"]
     for name in names:
