@@ -42,11 +42,19 @@ from sqlalchemy import Engine, false, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from base.errors import NextstateError
+from base.errors import AdminError, PublishError, VersionNotFound, VersionTainted, WeightsError
 from datapool import audit, policy_signal
 from vllm_client.adapters import ensure_loaded
-from vllm_client.http import AdminError, openai_bases
-from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, check_checkpoint, require_weight_labels, switch_weights, weight_label
+from vllm_client.http import openai_bases
+from vllm_client.weights import (
+    BASE_LABEL,
+    BASE_LABELS,
+    base_weights_path,
+    check_checkpoint,
+    require_weight_labels,
+    switch_weights,
+    weight_label,
+)
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
 from datapool.queries import active_policy_version
@@ -64,24 +72,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLLBACK_TARGET_STATUSES = (VersionStatus.RETIRED,)
 # an arbitrary constant: PostgreSQL advisory lock that serialises status changes across processes
 _PG_LOCK_KEY = 0x6E657874  # "next"
-
-
-class PublishError(NextstateError, RuntimeError):
-    """A version could not be published, promoted or rolled back; nothing in the pool changed."""
-
-    status, code = 409, "publish_failed"
-
-
-class VersionTainted(PublishError):
-    """The version learned from forgotten data (``nextstate forget --taint``); it is never served again."""
-
-    status, code = 409, "version_tainted"
-
-
-class VersionNotFound(PublishError, LookupError):
-    """No policy version of that name."""
-
-    status, code = 404, "version_not_found"
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
-from base.errors import NextstateError
+from base.errors import CsrfFailed, LoginRequired
 from gateway.errors import OpenAIError
 from gateway.state import gateway_of
 from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
@@ -53,14 +53,6 @@ class Admin:
     via: str  # "cookie" | "bearer" | "open" | "tenant"
     tenant: str | None = None  # a tenant's key or login: only that tenant's data (gateway.tenants)
     key_hash: str | None = None  # a tenant's login: the hash of the key it logged in with
-
-
-class LoginRequired(NextstateError):
-    """A UI request without a valid session: the browser is sent to the login page."""
-
-
-class CsrfFailed(NextstateError):
-    """A state change without the session's CSRF token."""
 
 
 def configured(settings: Settings) -> bool:

@@ -172,8 +172,8 @@ class Up:
 
         def reload() -> None:
             from datapool.db import make_engine
-            from datapool.versions import PublishError, activate, active_version
-            from vllm_client.http import AdminError
+            from base.errors import AdminError, PublishError
+            from datapool.versions import activate, active_version
 
             engine = make_engine(self.settings.resolved_database_url)
             try:

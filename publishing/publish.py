@@ -55,11 +55,11 @@ from sqlalchemy import Engine
 
 from datapool import versions
 from vllm_client.adapters import ADAPTER_CONFIG, ensure_loaded, unload
-from vllm_client.http import AdminError, openai_base, openai_bases
-from vllm_client.weights import WeightsError, base_weights_path, check_checkpoint as check_weight_files
+from base.errors import AdminError, PublishError, WeightsError
+from vllm_client.http import openai_base, openai_bases
+from vllm_client.weights import base_weights_path, check_checkpoint as check_weight_files
 from datapool.db import utcnow
 from base.settings import Settings
-from datapool.versions import PublishError
 from base.vocab import PauseMode, VersionKind
 from publishing import full_weights
 

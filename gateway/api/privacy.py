@@ -9,7 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from datapool import audit, forget as forgetting, versions
+from base.errors import PublishError
+from datapool import audit, forget as forgetting
 from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
 from gateway.errors import OpenAIError
@@ -72,7 +73,7 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
                                    actor=admin.name)
             report["rollback"] = {"active": (done["active"] or {}).get("name") if done else None,
                                   "rolled_back": list(done["rolled_back"]) if done else []}
-        except versions.PublishError as exc:  # the data is gone either way; say what is left to do
+        except PublishError as exc:  # the data is gone either way; say what is left to do
             report["rollback"] = {"error": str(exc)}
     return report
 

@@ -31,7 +31,7 @@ from gateway.protocol import (
 from gateway.serving import in_dialect, proxy, sent_arguments
 from gateway.state import gateway_of
 from gateway.upstream import POLICY_ALIAS
-from vllm_client.http import CallError
+from base.errors import CallError
 from vllm_client.tokenizer import tokenize
 
 router = APIRouter()

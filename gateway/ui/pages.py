@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
+from base.errors import LabelError
 from datapool import browse, evals, labels, queries, training_view, versions
 from base.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
@@ -295,7 +296,7 @@ async def _add_label(request: Request, **target: str) -> str | None:
     try:
         await actions.add_label(gateway_of(request), kind=kind, value=value, author=request.state.admin.name,
                                 **target)
-    except labels.LabelError as exc:  # the person's input: the form shows why, in place
+    except LabelError as exc:  # the person's input: the form shows why, in place
         if not _is_htmx(request):
             raise
         return str(exc)

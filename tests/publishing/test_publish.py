@@ -29,15 +29,8 @@ from tests.publishing.test_version_races import promote_at_once
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
-from datapool.versions import (  # noqa: E402
-    PublishError,
-    VersionNotFound,
-    activate,
-    active_version,
-    get_version,
-    list_versions,
-    rollback,
-)
+from base.errors import PublishError, VersionNotFound
+from datapool.versions import activate, active_version, get_version, list_versions, rollback
 from vllm_client.http import policy_servers, server_root  # noqa: E402
 from vllm_client.sampling import parse_load  # noqa: E402
 from base.vocab import VersionKind  # noqa: E402
