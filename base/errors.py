@@ -2,13 +2,18 @@
 
 One root, :class:`NextstateError`. A class names the HTTP ``status`` and the error ``code``
 (and, where one parameter is always at fault, the ``param``) that a request meeting it is
-answered with; ``gateway.errors`` renders them. A class that keeps the root's 500 and no code is
-not the client's fault, and the gateway logs it. A builtin second base (``ValueError``,
-``RuntimeError``, ``LookupError``) is kept where callers catch the error by that too.
+answered with; :class:`OpenAIError` is the one class whose instances choose their own. How an
+error looks on the wire is not its business: ``gateway.errors`` renders every one of them, once,
+in the client's dialect (OpenAI's ``{"error": {...}}``; Anthropic's ``{"type": "error", ...}``
+under ``/v1/messages``; the admin UI's page under ``/admin``). A class that keeps the root's 500
+and no code is not the client's fault, and the gateway logs it. A builtin second base
+(``ValueError``, ``RuntimeError``, ``LookupError``) is kept where callers catch the error by
+that too.
 
 The tree: class, status and code, where it is raised::
 
     NextstateError                    500                         the root
+    ├── OpenAIError                   its own status, code        gateway/*: a request's failure as the gateway answers it
     ├── AdminExposed (ValueError)     500                         base.settings.check_admin_exposure, before a gateway serves
     ├── NotFound (LookupError)        404 not_found               datapool.labels (no such turn / session), datapool.leases
     ├── FilterError (ValueError)      400 invalid_filter          datapool.browse: a filter value that means nothing
@@ -39,6 +44,8 @@ the runner (an attempt to retry) that never leaves the module.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class NextstateError(Exception):
     """Raised on purpose by a nextstate layer. ``status``, ``code`` and ``param``: the HTTP
@@ -50,6 +57,21 @@ class NextstateError(Exception):
 
 
 # --- the gateway ----------------------------------------------------------------------------
+
+
+class OpenAIError(NextstateError):
+    """A request's failure as the gateway answers it: the status, code and parameter chosen
+    where it is raised, and *headers* to send with it (``Retry-After``; ``X-Turn-Id`` when the
+    failed call was recorded as a turn)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
 
 
 class LoginRequired(NextstateError):

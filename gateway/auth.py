@@ -32,8 +32,7 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
-from base.errors import CsrfFailed, LoginRequired
-from gateway.errors import OpenAIError
+from base.errors import CsrfFailed, LoginRequired, OpenAIError
 from gateway.state import gateway_of
 from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
 from base.settings import Settings

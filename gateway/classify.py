@@ -15,7 +15,7 @@ from typing import Any
 
 from base.settings import SessionKey, SideTurnRule
 from base.vocab import SessionSource, TurnKind
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.protocol import SESSION_ID
 
 log = logging.getLogger("nextstate.gateway")

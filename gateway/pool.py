@@ -11,7 +11,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 
 T = TypeVar("T")
 

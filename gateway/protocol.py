@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from base.vocab import EndReason, SessionMode
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 
 #: a session id the client may name (header, /s/{id} path, PUT /api/sessions/{id}): no "..", no leading dot
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")

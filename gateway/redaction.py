@@ -10,7 +10,7 @@ from datapool.records import TurnRecord
 from datapool.token_mask import Decoder, DecoderFor
 from vllm_client.http import AsyncHTTP
 from vllm_client.tokenizer import detokenize, tokenize
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.upstream import Upstreams
 
 TIMEOUT_S = 10.0

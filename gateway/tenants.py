@@ -28,7 +28,7 @@ from datapool.db import utcnow
 from datapool.models import ApiKey, Session, Turn
 from base.settings import TENANT_NAME, Settings
 from base.vocab import AuditAction
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 
 SEPARATOR = "~"  # between a tenant and its own session id; not in any tenant name
 REFRESH_S = 5.0  # how stale another replica's view of issued keys may be

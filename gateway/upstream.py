@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import yaml
 
-from gateway.errors import OpenAIError, unavailable
+from base.errors import OpenAIError
+from gateway.errors import unavailable
 from base.vocab import VersionKind
 
 if TYPE_CHECKING:

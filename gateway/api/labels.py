@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from datapool import browse, labels
 from gateway import actions
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.protocol import read_model
 from gateway.state import gateway_of

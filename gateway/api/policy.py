@@ -12,7 +12,7 @@ from datapool import queries
 from base.vocab import PolicyAction
 from gateway import actions
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.protocol import read_model
 from gateway.state import gateway_of

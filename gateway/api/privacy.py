@@ -9,11 +9,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from base.errors import PublishError
+from base.errors import OpenAIError, PublishError
 from datapool import audit, forget as forgetting
 from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import read_model
 from gateway.state import gateway_of

@@ -18,7 +18,7 @@ from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
 from base.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
 from gateway.auth import require_api
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import SESSION_ID, OutcomeRequest, SessionTags, SessionUpdate, read_model
 from gateway.state import gateway_of

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from base.settings import TENANT_NAME
 from gateway import tenants
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.state import gateway_of
 

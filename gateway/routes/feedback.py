@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from datapool.judgements import record_feedback
 from gateway.auth import require_api_key
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import FeedbackRequest, read_model
 from gateway.state import gateway_of

@@ -17,7 +17,7 @@ from datapool import judgements, reliability
 from base.vocab import JudgementStatus
 from gateway import actions
 from gateway.auth import require_ui
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from gateway.pool import in_pool
 from gateway.state import gateway_of
 from gateway.ui.pages import env, render

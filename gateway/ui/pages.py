@@ -13,13 +13,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
-from base.errors import LabelError
+from base.errors import LabelError, OpenAIError, PublishError, VersionNotFound
 from datapool import browse, evals, labels, queries, training_view, versions
 from base.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
 from gateway.clients import profiles, words_of
-from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
 from gateway.tenants import tenant_of_request as _tenant  # the login's tenant; None: the admin
@@ -443,8 +442,10 @@ async def promote(request: Request) -> Response:
         result = await actions.promote(gateway_of(request), name, f"admin:{request.state.admin.name}",
                                        form.get("reason") or None)
         msg = f"Promoted {name}: `policy` serves {result['active'] or 'the base model'}."
-    except OpenAIError as exc:
-        msg = f"Promote failed: {exc.message}"
+    except VersionNotFound:
+        raise  # the error page's 404, as for any page naming what does not exist
+    except (PublishError, OpenAIError) as exc:  # refused (409), or the pool down (503): said on the page
+        msg = f"Promote failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
 
@@ -460,8 +461,10 @@ async def rollback(request: Request) -> Response:
                                         form.get("reason") or None)
         msg = (f"Rolled back {', '.join(result['rolled_back']) or 'nothing'}: "
                f"`policy` serves {result['active'] or 'the base model'}.")
-    except OpenAIError as exc:
-        msg = f"Rollback failed: {exc.message}"
+    except VersionNotFound:
+        raise
+    except (PublishError, OpenAIError) as exc:
+        msg = f"Rollback failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
 

@@ -58,7 +58,7 @@ def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused()
     makes `b` the one being loaded."""
     import pytest
 
-    from gateway.errors import OpenAIError
+    from base.errors import OpenAIError
     from gateway.metrics import Metrics
     from gateway.upstream import ActiveVersion
     from gateway.vllm_watch import State, VLLMWatch

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from openai._models import construct_type
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.errors import OpenAIError, from_upstream
-from gateway.formats import MessagesReply, ResponsesReply, anthropic_error, messages_to_chat, responses_to_chat
+from base.errors import OpenAIError
+from gateway.errors import anthropic_error, from_upstream
+from gateway.formats import MessagesReply, ResponsesReply, messages_to_chat, responses_to_chat
 from gateway.protocol import MessagesRequest, parse_body
 
 PROMPT = [1, 2, 3, 4, 5]

@@ -26,7 +26,7 @@ from scoring.judge import PythonJudge
 from scoring.score import score_turn
 from scoring.siblings import SiblingConfig, resample_siblings
 from gateway.classify import turn_kind_of
-from gateway.errors import OpenAIError
+from base.errors import OpenAIError
 from tests.gateway.ui.test_ui import admin_client
 from trainer import objectives
 from trainer.objectives import ObjectiveConfig
