@@ -2,7 +2,7 @@
 
 One root, :class:`NextstateError`. A class names the HTTP ``status`` and the error ``code``
 (and, where one parameter is always at fault, the ``param``) that a request meeting it is
-answered with; :class:`OpenAIError` is the one class whose instances choose their own. How an
+answered with; :class:`RequestError` is the one class whose instances choose their own. How an
 error looks on the wire is not its business: ``gateway.errors`` renders every one of them, once,
 in the client's dialect (OpenAI's ``{"error": {...}}``; Anthropic's ``{"type": "error", ...}``
 under ``/v1/messages``; the admin UI's page under ``/admin``). A class that keeps the root's 500
@@ -13,7 +13,7 @@ that too.
 The tree: class, status and code, where it is raised::
 
     NextstateError                    500                         the root
-    ├── OpenAIError                   its own status, code        gateway/*: a request's failure as the gateway answers it
+    ├── RequestError                   its own status, code        gateway/*: a request's failure as the gateway answers it
     ├── AdminExposed (ValueError)     500                         base.settings.check_admin_exposure, before a gateway serves
     ├── NotFound (LookupError)        404 not_found               datapool.labels (no such turn / session), datapool.leases
     ├── FilterError (ValueError)      400 invalid_filter          datapool.browse: a filter value that means nothing
@@ -59,7 +59,7 @@ class NextstateError(Exception):
 # --- the gateway ----------------------------------------------------------------------------
 
 
-class OpenAIError(NextstateError):
+class RequestError(NextstateError):
     """A request's failure as the gateway answers it: the status, code and parameter chosen
     where it is raised, and *headers* to send with it (``Retry-After``; ``X-Turn-Id`` when the
     failed call was recorded as a turn)."""

@@ -12,7 +12,7 @@ from datapool import browse, export, judgements, labels, versions
 from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending
 from base.vocab import LabelKind
-from base.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway
 
@@ -21,7 +21,7 @@ async def add_label(gw: Gateway, *, kind: str, value: Any, author: str, turn_id:
                     session_id: str | None = None) -> dict[str, Any]:
     """Store a label. A corrected reply re-queues the turn, so the scorer makes it the turn's
     hint and computes teacher logprobs under it. Raises LabelError (400), NotFound (404) or
-    OpenAIError (503: the pool is down)."""
+    RequestError (503: the pool is down)."""
     def run(db: OrmSession) -> tuple[dict[str, Any], list[str]]:
         row = labels.add_label(db, kind=kind, value=value, author=author, turn_id=turn_id,
                                session_id=session_id)
@@ -65,7 +65,7 @@ def export_response(gw: Gateway, f: browse.Browse, fmt: str) -> StreamingRespons
     elif fmt == "parquet":
         body, media = export.parquet(gw.engine, f), "application/vnd.apache.parquet"
     else:
-        raise OpenAIError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
+        raise RequestError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
     return StreamingResponse(body, media_type=media,
                              headers={"Content-Disposition": f'attachment; filename="nextstate-turns.{fmt}"'})
 

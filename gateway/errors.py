@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from base.errors import NextstateError, OpenAIError
+from base.errors import NextstateError, RequestError
 
 _TYPES = {
     400: "invalid_request_error",
@@ -68,9 +68,9 @@ def _page_for(request: Request) -> ErrorPage | None:
 RETRY_AFTER_S = 2
 
 
-def unavailable(upstream: str, why: str) -> OpenAIError:
+def unavailable(upstream: str, why: str) -> RequestError:
     """503 with Retry-After: the upstream is down or restarting, the client should come back."""
-    return OpenAIError(503, f"upstream {upstream} {why}; try again in {RETRY_AFTER_S} s", code="upstream_unavailable",
+    return RequestError(503, f"upstream {upstream} {why}; try again in {RETRY_AFTER_S} s", code="upstream_unavailable",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -87,7 +87,7 @@ def is_context_overflow(message: str) -> bool:
 
 
 def from_upstream(status: int, upstream: Any, fallback: str, *, prompt_param: str = "messages",
-                  headers: Mapping[str, str] | None = None) -> OpenAIError:
+                  headers: Mapping[str, str] | None = None) -> RequestError:
     """An upstream's 4xx error in OpenAI's own shape, whatever dialect the upstream spoke.
 
     vLLM answers ``{"error": {"type": "BadRequestError", "code": 400, ...}}``; OpenAI's SDKs and
@@ -101,8 +101,8 @@ def from_upstream(status: int, upstream: Any, fallback: str, *, prompt_param: st
     code = err.get("code") if isinstance(err, dict) else None
     param = err.get("param") if isinstance(err, dict) else None
     if status == 400 and is_context_overflow(message):
-        return OpenAIError(400, message, code=CONTEXT_LENGTH_EXCEEDED, param=prompt_param, headers=headers)
-    return OpenAIError(status, message, code=code if isinstance(code, str) else None,
+        return RequestError(400, message, code=CONTEXT_LENGTH_EXCEEDED, param=prompt_param, headers=headers)
+    return RequestError(status, message, code=code if isinstance(code, str) else None,
                        param=param if isinstance(param, str) else None, headers=headers)
 
 
@@ -161,7 +161,7 @@ def anthropic_error(error: NextstateError) -> tuple[int, dict[str, Any]]:
 
 def render(exc: NextstateError, *, anthropic: bool = False) -> JSONResponse:
     """*exc* as a response in OpenAI's dialect, or Anthropic's, with the headers it carries."""
-    headers = dict(exc.headers) if isinstance(exc, OpenAIError) else {}
+    headers = dict(exc.headers) if isinstance(exc, RequestError) else {}
     if anthropic:
         status, body = anthropic_error(exc)
     else:
@@ -174,7 +174,7 @@ def render(exc: NextstateError, *, anthropic: bool = False) -> JSONResponse:
 def respond(request: Request, exc: NextstateError) -> Response:
     """The answer to a request that raised *exc*: the page registered for its path, else JSON in
     the dialect of its path. A layer's own error that is not the client's fault (500) is logged."""
-    if exc.status >= 500 and not isinstance(exc, OpenAIError):
+    if exc.status >= 500 and not isinstance(exc, RequestError):
         log.error("%s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
     page = _page_for(request)
     if page is not None:
@@ -189,11 +189,11 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return respond(request, OpenAIError(400, _describe(exc.errors()), code="invalid_request"))
+        return respond(request, RequestError(400, _describe(exc.errors()), code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        return respond(request, OpenAIError(exc.status_code, str(exc.detail)))
+        return respond(request, RequestError(exc.status_code, str(exc.detail)))
 
     app.state.error_pages = {}
 
@@ -207,7 +207,7 @@ def install(app: FastAPI) -> None:
         page = _page_for(request)
         message = f"internal error (request id {request_id})"
         response = (page(request, 500, message, request_id) if page
-                    else render(OpenAIError(500, message, code="internal_error"), anthropic=_anthropic(request)))
+                    else render(RequestError(500, message, code="internal_error"), anthropic=_anthropic(request)))
         response.headers["X-Request-Id"] = request_id
         return response
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from cachetools import TTLCache
 
-from base.errors import OpenAIError
+from base.errors import RequestError
 from base.vocab import WireFormat
 from gateway.errors import anthropic_error
 
@@ -138,7 +138,7 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     try:
         chat, _ = _litellm().anthropic.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise OpenAIError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
+        raise RequestError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
     chat = dict(chat)
     chat["messages"] = [_clean_message(dict(m)) for m in chat["messages"]]
     if SENT_ARGUMENTS.by_id:
@@ -157,9 +157,9 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> di
             model=body["model"], input=body["input"], responses_api_request=params,
             custom_llm_provider=_PROVIDER, stream=bool(body.get("stream")))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise OpenAIError(400, f"invalid request: {exc}", code="invalid_request", param="input") from exc
+        raise RequestError(400, f"invalid request: {exc}", code="invalid_request", param="input") from exc
     except lib.BadRequestError as exc:
-        raise OpenAIError(400, str(exc.message), code="invalid_request", param="input") from exc
+        raise RequestError(400, str(exc.message), code="invalid_request", param="input") from exc
     chat = {k: v for k, v in chat.items() if k not in ("custom_llm_provider", "litellm_metadata")}
     if not chat.get("stream"):
         chat.pop("stream", None)
@@ -300,7 +300,7 @@ class Reply:
     def close(self) -> list[bytes]:
         raise NotImplementedError
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         raise NotImplementedError
 
 
@@ -440,7 +440,7 @@ class ResponsesReply(Reply):
         out.append(self._ev(kind, {"response": self.response(status, list(self.items))}))
         return out
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         return self._ev("error", {"code": error.code, "message": error.message, "param": error.param})
 
 
@@ -538,7 +538,7 @@ class MessagesReply(Reply):
             _event("message_stop", {"type": "message_stop"}),
         ]
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         return _event("error", anthropic_error(error)[1])
 
 

@@ -27,7 +27,7 @@ from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
 from base.settings import ClientProfile
-from base.errors import NextstateError, OpenAIError
+from base.errors import NextstateError, RequestError
 from base.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
@@ -128,7 +128,7 @@ async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> 
         await gw.writer.flushed()  # this replica may have answered it a moment ago
         found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
     if found is None:
-        raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
+        raise RequestError(400, f"Previous response with id '{response_id}' not found.",
                           code="previous_response_not_found", param="previous_response_id")
     return found
 
@@ -141,7 +141,7 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
         try:
             found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
-        except OpenAIError:  # the pool went down just now: nothing learnt, not even absence
+        except RequestError:  # the pool went down just now: nothing learnt, not even absence
             return chat
         SENT_ARGUMENTS.learn(found, asked=missing)
         if found:
@@ -246,10 +246,10 @@ class _Call:
         self.gw.writer.submit(r)
 
     def _fail(self, status_code: int, message: str, *, code: str | None = None,
-              upstream: Any = None, error: OpenAIError | None = None) -> OpenAIError:
+              upstream: Any = None, error: RequestError | None = None) -> RequestError:
         """Record the call as an error turn; returns the error to answer with, which carries the
         turn's id (X-Turn-Id) like every reply whose call was recorded."""
-        err = error or OpenAIError(status_code, message, code=code)
+        err = error or RequestError(status_code, message, code=code)
         err.headers.update(self.headers)
         detail = openai_error(err) | {"status": err.status}
         if upstream is not None:
@@ -274,7 +274,7 @@ class _Call:
         try:
             if watch is not None:
                 watch.refuse(t.api_base, t.served_name, t.group)
-        except OpenAIError as err:
+        except RequestError as err:
             raise self._fail(err.status, err.message, error=err) from None
         try:
             resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
@@ -382,7 +382,7 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = openai_error(OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}"))
+            error = openai_error(RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}"))
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             # a client that hangs up after [DONE] got the whole reply
@@ -419,7 +419,7 @@ class _Call:
                         continue
                     if isinstance(obj, dict):
                         if isinstance(obj.get("error"), dict) and not obj.get("choices"):
-                            err = OpenAIError(502, str(obj["error"].get("message") or "upstream error"))
+                            err = RequestError(502, str(obj["error"].get("message") or "upstream error"))
                             status, error = "error", openai_error(err)
                             out.append(reply.error_event(err))
                             continue
@@ -434,7 +434,7 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
+            err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
             error = openai_error(err)
             yield reply.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
@@ -464,7 +464,7 @@ class _Call:
         except litellm.APIConnectionError as exc:
             raise self._fail(502, f"upstream {self.target.group} unreachable: {type(exc).__name__}: {exc}") from exc
         except litellm.ContextWindowExceededError as exc:
-            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=OpenAIError(
+            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=RequestError(
                 400, f"upstream {self.target.group}: {exc}", code=CONTEXT_LENGTH_EXCEEDED,
                 param="messages" if self.endpoint == "chat" else "prompt")) from exc
         except Exception as exc:  # LiteLLM's exceptions carry the provider's status
@@ -500,7 +500,7 @@ class _Call:
             raise
         except Exception as exc:
             status = "error"
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
+            err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
             error = openai_error(err)
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n" if reply is None else reply.error_event(err)
         finally:

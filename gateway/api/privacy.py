@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from base.errors import OpenAIError, PublishError
+from base.errors import RequestError, PublishError
 from datapool import audit, forget as forgetting
 from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
@@ -52,10 +52,10 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
     body = await read_model(request, ForgetRequest, gw.settings.max_body_bytes, invalid_status=400)
     if admin.tenant is not None:
         if body.taint:
-            raise OpenAIError(403, "tainting versions needs the admin token, not a tenant's key",
+            raise RequestError(403, "tainting versions needs the admin token, not a tenant's key",
                               code="admin_only", param="taint")
         if body.tenant is not None and body.tenant != admin.tenant:
-            raise OpenAIError(404, f"no tenant {body.tenant!r}", code="tenant_not_found", param="tenant")
+            raise RequestError(404, f"no tenant {body.tenant!r}", code="tenant_not_found", param="tenant")
     # what this gateway captured and has not written yet goes first, so the forget finds it
     # (other replicas: POST /api/capture/flush on each before, or forget again after)
     try:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from base.errors import CallError, OpenAIError
+from base.errors import CallError, RequestError
 from datapool import queries
 from base.vocab import WireFormat
 from gateway.auth import require_api_key
@@ -130,7 +130,7 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
     gw = gateway_of(request)
     t = await in_pool(gw.engine, queries.turn_by_response_id, response_id, getattr(request.state, "tenant", None))
     if t is None or t.response is None:
-        raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+        raise RequestError(404, f"Response with id '{response_id}' not found.", param="response_id")
     usage = t.usage or {}
     request_echo = {k: v for k, v in (t.request.get("params") or {}).items()
                     if k in ("previous_response_id", "metadata", "temperature", "top_p", "user")}
@@ -156,8 +156,8 @@ async def count_tokens(request: Request, session_id: str | None = None) -> Respo
                                           messages=chat["messages"], tools=chat.get("tools"), api_key=target.api_key)
     except CallError as exc:
         if exc.status_code is None and exc.__cause__ is not None:
-            raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
+            raise RequestError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
         if exc.status_code is None:
-            raise OpenAIError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
-        raise OpenAIError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
+            raise RequestError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
+        raise RequestError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
     return JSONResponse({"input_tokens": found.count})

@@ -13,7 +13,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
-from base.errors import LabelError, OpenAIError, PublishError, VersionNotFound
+from base.errors import LabelError, RequestError, PublishError, VersionNotFound
 from datapool import browse, evals, labels, queries, training_view, versions
 from base.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
@@ -176,7 +176,7 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
             try:
                 queries.decode_cursor(value)
             except ValueError as exc:
-                raise OpenAIError(400, str(exc), param=name) from exc
+                raise RequestError(400, str(exc), param=name) from exc
 
     tenant = _tenant(request)
 
@@ -299,7 +299,7 @@ async def _add_label(request: Request, **target: str) -> str | None:
         if not _is_htmx(request):
             raise
         return str(exc)
-    except OpenAIError as exc:
+    except RequestError as exc:
         if exc.status != 400 or not _is_htmx(request):
             raise
         return exc.message
@@ -434,7 +434,7 @@ async def promote(request: Request) -> Response:
     form, confirmed = await _confirmed(request)
     name = form.get("name", "").strip()
     if not name:
-        raise OpenAIError(400, "name the version to promote", param="name")
+        raise RequestError(400, "name the version to promote", param="name")
     if not confirmed:
         return render(request, "confirm.html", action="promote", name=name,
                       active=await in_thread(versions.active_name, gateway_of(request).engine))
@@ -444,7 +444,7 @@ async def promote(request: Request) -> Response:
         msg = f"Promoted {name}: `policy` serves {result['active'] or 'the base model'}."
     except VersionNotFound:
         raise  # the error page's 404, as for any page naming what does not exist
-    except (PublishError, OpenAIError) as exc:  # refused (409), or the pool down (503): said on the page
+    except (PublishError, RequestError) as exc:  # refused (409), or the pool down (503): said on the page
         msg = f"Promote failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
@@ -463,7 +463,7 @@ async def rollback(request: Request) -> Response:
                f"`policy` serves {result['active'] or 'the base model'}.")
     except VersionNotFound:
         raise
-    except (PublishError, OpenAIError) as exc:
+    except (PublishError, RequestError) as exc:
         msg = f"Rollback failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 

@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.testclient import TestClient
 
 import base.errors
-from base.errors import NextstateError, OpenAIError, VersionNotFound
+from base.errors import NextstateError, RequestError, VersionNotFound
 from gateway import errors
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def _exception_classes() -> dict[str, str]:
 
 def test_every_exception_class_is_in_base_errors_under_nextstate_error() -> None:
     found = _exception_classes()
-    assert "gateway/errors.py:OpenAIError" not in found and "base/errors.py:OpenAIError" in found
+    assert "gateway/errors.py:RequestError" not in found and "base/errors.py:RequestError" in found
     elsewhere = sorted(k for k, path in found.items() if path != "base/errors.py" and k not in ALLOWED)
     assert elsewhere == [], f"define these in base/errors.py (or justify them in ALLOWED): {elsewhere}"
     assert ALLOWED <= set(found), "an allowed class is gone: drop it from ALLOWED"
@@ -111,7 +111,7 @@ def _app() -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def down() -> None:
-        raise OpenAIError(503, "upstream policy is unreachable", code="upstream_unavailable",
+        raise RequestError(503, "upstream policy is unreachable", code="upstream_unavailable",
                           headers={"Retry-After": "2"})
 
     return app
