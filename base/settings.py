@@ -23,6 +23,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from base.errors import AdminExposed
 from base.redact import DEFAULT_CLASSES, parse_classes
 
 
@@ -37,16 +38,6 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
     except ValueError:
         return False  # another name: it may resolve to any interface
-
-
-class AdminExposed(ValueError):
-    """The gateway would serve its admin surface without credentials beyond loopback."""
-
-    def __init__(self, host: str):
-        super().__init__(
-            f"refusing to serve the admin API and UI (every captured conversation) without credentials on "
-            f"{host}: set NEXTSTATE_ADMIN_TOKEN (or NEXTSTATE_ADMIN_PASSWORD), bind 127.0.0.1, or pass "
-            "--admin-open (NEXTSTATE_ADMIN_OPEN=1) if the admin surface is meant to be open")
 
 
 def check_admin_exposure(settings: "Settings") -> None:

@@ -25,7 +25,7 @@ from sqlalchemy import Text, and_, cast, func, literal_column, or_, select
 from sqlalchemy.orm import Session as OrmSession
 from sqlalchemy.sql.elements import ColumnElement
 
-from base.errors import NextstateError
+from base.errors import FilterError, LabelError
 from datapool import labels
 from datapool.db import as_utc
 from datapool.models import Judgement, Label, Session, Turn, Vote
@@ -37,12 +37,6 @@ CAPTURES = ("white-box", "black-box")
 REWARDS = ("positive", "negative", "tie", "unscored")
 TURN_TYPES = ("main", "side", "sibling")
 WIRE_FORMATS = values(WireFormat)
-
-
-class FilterError(NextstateError, ValueError):
-    """A filter value that means nothing; the message names the parameter."""
-
-    status, code = 400, "invalid_filter"
 
 
 @dataclass(frozen=True)
@@ -86,7 +80,7 @@ class Browse:
             if f.name == "label":
                 try:
                     labels.check_filter(text)
-                except labels.LabelError as exc:
+                except LabelError as exc:
                     raise FilterError(f"label: {exc}") from None
             values[f.name] = text[:1000]
         return cls(**values)

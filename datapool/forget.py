@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import audit, versions
 from datapool.db import chunked
-from base.errors import NextstateError
+from base.errors import ForgetError
 from datapool.evals import prompt_hash
 from datapool.lineage import versions_trained_on
 from datapool.models import (
@@ -54,12 +54,6 @@ from datapool.models import (
     Vote,
 )
 from base.vocab import AuditAction, VersionKind, VersionStatus
-
-
-class ForgetError(NextstateError, ValueError):
-    """A forget request that names no target, or more than one."""
-
-    status, code = 400, "invalid_forget_target"
 
 
 def _target(session_id: str | None, tenant: str | None, end_user: str | None) -> tuple[str, str]:

@@ -30,7 +30,7 @@ from sqlalchemy import Float, Text, and_, cast, exists, func, or_, select
 from sqlalchemy.orm import Session as OrmSession, aliased
 from sqlalchemy.sql.elements import ColumnElement
 
-from base.errors import NextstateError
+from base.errors import LabelError, NotFound
 from datapool.db import iso, utcnow
 from datapool.models import Label, Session, Turn
 
@@ -39,12 +39,6 @@ TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 MAX_TEXT = 64 * 1024
 #: the values of the trainer's and the UI's ``labels`` filter (``tag:NAME`` too)
 FILTERS = ("labeled", "unlabeled", "excluded", "thumb-up", "thumb-down", "override", "correction")
-
-
-class LabelError(NextstateError, ValueError):
-    """A label that cannot be stored: unknown kind, bad value, wrong or missing target."""
-
-    status, code, param = 400, "invalid_label", "value"
 
 
 def validate(kind: str, value: Any) -> Any:
@@ -105,16 +99,16 @@ def _shown(value: Any) -> str:
 def add_label(db: OrmSession, *, kind: str, value: Any, author: str, turn_id: str | None = None,
               session_id: str | None = None) -> Label:
     """Store one label on a turn or a session (exactly one). Raises :class:`LabelError`, or
-    :class:`LookupError` when the target does not exist."""
+    :class:`NotFound` when the target does not exist."""
     if (turn_id is None) == (session_id is None):
         raise LabelError("a label names a turn or a session")
     if kind == "correction" and session_id is not None:
         raise LabelError("a corrected reply belongs to one turn, not a session")
     value = validate(kind, value)
     if turn_id is not None and db.get(Turn, turn_id) is None:
-        raise LookupError(f"no turn {turn_id!r}")
+        raise NotFound(f"no turn {turn_id!r}")
     if session_id is not None and db.get(Session, session_id) is None:
-        raise LookupError(f"no session {session_id!r}")
+        raise NotFound(f"no session {session_id!r}")
     row = Label(turn_id=turn_id, session_id=session_id, kind=kind, value=value, author=author[:256],
                 created_at=utcnow())
     db.add(row)

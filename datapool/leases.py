@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Engine, exists, func, or_, select, update
 from sqlalchemy.orm import Session as OrmSession
 
+from base.errors import NotFound
 from datapool import labels
 from datapool.db import dialect_insert, utcnow
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, TrainingStep, Turn
@@ -58,7 +59,7 @@ def resume_run(engine: Engine, run_id: str) -> TrainingRun:
     with OrmSession(engine) as db, db.begin():
         run = db.get(TrainingRun, run_id)
         if run is None:
-            raise LookupError(f"no training run {run_id!r}")
+            raise NotFound(f"no training run {run_id!r}")
         _release(db, run_id)
         run.status = RunStatus.RUNNING
         db.expunge(run)

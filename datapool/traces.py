@@ -46,6 +46,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import Judgement, Session, Turn, Vote
 from datapool.records import TurnRecord
+from base.errors import TracesUnavailable
 from base.settings import Settings
 from base.vocab import Endpoint, TurnStatus, VoteKind
 
@@ -74,13 +75,6 @@ PARAMS = {
     "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
     "n": "choice.count",
 }
-
-
-class TracesUnavailable(RuntimeError):
-    """``otel_traces`` is on but the OpenTelemetry packages are not installed."""
-
-    def __init__(self) -> None:
-        super().__init__(f"otel_traces is on, but the OpenTelemetry SDK is not installed: {INSTALL_HINT}")
 
 
 def trace_id_of(turn_id: str) -> int:
@@ -438,7 +432,7 @@ def traces(settings: Settings, role: str) -> Traces | None:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise TracesUnavailable() from exc
+        raise TracesUnavailable(INSTALL_HINT) from exc
     resource = Resource.create({"service.name": "nextstate", "nextstate.role": role}).merge(
         OTELResourceDetector().detect())
     ids = _TurnIds()

@@ -38,7 +38,7 @@ from sqlalchemy import Engine, false, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
-from base.errors import NextstateError
+from base.errors import PublishError, VersionNotFound, VersionTainted
 from datapool import audit, policy_signal
 from datapool.db import iso
 from datapool.models import PolicyEvent, PolicyVersion
@@ -57,24 +57,6 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 ROLLBACK_TARGET_STATUSES = (VersionStatus.RETIRED,)
 # an arbitrary constant: PostgreSQL advisory lock that serialises status changes across processes
 _PG_LOCK_KEY = 0x6E657874  # "next"
-
-
-class PublishError(NextstateError, RuntimeError):
-    """A version could not be published, promoted or rolled back; nothing in the pool changed."""
-
-    status, code = 409, "publish_failed"
-
-
-class VersionTainted(PublishError):
-    """The version learned from forgotten data (``nextstate forget --taint``); it is never served again."""
-
-    status, code = 409, "version_tainted"
-
-
-class VersionNotFound(PublishError, LookupError):
-    """No policy version of that name."""
-
-    status, code = 404, "version_not_found"
 
 
 # --------------------------------------------------------------------------------------------

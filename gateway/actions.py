@@ -13,7 +13,7 @@ from publishing import publish
 from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending
 from base.vocab import LabelKind
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway
 
@@ -21,51 +21,40 @@ from gateway.state import Gateway
 async def add_label(gw: Gateway, *, kind: str, value: Any, author: str, turn_id: str | None = None,
                     session_id: str | None = None) -> dict[str, Any]:
     """Store a label. A corrected reply re-queues the turn, so the scorer makes it the turn's
-    hint and computes teacher logprobs under it. Raises OpenAIError 400 / 404 / 503."""
+    hint and computes teacher logprobs under it. Raises LabelError (400), NotFound (404) or
+    RequestError (503: the pool is down)."""
     def run(db: OrmSession) -> tuple[dict[str, Any], list[str]]:
         row = labels.add_label(db, kind=kind, value=value, author=author, turn_id=turn_id,
                                session_id=session_id)
         queued = mark_pending(db, [turn_id]) if kind == LabelKind.CORRECTION and turn_id else []
         return labels.label_dict(row), queued
 
-    try:
-        label, queued = await in_pool(gw.engine, run, write=True)
-    except LookupError as exc:
-        raise OpenAIError(404, str(exc).strip("'\""), code="not_found") from exc
+    label, queued = await in_pool(gw.engine, run, write=True)
     if queued:
         await in_thread(gw.enqueuer.send, queued)
     return label | {"queued": queued}
 
 
-async def _policy_change(run: Any, failed_code: str) -> dict[str, Any]:
-    """Run a promote/rollback in a worker thread; its errors in the API's dialect."""
-    try:
-        return await in_thread(run)
-    except versions.VersionNotFound:
-        raise
-    except versions.PublishError as exc:  # its own 409, with the code naming the change that failed
-        raise OpenAIError(exc.status, str(exc), code=failed_code) from exc
-
-
 async def promote(gw: Gateway, name: str, actor: str, reason: str | None = None) -> dict[str, Any]:
-    """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first."""
+    """Make version *name* (or ``base``) the `policy` alias: loaded into every vLLM first.
+    Raises a PublishError (409, VersionTainted's own code; VersionNotFound 404), changing nothing."""
     def run() -> dict[str, Any]:
         # one read of the pool, the servers switched, one transaction that records it all
         switched = publish.promote(gw.engine, name, policy_servers(gw.settings), actor=actor, reason=reason)
         return {"active": switched.active["name"] if switched.active else None, "previous": switched.previous}
 
-    return await _policy_change(run, "promote_failed")
+    return await in_thread(run)
 
 
 async def rollback(gw: Gateway, to: str | None, actor: str, reason: str | None = None) -> dict[str, Any]:
-    """Roll the policy back (to the previous version, or to *to*)."""
+    """Roll the policy back (to the previous version, or to *to*); raises as :func:`promote`."""
     def run() -> dict[str, Any]:
         result = publish.rollback(gw.engine, policy_servers(gw.settings), to=to or None, actor=actor,
                                   reason=reason)
         active = result["active"]["name"] if result.get("active") else None
         return {"active": active, "rolled_back": list(result.get("rolled_back", []))}
 
-    return await _policy_change(run, "rollback_failed")
+    return await in_thread(run)
 
 
 def export_response(gw: Gateway, f: browse.Browse, fmt: str) -> StreamingResponse:
@@ -75,7 +64,7 @@ def export_response(gw: Gateway, f: browse.Browse, fmt: str) -> StreamingRespons
     elif fmt == "parquet":
         body, media = export.parquet(gw.engine, f), "application/vnd.apache.parquet"
     else:
-        raise OpenAIError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
+        raise RequestError(400, f"format {fmt!r}: use jsonl or parquet", param="format")
     return StreamingResponse(body, media_type=media,
                              headers={"Content-Disposition": f'attachment; filename="nextstate-turns.{fmt}"'})
 

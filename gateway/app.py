@@ -20,7 +20,7 @@ from gateway.upstream import load_model_list
 
 def create_app(settings: Settings | None = None, *, processes: ProcessReport | None = None) -> FastAPI:
     """The gateway for *settings* (default: from the environment); raises ValueError for a bad model
-    list, and :class:`~base.settings.AdminExposed` for an admin surface open to the network.
+    list, and :class:`~base.errors.AdminExposed` for an admin surface open to the network.
 
     *processes*: the processes a supervisor runs beside this gateway (`nextstate up`), shown in
     /readyz and /metrics."""

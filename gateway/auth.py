@@ -32,8 +32,7 @@ from typing import Any
 from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
-from base.errors import NextstateError
-from gateway.errors import OpenAIError
+from base.errors import CsrfFailed, LoginRequired, RequestError
 from gateway.state import gateway_of
 from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
 from base.settings import Settings
@@ -53,14 +52,6 @@ class Admin:
     via: str  # "cookie" | "bearer" | "open" | "tenant"
     tenant: str | None = None  # a tenant's key or login: only that tenant's data (gateway.tenants)
     key_hash: str | None = None  # a tenant's login: the hash of the key it logged in with
-
-
-class LoginRequired(NextstateError):
-    """A UI request without a valid session: the browser is sent to the login page."""
-
-
-class CsrfFailed(NextstateError):
-    """A state change without the session's CSRF token."""
 
 
 def configured(settings: Settings) -> bool:
@@ -155,7 +146,7 @@ async def require_api_key(request: Request) -> None:
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
     accepted, tenant = await gateway_of(request).keys.lookup(_client_key(request))
     if not accepted:
-        raise OpenAIError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
+        raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")
     request.state.tenant = tenant
 
@@ -190,17 +181,17 @@ async def require_api(request: Request) -> Admin:
             await check_tenant_route(request, tenant, gw.engine)
             return request.state.admin
         if configured(settings):
-            raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+            raise RequestError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
     admin = await _logged_in(request)
     if admin is not None:
         try:
             await _check_csrf(request, admin)
         except CsrfFailed:
-            raise OpenAIError(403, "missing or wrong X-CSRF-Token", code="csrf_failed") from None
+            raise RequestError(403, "missing or wrong X-CSRF-Token", code="csrf_failed") from None
         if admin.tenant is not None:  # a tenant's UI login: the API as its key would see it
             request.state.admin = admin
             await check_tenant_route(request, admin.tenant, gw.engine)
         return admin
     if configured(settings):
-        raise OpenAIError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
+        raise RequestError(401, "admin API needs Authorization: Bearer <admin token>", code="invalid_admin_token")
     return Admin(name="anonymous", csrf=None, via="open")

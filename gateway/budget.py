@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from vllm_client.http import CallError
+from base.errors import CallError
 from vllm_client.tokenizer import tokenize
 
 log = logging.getLogger("nextstate.gateway")

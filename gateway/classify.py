@@ -15,7 +15,7 @@ from typing import Any
 
 from base.settings import SessionKey, SideTurnRule
 from base.vocab import SessionSource, TurnKind
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.protocol import SESSION_ID
 
 log = logging.getLogger("nextstate.gateway")
@@ -91,7 +91,7 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any], path_session: s
         found = session_key(keys, headers, body)
         return (found, SessionSource.KEY) if found else (None, None)
     if not SESSION_ID.match(sid):
-        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
+        raise RequestError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
                           "starting with a letter or digit",
                           param="session_id")
     return sid, source
@@ -129,7 +129,7 @@ def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequen
     if sent is not None:
         value = sent.strip().lower()
         if value not in _TURN_KINDS:
-            raise OpenAIError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
+            raise RequestError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
         return value
     rule = side_rule(rules, headers, body)
     if rule is not None:

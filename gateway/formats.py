@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -30,8 +29,9 @@ from typing import Any
 
 from cachetools import TTLCache
 
+from base.errors import RequestError
 from base.vocab import WireFormat
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError
+from gateway.errors import anthropic_error
 
 _PROVIDER = "hosted_vllm"
 
@@ -138,7 +138,7 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     try:
         chat, _ = _litellm().anthropic.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise OpenAIError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
+        raise RequestError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
     chat = dict(chat)
     chat["messages"] = [_clean_message(dict(m)) for m in chat["messages"]]
     if SENT_ARGUMENTS.by_id:
@@ -157,9 +157,9 @@ def responses_to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> di
             model=body["model"], input=body["input"], responses_api_request=params,
             custom_llm_provider=_PROVIDER, stream=bool(body.get("stream")))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise OpenAIError(400, f"invalid request: {exc}", code="invalid_request", param="input") from exc
+        raise RequestError(400, f"invalid request: {exc}", code="invalid_request", param="input") from exc
     except lib.BadRequestError as exc:
-        raise OpenAIError(400, str(exc.message), code="invalid_request", param="input") from exc
+        raise RequestError(400, str(exc.message), code="invalid_request", param="input") from exc
     chat = {k: v for k, v in chat.items() if k not in ("custom_llm_provider", "litellm_metadata")}
     if not chat.get("stream"):
         chat.pop("stream", None)
@@ -300,11 +300,8 @@ class Reply:
     def close(self) -> list[bytes]:
         raise NotImplementedError
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         raise NotImplementedError
-
-    def render_error(self, error: OpenAIError) -> tuple[int, dict[str, Any]]:
-        return error.status, error.body()
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -443,54 +440,11 @@ class ResponsesReply(Reply):
         out.append(self._ev(kind, {"response": self.response(status, list(self.items))}))
         return out
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         return self._ev("error", {"code": error.code, "message": error.message, "param": error.param})
 
 
 # --- Anthropic Messages ---------------------------------------------------------------------------
-
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
-    429: "rate_limit_error", 529: "overloaded_error",
-}
-_CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(\d+) (?:input )?tokens|"
-                      r"prompt \(length (\d+)\) is longer than the maximum model length of (\d+)|"
-                      r"maximum model length is (\d+).*?(\d+) tokens", re.S | re.I)
-
-
-def context_length(message: str) -> tuple[int | None, int | None] | None:
-    """(prompt tokens, maximum) when an upstream message says the context length was passed."""
-    m = _CONTEXT.search(message)
-    if m is None:
-        if "context length" in message.lower() or "maximum model length" in message.lower():
-            return None, None
-        return None
-    g = m.groups()
-    if g[0]:
-        return int(g[1]), int(g[0])
-    if g[2]:
-        return int(g[2]), int(g[3])
-    return int(g[5]), int(g[4])
-
-
-def anthropic_error(error: OpenAIError) -> tuple[int, dict[str, Any]]:
-    """An error as Anthropic's API writes it: ``{"type": "error", "error": {type, message}}``;
-    an upstream that is down or failing is ``529 overloaded_error``, as Anthropic's own is, and
-    a prompt over the context window reads ``prompt is too long: N tokens > M maximum``."""
-    status, kind, message = error.status, None, error.message
-    if error.code == CONTEXT_LENGTH_EXCEEDED:
-        kind = "invalid_request_error"
-        prompt, limit = context_length(message) or (None, None)
-        message = (f"prompt is too long: {prompt} tokens > {limit} maximum" if prompt and limit
-                   else f"prompt is too long: {message}")
-    elif status in (502, 503, 504):
-        status, kind = 529, "overloaded_error"
-    elif status >= 500:
-        status, kind = 500, "api_error"
-    kind = kind or _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": message}}
-
 
 class MessagesReply(Reply):
     """An Anthropic Message, or its `message_start` ... `message_stop` events."""
@@ -584,21 +538,11 @@ class MessagesReply(Reply):
             _event("message_stop", {"type": "message_stop"}),
         ]
 
-    def error_event(self, error: OpenAIError) -> bytes:
+    def error_event(self, error: RequestError) -> bytes:
         return _event("error", anthropic_error(error)[1])
-
-    def render_error(self, error: OpenAIError) -> tuple[int, dict[str, Any]]:
-        return anthropic_error(error)
 
 
 REPLIES: dict[str, type[Reply]] = {WireFormat.RESPONSES: ResponsesReply, WireFormat.MESSAGES: MessagesReply}
-
-
-def error_response_body(fmt: str, error: OpenAIError) -> tuple[int, dict[str, Any]]:
-    """Status and body of *error* in the dialect of wire format *fmt*."""
-    if fmt == WireFormat.MESSAGES:
-        return anthropic_error(error)
-    return error.status, error.body()
 
 
 def responses_object(turn_response: dict[str, Any], request: dict[str, Any], model: str,

@@ -11,14 +11,14 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 
 T = TypeVar("T")
 
 
-def unavailable(exc: SQLAlchemyError) -> OpenAIError:
+def unavailable(exc: SQLAlchemyError) -> RequestError:
     """The 503 a handler answers when the pool cannot be reached (first line of the error only)."""
-    return OpenAIError(503, f"pool unavailable: {str(exc).splitlines()[0]}")
+    return RequestError(503, f"pool unavailable: {str(exc).splitlines()[0]}")
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from base.vocab import EndReason, SessionMode
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 
 #: a session id the client may name (header, /s/{id} path, PUT /api/sessions/{id}): no "..", no leading dot
 SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
@@ -131,27 +131,27 @@ def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise OpenAIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
+        raise RequestError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:
-        raise OpenAIError(400, "request body is nested too deeply", code="invalid_json") from exc
+        raise RequestError(400, "request body is nested too deeply", code="invalid_json") from exc
     if not isinstance(body, dict):
-        raise OpenAIError(400, "request body must be a JSON object", code="invalid_request")
+        raise RequestError(400, "request body must be a JSON object", code="invalid_request")
     if b"\\ud" in raw or b"\\uD" in raw:
         _no_lone_surrogates(body)
     try:
         schema.model_validate(body)
     except RecursionError as exc:
-        raise OpenAIError(400, "request body is nested too deeply", code="invalid_json") from exc
+        raise RequestError(400, "request body is nested too deeply", code="invalid_json") from exc
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise OpenAIError(
+        raise RequestError(
             invalid_status, f"invalid request: {where + ': ' if where else ''}{first['msg']}",
             code="invalid_request", param=where or None,
         ) from exc
     bad = CONTROL_PARAMS.intersection(body)
     if bad:
-        raise OpenAIError(
+        raise RequestError(
             400, f"parameter not allowed through the gateway: {', '.join(sorted(bad))}", param=min(bad)
         )
     return body
@@ -159,7 +159,7 @@ def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400
 
 def _no_constant(name: str) -> Any:
     # NaN and Infinity are not JSON: neither the upstream nor the pool (jsonb) would take them
-    raise OpenAIError(400, f"request body is not valid JSON: {name} is not a JSON number", code="invalid_json")
+    raise RequestError(400, f"request body is not valid JSON: {name} is not a JSON number", code="invalid_json")
 
 
 def _no_lone_surrogates(body: Any) -> None:
@@ -168,20 +168,20 @@ def _no_lone_surrogates(body: Any) -> None:
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise OpenAIError(400, "request body has an unpaired UTF-16 surrogate escape", code="invalid_json") from exc
+        raise RequestError(400, "request body has an unpaired UTF-16 surrogate escape", code="invalid_json") from exc
 
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+        raise RequestError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                           code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes",
+            raise RequestError(413, f"request body exceeds the limit of {limit} bytes",
                               code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)

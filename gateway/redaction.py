@@ -10,7 +10,7 @@ from datapool.records import TurnRecord
 from datapool.token_mask import Decoder, DecoderFor
 from vllm_client.http import AsyncHTTP
 from vllm_client.tokenizer import detokenize, tokenize
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.upstream import Upstreams
 
 TIMEOUT_S = 10.0
@@ -38,7 +38,7 @@ def decoders(http: AsyncHTTP, upstreams: Upstreams) -> DecoderFor:
     async def decoder_for(record: TurnRecord) -> Decoder | None:
         try:
             target = await upstreams.resolve(record.model)
-        except OpenAIError:
+        except RequestError:
             return None
         if not target.white_box or not target.api_base:
             return None

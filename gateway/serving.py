@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from fastapi import Request
@@ -27,19 +27,19 @@ from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
 from base.settings import ClientProfile
+from base.errors import NextstateError, RequestError
 from base.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, OpenAIError, from_upstream, unavailable
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable
 from gateway.formats import (
     SENT_ARGUMENTS,
     MessagesReply,
     Reply,
     ResponsesReply,
-    error_response_body,
     messages_to_chat,
     responses_to_chat,
 )
@@ -72,21 +72,6 @@ _FORMATS = {"/chat/completions": WireFormat.CHAT, "/completions": WireFormat.COM
             "/responses": WireFormat.RESPONSES, "/messages": WireFormat.MESSAGES}
 _JSON = {"Content-Type": "application/json"}
 
-def error_response(exc: OpenAIError, fmt: str) -> Response:
-    """*exc* in the client's dialect: Anthropic's error body on /v1/messages, OpenAI's elsewhere."""
-    if fmt != WireFormat.MESSAGES:
-        return exc.response()
-    status, body = error_response_body(fmt, exc)
-    return JSONResponse(body, status_code=status, headers=exc.headers or None)
-
-
-async def in_dialect(call: Any, fmt: str) -> Response:
-    try:
-        return await call
-    except OpenAIError as exc:
-        return error_response(exc, fmt)
-
-
 _PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _FORMATS)) + ")$")
 
 
@@ -98,7 +83,7 @@ class ProxyFastPath:
     large share of what the gateway adds to every agent call (benchmarks/gateway/README.md).
     The routes stay declared in gateway.routes.openai, so the OpenAPI schema, the fuzzers and the route audit see
     them; requests take this shorter way to the same handler, with the same key check and the
-    same OpenAI-shaped errors. Anything else (other methods, a trailing slash) goes on to
+    same errors (gateway.errors.respond). Anything else (other methods, a trailing slash) goes on to
     FastAPI unchanged.
     """
 
@@ -118,8 +103,8 @@ class ProxyFastPath:
         try:
             await require_api_key(request)
             response = await proxy(request, fmt, match[1])
-        except OpenAIError as exc:
-            response = error_response(exc, fmt)
+        except NextstateError as exc:
+            response = respond(request, exc)
         await response(scope, receive, send)
 
 
@@ -143,7 +128,7 @@ async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> 
         await gw.writer.flushed()  # this replica may have answered it a moment ago
         found = await in_pool(gw.engine, queries.conversation_through, response_id, tenant)
     if found is None:
-        raise OpenAIError(400, f"Previous response with id '{response_id}' not found.",
+        raise RequestError(400, f"Previous response with id '{response_id}' not found.",
                           code="previous_response_not_found", param="previous_response_id")
     return found
 
@@ -156,7 +141,7 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     if missing and gw.writer.last_db_error is None:  # the capture writer knows when the pool is down
         try:
             found = await in_pool(gw.engine, queries.tool_call_arguments, missing)
-        except OpenAIError:  # the pool went down just now: nothing learnt, not even absence
+        except RequestError:  # the pool went down just now: nothing learnt, not even absence
             return chat
         SENT_ARGUMENTS.learn(found, asked=missing)
         if found:
@@ -261,12 +246,12 @@ class _Call:
         self.gw.writer.submit(r)
 
     def _fail(self, status_code: int, message: str, *, code: str | None = None,
-              upstream: Any = None, error: OpenAIError | None = None) -> OpenAIError:
+              upstream: Any = None, error: RequestError | None = None) -> RequestError:
         """Record the call as an error turn; returns the error to answer with, which carries the
         turn's id (X-Turn-Id) like every reply whose call was recorded."""
-        err = error or OpenAIError(status_code, message, code=code)
+        err = error or RequestError(status_code, message, code=code)
         err.headers.update(self.headers)
-        detail = err.body()["error"] | {"status": err.status}
+        detail = openai_error(err) | {"status": err.status}
         if upstream is not None:
             detail["upstream"] = upstream
         self._finish(err.status, status=TurnStatus.ERROR, error=detail, captured=False)
@@ -289,7 +274,7 @@ class _Call:
         try:
             if watch is not None:
                 watch.refuse(t.api_base, t.served_name, t.group)
-        except OpenAIError as err:
+        except RequestError as err:
             raise self._fail(err.status, err.message, error=err) from None
         try:
             resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
@@ -305,7 +290,7 @@ class _Call:
             raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
         self._observe_upstream()
         if resp.status >= 400:
-            return await self._upstream_error(resp)
+            await self._upstream_error(resp)
         wants = ClientWants.of(self.endpoint, self.body)
         if self.stream:
             return StreamingResponse(
@@ -337,7 +322,7 @@ class _Call:
         return Response(raw, status_code=resp.status, media_type="application/json",
                         headers=self.headers)
 
-    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> Response:
+    async def _upstream_error(self, resp: aiohttp.ClientResponse) -> NoReturn:
         try:
             raw = await resp.read()
         except (TimeoutError, aiohttp.ClientError):
@@ -355,8 +340,7 @@ class _Call:
             # a restarted vLLM that has not got the active version yet: the watch loads it
             self.gw.vllm_watch.mark_loading(self.target.api_base)
             err = unavailable(self.target.group, f"restarted and is loading the active version {active.name}")
-            err = self._fail(err.status, err.message, upstream=upstream, error=err)
-            return err.response() if self.reply is None else error_response(err, self.label)
+            raise self._fail(err.status, err.message, upstream=upstream, error=err)
         # a 4xx is about the request: its status and message go back in OpenAI's shape (a prompt
         # over the context window as `context_length_exceeded`); a 5xx is the upstream's failure
         if resp.status < 500:
@@ -365,10 +349,9 @@ class _Call:
         else:
             err = from_upstream(502, upstream, fallback)
             err.code = err.param = None
-        err = self._fail(err.status, err.message, upstream=upstream, error=err)
         # a Responses or Messages client gets it in its own dialect (the context overflow as
-        # Anthropic words it on /v1/messages)
-        return err.response() if self.reply is None else error_response(err, self.label)
+        # Anthropic words it on /v1/messages): gateway.errors renders it
+        raise self._fail(err.status, err.message, upstream=upstream, error=err)
 
     async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
         status, error = "ok", None
@@ -399,7 +382,7 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}").body()["error"]
+            error = openai_error(RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}"))
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             # a client that hangs up after [DONE] got the whole reply
@@ -436,8 +419,8 @@ class _Call:
                         continue
                     if isinstance(obj, dict):
                         if isinstance(obj.get("error"), dict) and not obj.get("choices"):
-                            err = OpenAIError(502, str(obj["error"].get("message") or "upstream error"))
-                            status, error = "error", err.body()["error"]
+                            err = RequestError(502, str(obj["error"].get("message") or "upstream error"))
+                            status, error = "error", openai_error(err)
                             out.append(reply.error_event(err))
                             continue
                         self.acc.feed(obj)
@@ -451,8 +434,8 @@ class _Call:
         except (TimeoutError, aiohttp.ClientError) as exc:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
-            error = err.body()["error"]
+            err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
+            error = openai_error(err)
             yield reply.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
             if not done:
@@ -481,7 +464,7 @@ class _Call:
         except litellm.APIConnectionError as exc:
             raise self._fail(502, f"upstream {self.target.group} unreachable: {type(exc).__name__}: {exc}") from exc
         except litellm.ContextWindowExceededError as exc:
-            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=OpenAIError(
+            raise self._fail(400, f"upstream {self.target.group}: {exc}", error=RequestError(
                 400, f"upstream {self.target.group}: {exc}", code=CONTEXT_LENGTH_EXCEEDED,
                 param="messages" if self.endpoint == "chat" else "prompt")) from exc
         except Exception as exc:  # LiteLLM's exceptions carry the provider's status
@@ -517,8 +500,8 @@ class _Call:
             raise
         except Exception as exc:
             status = "error"
-            err = OpenAIError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
-            error = err.body()["error"]
+            err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
+            error = openai_error(err)
             yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n" if reply is None else reply.error_event(err)
         finally:
             self._finish(200, status=status, error=error)

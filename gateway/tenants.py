@@ -28,7 +28,7 @@ from datapool.db import utcnow
 from datapool.models import ApiKey, Session, Turn
 from base.settings import TENANT_NAME, Settings
 from base.vocab import AuditAction
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 
 SEPARATOR = "~"  # between a tenant and its own session id; not in any tenant name
 REFRESH_S = 5.0  # how stale another replica's view of issued keys may be
@@ -179,14 +179,14 @@ async def _check(request: Request, tenant: str, engine: Engine, allowed: frozens
     path = getattr(route, "path", request.url.path)
     method = "GET" if request.method == "HEAD" else request.method
     if (method, path) not in allowed:
-        raise OpenAIError(403, refusal, code="admin_only")
+        raise RequestError(403, refusal, code="admin_only")
     params = request.path_params
     if "session_id" in params or "turn_id" in params:
         found, owner = await asyncio.to_thread(_owner, engine, params.get("session_id"), params.get("turn_id"))
         if found and owner != tenant:
             what = "session" if "session_id" in params else "turn"
             key = params.get("session_id") or params.get("turn_id")
-            raise OpenAIError(404, f"no {what} {key!r}", code=f"{what}_not_found")
+            raise RequestError(404, f"no {what} {key!r}", code=f"{what}_not_found")
 
 
 def tenant_of_request(request: Request) -> str | None:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import yaml
 
-from gateway.errors import OpenAIError, unavailable
+from base.errors import RequestError
+from gateway.errors import unavailable
 from base.vocab import VersionKind
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class Upstreams:
         except (TimeoutError, aiohttp.ClientError, KeyError, TypeError, ValueError) as exc:
             raise unavailable(str(self.upstream_url), f"is unreachable ({type(exc).__name__}: {exc})") from exc
         if not names:
-            raise OpenAIError(502, f"upstream {self.upstream_url} serves no models")
+            raise RequestError(502, f"upstream {self.upstream_url} serves no models")
         return names
 
     @property
@@ -183,14 +184,14 @@ class Upstreams:
         version: str | None = None
         if model == POLICY_ALIAS:
             if self._policy_model is None:
-                raise OpenAIError(404, "no vLLM model is configured to serve the `policy` alias",
+                raise RequestError(404, "no vLLM model is configured to serve the `policy` alias",
                                   code="model_not_found", param="model")
             group = self._policy_model
             if self.active_version is not None:
                 version = self.active_version.name
                 served = None if self.active_version.full else version
         if group not in self._groups:
-            raise OpenAIError(404, f"the model `{model}` does not exist", code="model_not_found",
+            raise RequestError(404, f"the model `{model}` does not exist", code="model_not_found",
                               param="model")
         deployment = self._single.get(group)
         if deployment is None:
@@ -217,7 +218,7 @@ class Upstreams:
         """Reachability of each vLLM deployment, for /readyz."""
         try:
             deployments = await self._ensure()
-        except OpenAIError as exc:
+        except RequestError as exc:
             return {self.upstream_url or "upstream": exc.message}
         bases = {
             d["litellm_params"].get("api_base")

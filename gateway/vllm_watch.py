@@ -30,7 +30,7 @@ from gateway.errors import unavailable
 from gateway.metrics import Metrics
 from gateway.upstream import VLLM_PREFIX, ActiveVersion, Upstreams
 from vllm_client.adapters import ensure_loaded
-from vllm_client.http import AdminError
+from base.errors import AdminError
 
 log = logging.getLogger("nextstate.gateway")
 

@@ -172,9 +172,9 @@ class Up:
 
         def reload() -> None:
             from datapool.db import make_engine
-            from datapool.versions import PublishError, active_version
+            from base.errors import AdminError, PublishError
+            from datapool.versions import active_version
             from publishing.publish import activate
-            from vllm_client.http import AdminError
 
             engine = make_engine(self.settings.resolved_database_url)
             try:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_client.weights import WEIGHT_FILES, WeightsError
+from base.errors import WeightsError
+from vllm_client.weights import WEIGHT_FILES
 
 
 def check_same_architecture(checkpoint: Path, base: Path) -> None:

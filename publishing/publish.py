@@ -62,14 +62,13 @@ from base.settings import Settings
 from base.vocab import PauseMode, PolicyAction, VersionKind
 from datapool import forget, versions
 from datapool.db import utcnow
-from datapool.versions import PublishError
+from base.errors import AdminError, PublishError, WeightsError
 from publishing import full_weights
 from vllm_client.adapters import ADAPTER_CONFIG, ensure_loaded, unload
-from vllm_client.http import AdminError, openai_base, openai_bases
+from vllm_client.http import openai_base, openai_bases
 from vllm_client.weights import (
     BASE_LABEL,
     BASE_LABELS,
-    WeightsError,
     base_weights_path,
     require_weight_labels,
     switch_weights,

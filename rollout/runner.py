@@ -14,7 +14,7 @@ its rollout runs again as the next attempt (``<run>:<task>:<index>:<attempt>``).
 
 from __future__ import annotations
 
-from base.errors import NextstateError
+from base.errors import InfraError, RolloutError
 
 import asyncio
 import contextlib
@@ -46,15 +46,6 @@ _PLAIN_TASK_ID = re.compile(r"^[A-Za-z0-9._-]{1,48}$")
 MAX_ATTEMPTS = 50  # per rollout, over all interruptions and infrastructure retries
 OUTPUT_LIMIT = 64 * 1024  # characters of a black-box agent's stdout/stderr kept in its result
 KILL_GRACE_S = 2.0  # SIGTERM, then SIGKILL this much later
-
-
-class RolloutError(NextstateError):
-    """A problem the user must fix (bad task file, bad agent spec, gateway refusing a request)."""
-
-
-class InfraError(RolloutError):
-    """The gateway (or the upstream behind it) stayed unreachable or kept failing after retries.
-    Nothing is lost: rerun the same command to resume."""
 
 
 class _AgentInfraError(Exception):

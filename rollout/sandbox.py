@@ -47,6 +47,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from base.errors import SandboxUnavailable
+
 OUTPUT_LIMIT = 16 * 1024  # characters of a command's output kept (the head and the tail)
 FIRST_UID = 42000
 MAX_SANDBOXES = 4096
@@ -69,10 +71,6 @@ class CommandResult:
     output: str  # stdout and stderr, interleaved, capped at OUTPUT_LIMIT
     violation: str | None = None  # the limit it hit, if any
     seconds: float = 0.0
-
-
-class SandboxUnavailable(RuntimeError):
-    """This machine cannot isolate commands (no ``unshare``, or no namespaces for this user)."""
 
 
 _uids_lock = threading.Lock()

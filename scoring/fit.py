@@ -29,15 +29,11 @@ from typing import Any, Protocol
 
 import httpx
 
-from base.errors import NextstateError
+from base.errors import PromptTooLong
 from vllm_client.tokenizer import Tokenized, detokenize, tokenize
 
 MIN_KEEP = 16  # a message cut to fewer tokens than this is dropped into the omitted run instead
 MARKER_RESERVE = 24  # tokens set aside per marker (at most three: system, cut message, omitted run)
-
-
-class PromptTooLong(NextstateError):
-    """The action and next state alone exceed the judge's context window: no retry can help."""
 
 
 class Tokenizer(Protocol):
@@ -57,7 +53,7 @@ class Tokenizer(Protocol):
 class VLLMTokenizer:
     """A vLLM server's own tokenizer, over its ``/tokenize`` and ``/detokenize`` endpoints
     (:func:`vllm_client.tokenizer.tokenize`). An error answer raises
-    :class:`~vllm_client.http.CallError`, whose ``status_code`` tells the judge whether a
+    :class:`~base.errors.CallError`, whose ``status_code`` tells the judge whether a
     retry can help."""
 
     def __init__(self, api_base: str, model: str, api_key: str | None = None):

@@ -20,35 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from base.errors import NextstateError
-from scoring.fit import (
-    Fitted,
-    LiteLLMTokenizer,
-    Piece,
-    PromptTooLong,
-    Tokenizer,
-    VLLMTokenizer,
-    fit_context,
-)
+from base.errors import JudgeRefused, PromptTooLong
+from scoring.fit import Fitted, LiteLLMTokenizer, Piece, Tokenizer, VLLMTokenizer, fit_context
 from base.vocab import DeadReason
 
 PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 CONTEXT_MESSAGES = 6  # the judge sees the system prompt and at most this many messages before the action
 log = logging.getLogger("nextstate.judge")
-
-
-class JudgeRefused(NextstateError):
-    """The judge cannot vote on this turn and never will: a retry would fail the same way (the
-    turn does not fit its context window, its API rejected the request with a 4xx other than
-    429, the request could not be built). The judgement goes dead at once with *reason*."""
-
-    def __init__(self, reason: DeadReason, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
-
-    def __reduce__(self) -> tuple[Any, ...]:  # Celery may pickle it; keep both arguments
-        return (type(self), (self.reason, self.message))
 
 
 @dataclass(frozen=True)

@@ -17,23 +17,15 @@ import httpx
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session as OrmSession
 
-from base.errors import NextstateError
+from base.errors import JudgeError, JudgeRefused, TeacherError
 from datapool.db import dialect_insert, utcnow
 from datapool.judgements import effective_next_state
 from datapool.labels import correction_for
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from datapool.queries import turn_view
-from scoring.judge import (
-    CONTEXT_WORDS,
-    Judge,
-    JudgeRefused,
-    Vote,
-    choose_hint,
-    hint_is_valid,
-    tally,
-)
-from scoring.teacher import TeacherError, teacher_logprobs, teacher_messages
+from scoring.judge import CONTEXT_WORDS, Judge, Vote, choose_hint, hint_is_valid, tally
+from scoring.teacher import teacher_logprobs, teacher_messages
 from base.vocab import (
     CaptureKind,
     DeadReason,
@@ -63,12 +55,6 @@ def _store_vote(engine: Engine, turn_id: str, judge: Judge, index: int, vote: Vo
             judge=judge.name, prompt_version=judge.prompt_version, vote_index=index, value=vote.value,
             rationale=vote.rationale or None, hint=vote.hint, raw=vote.raw, created_at=utcnow())
         db.execute(stmt.on_conflict_do_nothing())
-
-
-class JudgeError(NextstateError):
-    """A judge (or the teacher) could not be asked for a transient reason; the task is retried.
-    A vote that can never succeed raises :class:`~scoring.judge.JudgeRefused` instead,
-    which is not retried."""
 
 
 async def _collect_votes(engine: Engine, judge: Judge, turn_id: str, view: dict[str, Any],

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries, siblings
 from datapool.models import Turn
-from vllm_client.http import CallError
+from base.errors import CallError
 from vllm_client.sampling import Reply, sample_from_ids, server_load
 
 log = logging.getLogger("nextstate.siblings")

@@ -51,8 +51,8 @@ from typing import Any
 
 import httpx
 
-from base.errors import NextstateError
-from vllm_client.http import CallError, post_json
+from base.errors import FINAL_STATUSES, CallError, TeacherError
+from vllm_client.http import post_json
 from vllm_client.tokenizer import tokenize
 
 __all__ = [
@@ -68,30 +68,6 @@ HINT_TEMPLATE = "[Hint for your reply: {hint}]"
 """How a hint is written into the teacher context: a bracketed, clearly labelled line."""
 
 _STRING_SEPARATOR = "\n\n"
-
-
-#: The teacher's answers that no retry can change: the request itself is refused (400: bad or
-#: over the context window; 401/403: credentials; 413: too large; 422: unprocessable). Not
-#: among them: 404, which a LoRA version being published answers until the teacher has loaded
-#: it, and 429 (back-pressure); those, 5xx and no answer at all are retried.
-FINAL_STATUSES = frozenset({400, 401, 403, 413, 422})
-
-
-class TeacherError(NextstateError):
-    """Teacher logprobs could not be computed.
-
-    ``status_code`` is the HTTP status of the vLLM reply that caused it, or ``None`` for
-    transport errors, malformed replies and bad arguments. ``final``: a retry cannot help
-    (:data:`FINAL_STATUSES`).
-    """
-
-    def __init__(self, message: str, *, status_code: int | None = None):
-        super().__init__(message)
-        self.status_code = status_code
-
-    @property
-    def final(self) -> bool:
-        return self.status_code in FINAL_STATUSES
 
 
 @dataclass(frozen=True)

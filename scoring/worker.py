@@ -12,8 +12,9 @@ from datapool import retention
 from datapool.db import make_engine
 from datapool.judgements import mark_dead, record_failure, sweep
 from datapool.queue import SCORE_TASK, SWEEP_TASK, Enqueuer, make_celery
-from scoring.judge import Judge, JudgeRefused, LLMJudge, PythonJudge
-from scoring.score import JudgeError, TeacherConfig, score_turn
+from base.errors import JudgeError, JudgeRefused
+from scoring.judge import Judge, LLMJudge, PythonJudge
+from scoring.score import TeacherConfig, score_turn
 from scoring.siblings import SiblingConfig, resample_siblings
 from base.settings import Settings
 from datapool.traces import traces

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
+from base.errors import PublishError
 from datapool import queries, versions
 from publishing import publish
 
@@ -49,7 +50,7 @@ class LiveMonitor:
                                      f"{parent_name} {base:+.3f} - {self.threshold}",
                               event_metrics={"live_reward": mean, "parent_reward": base, "n": len(live),
                                              "regressed": name})
-        except versions.PublishError as exc:
+        except PublishError as exc:
             log.error("live rewards of %s regressed but the rollback failed: %s", name, exc)
             return None
         log.warning("rolled back %s to %s: live reward %.3f vs %.3f", name, target, mean, base)

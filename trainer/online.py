@@ -52,7 +52,8 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool import leases, queries, versions
 from vllm_client.adapters import ensure_loaded
-from vllm_client.http import AdminError, openai_base
+from base.errors import AdminError, PublishError
+from vllm_client.http import openai_base
 from base.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
 from trainer.config import OnlineConfig, Scorer
 from trainer.eval_gate import EvalGate
@@ -67,7 +68,7 @@ log = logging.getLogger("nextstate.online")
 #: status of a candidate the eval gate refused (or a restart discarded); never served
 REFUSED = VersionStatus.REFUSED
 #: what a vLLM that is down, restarting or refusing raises through publish, the gate and the monitor
-VLLM_ERRORS = (versions.PublishError, AdminError, httpx.HTTPError)
+VLLM_ERRORS = (PublishError, AdminError, httpx.HTTPError)
 
 
 @dataclass

@@ -13,16 +13,12 @@ from typing import Any
 
 import httpx
 
-from vllm_client.http import AdminError, openai_bases, response_text
+from base.errors import LoadError
+from vllm_client.http import openai_bases, response_text
 
 log = logging.getLogger("nextstate.publish")
 
 ADAPTER_CONFIG = "adapter_config.json"
-
-
-class LoadError(AdminError):
-    """A LoRA adapter could not be loaded (or listed) on every server."""
-
 
 
 @dataclass

@@ -10,16 +10,8 @@ from typing import Any
 import aiohttp
 import httpx
 
-from base.errors import NextstateError
+from base.errors import CallError
 from base.settings import Settings
-
-
-class AdminError(NextstateError, RuntimeError):
-    """A vLLM server could not do what was asked (or did not answer as it should)."""
-
-    status, code = 502, "upstream_error"
-
-
 
 
 def server_root(url: str) -> str:
@@ -62,24 +54,6 @@ def policy_servers(settings: Settings) -> list[str]:
 
 
 AsyncHTTP = aiohttp.ClientSession | httpx.AsyncClient
-
-
-class CallError(AdminError):
-    """A call to a vLLM endpoint failed. ``status_code``: the HTTP status of the server's answer,
-    or None when no answer came (connection, timeout) or it was not the JSON expected;
-    ``detail``: the server's own message (or the transport error), without the URL."""
-
-    def __init__(self, message: str, *, url: str, detail: str, status_code: int | None = None):
-        super().__init__(message)
-        self.url, self.detail, self.status_code = url, detail, status_code
-
-    @classmethod
-    def answered(cls, url: str, status_code: int, detail: str) -> CallError:
-        return cls(f"{url} answered {status_code}: {detail}", url=url, detail=detail, status_code=status_code)
-
-    @classmethod
-    def unexpected(cls, url: str, detail: str) -> CallError:
-        return cls(f"{url} {detail}", url=url, detail=detail)
 
 
 def error_detail(body: Any, text: str) -> str:

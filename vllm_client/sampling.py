@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from vllm_client.http import AsyncHTTP, CallError, post_json, server_root
+from base.errors import CallError
+from vllm_client.http import AsyncHTTP, post_json, server_root
 
 _METRIC = re.compile(r"^(vllm:num_requests_(?:running|waiting))(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.M)
 

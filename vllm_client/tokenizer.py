@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_client.http import AsyncHTTP, CallError, post_json, server_root
+from base.errors import CallError
+from vllm_client.http import AsyncHTTP, post_json, server_root
 
 
 def _int_list(value: Any) -> bool:

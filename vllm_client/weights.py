@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from base.vocab import PauseMode, values
-from vllm_client.http import AdminError, response_text, server_root
+from base.errors import DevModeMissing, WeightsError
+from vllm_client.http import response_text, server_root
 
 log = logging.getLogger("nextstate.publish")
 
@@ -28,15 +29,6 @@ BASE_LABELS = frozenset({FRESH, BASE_LABEL})
 #: The worker attribute that holds the label on a vLLM without the label routes (0.26).
 RPC_LABEL_ATTR = "nextstate_weight_version"
 WEIGHT_FILES = ("*.safetensors",)
-
-
-class WeightsError(AdminError):
-    """A reload failed, or a server cannot reload (no dev mode)."""
-
-
-class DevModeMissing(WeightsError):
-    """The server has no development endpoints (started without VLLM_SERVER_DEV_MODE=1)."""
-
 
 
 def check_checkpoint(path: Path) -> None:

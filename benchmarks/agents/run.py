@@ -224,8 +224,9 @@ class Job:
         from sqlalchemy.orm import Session as OrmSession
 
         from datapool.models import Judgement, Turn
-        from scoring.judge import JudgeRefused, LLMJudge, PythonJudge
-        from scoring.score import JudgeError, TeacherConfig, score_turn
+        from base.errors import JudgeError, JudgeRefused
+        from scoring.judge import LLMJudge, PythonJudge
+        from scoring.score import TeacherConfig, score_turn
 
         judge_path, _, teacher = ARMS[base_arm(self.arm)]
         if judge_path == "llm":  # on the teacher replica where there is one (vllm#48421, as the workers do)

@@ -77,7 +77,8 @@ from benchmarks.learning.bench import TRAIN  # noqa: E402
 from datapool import versions  # noqa: E402
 from publishing.publish import activate  # noqa: E402
 from vllm_client.adapters import unload
-from vllm_client.weights import WeightsError, labels, require_weight_labels
+from base.errors import WeightsError
+from vllm_client.weights import labels, require_weight_labels
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, TrainingRun, TrainingStep, Turn  # noqa: E402
 from scoring.judge import PythonJudge  # noqa: E402

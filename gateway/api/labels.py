@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from datapool import browse, labels
 from gateway import actions
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool
 from gateway.protocol import read_model
 from gateway.state import gateway_of
@@ -53,7 +53,7 @@ async def turn_labels(request: Request, turn_id: str) -> dict[str, Any]:
     """A turn's labels in force (its own, its session's, merged) and its label history."""
     found = await in_pool(gateway_of(request).engine, labels.for_turns, [turn_id])
     if turn_id not in found:
-        raise OpenAIError(404, f"no turn {turn_id!r}", code="turn_not_found")
+        raise RequestError(404, f"no turn {turn_id!r}", code="turn_not_found")
     return found[turn_id]
 
 

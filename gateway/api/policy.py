@@ -12,7 +12,7 @@ from datapool import queries
 from base.vocab import PolicyAction
 from gateway import actions
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool
 from gateway.protocol import read_model
 from gateway.state import gateway_of
@@ -44,7 +44,7 @@ async def events(request: Request, version: str | None = None,
     actor (trainer, eval-gate, live-monitor, admin), the reason and the numbers behind it."""
     found = await in_pool(gateway_of(request).engine, queries.policy_events, version=version, action=action, limit=limit)
     if found is None:
-        raise OpenAIError(404, f"no policy version {version!r}", code="version_not_found", param="version")
+        raise RequestError(404, f"no policy version {version!r}", code="version_not_found", param="version")
     return found
 
 

@@ -9,11 +9,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from datapool import audit, forget as forgetting, versions
+from base.errors import RequestError, PublishError
+from datapool import audit, forget as forgetting
 from publishing.publish import rollback_tainted
 from base.vocab import AuditAction
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import read_model
 from gateway.state import gateway_of
@@ -53,10 +53,10 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
     body = await read_model(request, ForgetRequest, gw.settings.max_body_bytes, invalid_status=400)
     if admin.tenant is not None:
         if body.taint:
-            raise OpenAIError(403, "tainting versions needs the admin token, not a tenant's key",
+            raise RequestError(403, "tainting versions needs the admin token, not a tenant's key",
                               code="admin_only", param="taint")
         if body.tenant is not None and body.tenant != admin.tenant:
-            raise OpenAIError(404, f"no tenant {body.tenant!r}", code="tenant_not_found", param="tenant")
+            raise RequestError(404, f"no tenant {body.tenant!r}", code="tenant_not_found", param="tenant")
     # what this gateway captured and has not written yet goes first, so the forget finds it
     # (other replicas: POST /api/capture/flush on each before, or forget again after)
     try:
@@ -73,7 +73,7 @@ async def forget(request: Request, admin: Admin = Depends(require_api)) -> dict[
                                    actor=admin.name)
             report["rollback"] = {"active": (done["active"] or {}).get("name") if done else None,
                                   "rolled_back": list(done["rolled_back"]) if done else []}
-        except versions.PublishError as exc:  # the data is gone either way; say what is left to do
+        except PublishError as exc:  # the data is gone either way; say what is left to do
             report["rollback"] = {"error": str(exc)}
     return report
 

@@ -18,7 +18,7 @@ from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
 from base.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
 from gateway.auth import require_api
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import SESSION_ID, OutcomeRequest, SessionTags, SessionUpdate, read_model
 from gateway.state import gateway_of
@@ -35,7 +35,7 @@ async def _found(request: Request, fn: Any, key: str, what: str) -> Any:
     """``fn(db, key)`` from the pool; 404 ``{what}_not_found`` when it finds nothing."""
     found = await _read(request, fn, key)
     if found is None:
-        raise OpenAIError(404, f"no {what} {key!r}", code=f"{what}_not_found")
+        raise RequestError(404, f"no {what} {key!r}", code=f"{what}_not_found")
     return found
 
 
@@ -55,7 +55,7 @@ async def list_sessions(
         try:
             queries.decode_cursor(cursor)
         except ValueError as exc:
-            raise OpenAIError(400, str(exc), param="cursor") from exc
+            raise RequestError(400, str(exc), param="cursor") from exc
     filters = queries.SessionFilter(task_id=task_id, capture=capture, model=model, since=since, until=until,
                                     tenant=tenant_of_request(request))
     page, next_cursor = await _read(request, queries.list_sessions, limit=limit, cursor=cursor, filters=filters)
@@ -93,7 +93,7 @@ async def _session_signal(request: Request, session_id: str, change: Any) -> lis
 
     ready = await in_pool(gw.engine, run, write=True)
     if ready is None:
-        raise OpenAIError(404, f"no session {session_id!r}", code="session_not_found")
+        raise RequestError(404, f"no session {session_id!r}", code="session_not_found")
     await in_thread(gw.enqueuer.send, ready)
     return ready
 
@@ -141,7 +141,7 @@ async def put_session(request: Request, session_id: str) -> JSONResponse:
     (200, with its turn count, end and outcome, so a resumed run can skip it); different tags
     are a 409. Created: 201."""
     if not SESSION_ID.match(session_id):
-        raise OpenAIError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
+        raise RequestError(400, "session id must be 1-128 characters of letters, digits and . _ : -",
                           param="session_id")
     tags = await read_model(request, SessionTags, gateway_of(request).settings.max_body_bytes)
 
@@ -162,7 +162,7 @@ async def put_session(request: Request, session_id: str) -> JSONResponse:
 
     created, found = await _read(request, run)
     if isinstance(found, str):
-        raise OpenAIError(409, found, code="session_conflict", param="session_id")
+        raise RequestError(409, found, code="session_conflict", param="session_id")
     return JSONResponse(found, status_code=201 if created else 200)
 
 
@@ -197,6 +197,6 @@ async def post_capture_flush(request: Request, timeout_s: float = Query(30.0, gt
     try:
         await asyncio.wait_for(gw.writer.flushed(), timeout_s)
     except TimeoutError as exc:
-        raise OpenAIError(504, f"capture not flushed within {timeout_s}s "
+        raise RequestError(504, f"capture not flushed within {timeout_s}s "
                                f"({gw.writer.depth} turns queued)", code="flush_timeout") from exc
     return {"flushed": True, "spooled": gw.writer.spool.waiting}

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from base.settings import TENANT_NAME
 from gateway import tenants
 from gateway.auth import Admin, require_api
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool
 from gateway.state import gateway_of
 
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/api/tenants", dependencies=[Depends(require_api)])
 
 def _tenant(tenant: str) -> str:
     if not TENANT_NAME.match(tenant):
-        raise OpenAIError(400, "tenant name: 1-64 letters, digits, . _ - (a letter or digit first)", param="tenant")
+        raise RequestError(400, "tenant name: 1-64 letters, digits, . _ - (a letter or digit first)", param="tenant")
     return tenant
 
 
@@ -44,6 +44,6 @@ async def revoke_key(request: Request, tenant: str, key_id: str, admin: Admin = 
                      ) -> dict[str, Any]:
     gw = gateway_of(request)
     if not await in_pool(gw.engine, tenants.revoke, _tenant(tenant), key_id, admin.name, write=True):
-        raise OpenAIError(404, f"no active key {key_id!r} of tenant {tenant!r}", code="key_not_found")
+        raise RequestError(404, f"no active key {key_id!r} of tenant {tenant!r}", code="key_not_found")
     await gw.keys.refresh(force=True)
     return {"id": key_id, "tenant": tenant, "revoked": True}

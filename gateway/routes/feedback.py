@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 
 from datapool.judgements import record_feedback
 from gateway.auth import require_api_key
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import FeedbackRequest, read_model
 from gateway.state import gateway_of
@@ -28,7 +28,7 @@ async def feedback(request: Request) -> dict[str, Any]:
                            tenant=getattr(request.state, "tenant", None))
     if stored is None:
         which = f"turn {body.turn_id!r}" if body.turn_id else f"response {body.response_id!r}"
-        raise OpenAIError(404, f"no {which} in the pool (capture is write-behind: retry shortly "
+        raise RequestError(404, f"no {which} in the pool (capture is write-behind: retry shortly "
                                "if the reply just arrived)", code="not_found")
     vote_id, turn_id = stored
     await in_thread(gw.enqueuer.send, [turn_id])

@@ -13,10 +13,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from base.errors import CallError, RequestError
 from datapool import queries
 from base.vocab import WireFormat
 from gateway.auth import require_api_key
-from gateway.errors import OpenAIError
 from gateway.formats import messages_to_chat, responses_object
 from gateway.pool import in_pool
 from gateway.protocol import (
@@ -28,10 +28,9 @@ from gateway.protocol import (
     parse_body,
     read_body,
 )
-from gateway.serving import in_dialect, proxy, sent_arguments
+from gateway.serving import proxy, sent_arguments
 from gateway.state import gateway_of
 from gateway.upstream import POLICY_ALIAS
-from vllm_client.http import CallError
 from vllm_client.tokenizer import tokenize
 
 router = APIRouter()
@@ -67,15 +66,14 @@ SESSION_PREFIX = "/s/{session_id}"
 _KEYED = [Depends(require_api_key)]
 
 
-def proxy_route(method: str, path: str, *, keyed: bool = True, body: type[BaseModel] | None = None,
+def proxy_route(method: str, path: str, *, body: type[BaseModel] | None = None,
                 ) -> Callable[[_Handler], _Handler]:
     """Registers a handler at *path* and again under ``/s/{session_id}`` (the session carried in
-    the base_url), so no proxy route exists at one of the two. *keyed*: the API key is checked
-    as a dependency (count_tokens checks it itself, to answer in Anthropic's shape); *body*: the
-    request body the handler reads itself, documented in the OpenAPI schema."""
+    the base_url), so no proxy route exists at one of the two, behind the API key check; *body*:
+    the request body the handler reads itself, documented in the OpenAPI schema."""
     def register(handler: _Handler) -> _Handler:
         for full in (path, SESSION_PREFIX + path):
-            router.add_api_route(full, handler, methods=[method], dependencies=_KEYED if keyed else None,
+            router.add_api_route(full, handler, methods=[method], dependencies=_KEYED,
                                  openapi_extra=body_schema(body) if body is not None else None)
         return handler
 
@@ -117,13 +115,13 @@ async def completions(request: Request, session_id: str | None = None) -> Respon
 @proxy_route("POST", "/v1/responses", body=ResponsesRequest)
 async def responses(request: Request, session_id: str | None = None) -> Response:
     """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
-    return await in_dialect(proxy(request, WireFormat.RESPONSES, session_id), WireFormat.RESPONSES)
+    return await proxy(request, WireFormat.RESPONSES, session_id)
 
 
 @proxy_route("POST", "/v1/messages", body=MessagesRequest)
 async def messages(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
-    return await in_dialect(proxy(request, WireFormat.MESSAGES, session_id), WireFormat.MESSAGES)
+    return await proxy(request, WireFormat.MESSAGES, session_id)
 
 
 @proxy_route("GET", "/v1/responses/{response_id}")
@@ -132,7 +130,7 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
     gw = gateway_of(request)
     t = await in_pool(gw.engine, queries.turn_by_response_id, response_id, getattr(request.state, "tenant", None))
     if t is None or t.response is None:
-        raise OpenAIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+        raise RequestError(404, f"Response with id '{response_id}' not found.", param="response_id")
     usage = t.usage or {}
     request_echo = {k: v for k, v in (t.request.get("params") or {}).items()
                     if k in ("previous_response_id", "metadata", "temperature", "top_p", "user")}
@@ -140,15 +138,10 @@ async def get_response(request: Request, response_id: str, session_id: str | Non
                             int(usage.get("completion_tokens") or 0), int(t.created_at.timestamp()))
 
 
-@proxy_route("POST", "/v1/messages/count_tokens", keyed=False, body=CountTokensRequest)
+@proxy_route("POST", "/v1/messages/count_tokens", body=CountTokensRequest)
 async def count_tokens(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's token count: vLLM's own /tokenize of the translated chat (exact), or
     LiteLLM's estimate for other providers. Nothing is stored."""
-    return await in_dialect(_count_tokens(request), WireFormat.MESSAGES)
-
-
-async def _count_tokens(request: Request) -> Response:
-    await require_api_key(request)  # here, not as a dependency: its 401 is Anthropic-shaped too
     gw = gateway_of(request)
     body = parse_body(await read_body(request, gw.settings.max_body_bytes), CountTokensRequest)
     chat = await sent_arguments(gw, messages_to_chat({**body, "max_tokens": 1}))
@@ -163,8 +156,8 @@ async def _count_tokens(request: Request) -> Response:
                                           messages=chat["messages"], tools=chat.get("tools"), api_key=target.api_key)
     except CallError as exc:
         if exc.status_code is None and exc.__cause__ is not None:
-            raise OpenAIError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
+            raise RequestError(502, f"upstream {target.group} unreachable: {type(exc.__cause__).__name__}") from exc
         if exc.status_code is None:
-            raise OpenAIError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
-        raise OpenAIError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
+            raise RequestError(502, f"upstream {target.group} gave no token count: {exc.detail[:500]}") from exc
+        raise RequestError(exc.status_code if exc.status_code < 500 else 502, exc.detail[:2000]) from exc
     return JSONResponse({"input_tokens": found.count})

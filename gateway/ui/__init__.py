@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from gateway import errors
-from gateway.auth import CsrfFailed, LoginRequired
+from base.errors import CsrfFailed, LoginRequired
 from gateway.ui import judgements, pages
 
 STATIC = Path(__file__).parent / "static"

@@ -17,7 +17,7 @@ from datapool import judgements, reliability
 from base.vocab import JudgementStatus
 from gateway import actions
 from gateway.auth import require_ui
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from gateway.pool import in_pool
 from gateway.state import gateway_of
 from gateway.ui.pages import env, render
@@ -30,7 +30,7 @@ PAGE = 100
 def _status(value: str | None) -> str:
     status = value or JudgementStatus.DEAD
     if status not in judgements.SHOWN:
-        raise OpenAIError(400, f"status must be one of {', '.join(judgements.SHOWN)}", param="status")
+        raise RequestError(400, f"status must be one of {', '.join(judgements.SHOWN)}", param="status")
     return status
 
 
@@ -38,7 +38,7 @@ def _offset(value: str | None) -> int:
     try:
         return max(0, int(value or 0))
     except ValueError:
-        raise OpenAIError(400, "offset must be a whole number", param="offset") from None
+        raise RequestError(400, "offset must be a whole number", param="offset") from None
 
 
 def _age(seconds: float | None) -> str:
@@ -97,7 +97,7 @@ async def retry_one(request: Request, turn_id: str) -> Response:
     back = str(form.get("status") or JudgementStatus.DEAD)
     queued = await actions.retry_judgements(gateway_of(request), turn_ids=[turn_id])
     if not queued:
-        raise OpenAIError(404, f"no dead, tie or unparsable judgement for turn {turn_id!r}", code="not_found")
+        raise RequestError(404, f"no dead, tie or unparsable judgement for turn {turn_id!r}", code="not_found")
     return _after(request, back if back in judgements.SHOWN else JudgementStatus.DEAD,
                   str(form.get("reason") or "") or None, queued)
 

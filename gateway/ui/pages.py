@@ -13,12 +13,12 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from sqlalchemy.orm import Session as OrmSession
 
+from base.errors import LabelError, RequestError, PublishError, VersionNotFound
 from datapool import browse, evals, labels, queries, training_view, versions
 from base.vocab import CaptureKind, TurnKind
 from gateway import actions, auth
 from gateway.auth import Admin, require_ui
 from gateway.clients import profiles, words_of
-from gateway.errors import OpenAIError
 from gateway.pool import in_pool, in_thread
 from gateway.state import Gateway, gateway_of
 from gateway.tenants import tenant_of_request as _tenant  # the login's tenant; None: the admin
@@ -176,7 +176,7 @@ async def _results(request: Request, f: browse.Browse) -> dict[str, Any]:
             try:
                 queries.decode_cursor(value)
             except ValueError as exc:
-                raise OpenAIError(400, str(exc), param=name) from exc
+                raise RequestError(400, str(exc), param=name) from exc
 
     tenant = _tenant(request)
 
@@ -295,11 +295,11 @@ async def _add_label(request: Request, **target: str) -> str | None:
     try:
         await actions.add_label(gateway_of(request), kind=kind, value=value, author=request.state.admin.name,
                                 **target)
-    except labels.LabelError as exc:  # the person's input: the form shows why, in place
+    except LabelError as exc:  # the person's input: the form shows why, in place
         if not _is_htmx(request):
             raise
         return str(exc)
-    except OpenAIError as exc:
+    except RequestError as exc:
         if exc.status != 400 or not _is_htmx(request):
             raise
         return exc.message
@@ -434,7 +434,7 @@ async def promote(request: Request) -> Response:
     form, confirmed = await _confirmed(request)
     name = form.get("name", "").strip()
     if not name:
-        raise OpenAIError(400, "name the version to promote", param="name")
+        raise RequestError(400, "name the version to promote", param="name")
     if not confirmed:
         return render(request, "confirm.html", action="promote", name=name,
                       active=await in_thread(versions.active_name, gateway_of(request).engine))
@@ -442,8 +442,10 @@ async def promote(request: Request) -> Response:
         result = await actions.promote(gateway_of(request), name, f"admin:{request.state.admin.name}",
                                        form.get("reason") or None)
         msg = f"Promoted {name}: `policy` serves {result['active'] or 'the base model'}."
-    except OpenAIError as exc:
-        msg = f"Promote failed: {exc.message}"
+    except VersionNotFound:
+        raise  # the error page's 404, as for any page naming what does not exist
+    except (PublishError, RequestError) as exc:  # refused (409), or the pool down (503): said on the page
+        msg = f"Promote failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
 
@@ -459,8 +461,10 @@ async def rollback(request: Request) -> Response:
                                         form.get("reason") or None)
         msg = (f"Rolled back {', '.join(result['rolled_back']) or 'nothing'}: "
                f"`policy` serves {result['active'] or 'the base model'}.")
-    except OpenAIError as exc:
-        msg = f"Rollback failed: {exc.message}"
+    except VersionNotFound:
+        raise
+    except (PublishError, RequestError) as exc:
+        msg = f"Rollback failed: {exc}"
     return RedirectResponse("/admin/training?" + urlencode({"msg": msg}), status_code=303)
 
 

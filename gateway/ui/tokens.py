@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import aiohttp
 
-from vllm_client.http import CallError
+from base.errors import CallError
 from vllm_client.tokenizer import tokenize
 
 

@@ -98,7 +98,8 @@ OBJECTIVE_HELP = ("rl: binary RL (PPO clip on r standardized within task groups,
 
 def label_filters(specs: tuple[str, ...]) -> tuple[str, ...]:
     """``--labels`` values checked against ``datapool.labels``."""
-    from datapool.labels import LabelError, check_filter
+    from base.errors import LabelError
+    from datapool.labels import check_filter
 
     try:
         return tuple(check_filter(s) for s in specs)

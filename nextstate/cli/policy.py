@@ -120,7 +120,8 @@ def publish_cmd(adapter_dir: Path, name: str | None, base_model: str | None, par
     and resuming), and only then registers it (active: the previous active version is
     retired). On failure nothing is registered and every vLLM serves what it served before.
     """
-    from publishing.publish import PublishError, PublishRequest, publish
+    from base.errors import PublishError
+    from publishing.publish import PublishRequest, publish
 
     settings = _settings(database_url)
     with _engine(database_url) as engine:
@@ -148,7 +149,7 @@ def promote_cmd(version: str, database_url: str | None, vllm_urls: tuple[str, ..
     and a full version's weights are gone), then marks it active and the previously active
     version retired. Promoting the active version again just reloads it where it is missing.
     """
-    from datapool.versions import PublishError
+    from base.errors import PublishError
     from publishing.publish import activate
 
     with _engine(database_url) as engine:
@@ -174,7 +175,7 @@ def rollback_cmd(version: str | None, database_url: str | None, vllm_urls: tuple
     model if there is none. The version rolled back from is marked rolled_back. Servers that
     held a full version's weights reload the target's (or their base weights).
     """
-    from datapool.versions import PublishError
+    from base.errors import PublishError
     from publishing.publish import rollback
 
     with _engine(database_url) as engine:

@@ -89,6 +89,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     import asyncio
     from datetime import datetime, timezone
 
+    from base.errors import InfraError, RolloutError
     from rollout import runner as ro
 
     opt.setup_logging(log_level)
@@ -134,9 +135,9 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
             click.echo(f"interrupted: rerun the same command (run {run}) to resume", err=True)
             sys.exit(130)
         bar.close()
-    except ro.InfraError as exc:
+    except InfraError as exc:
         raise click.ClickException(f"{exc}\nNothing is lost: rerun the same command to resume run {run}.") from exc
-    except ro.RolloutError as exc:
+    except RolloutError as exc:
         raise click.UsageError(str(exc)) from exc
     report = summary.report()
     cfg.workdir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from base.settings import AdminExposed, Settings, check_admin_exposure
+from base.errors import AdminExposed
+from base.settings import Settings, check_admin_exposure
 from base.vocab import Objective
 from nextstate.cli import options as opt
 

@@ -296,7 +296,8 @@ def _train_online(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objec
 def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
                    filters: Filters, urls: list[str], base_model: str, model_dir: Path) -> None:
     from trainer.offline import train_offline
-    from publishing.publish import PublishError, PublishRequest, publish
+    from base.errors import PublishError
+    from publishing.publish import PublishRequest, publish
 
     board_dir = settings.data_dir / "tensorboard"
     writer = None

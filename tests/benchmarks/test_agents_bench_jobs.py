@@ -21,7 +21,8 @@ import pytest
 
 from benchmarks.agents import run as bench
 from examples.agents import terminal
-from rollout.sandbox import Sandbox, SandboxUnavailable, check_available
+from base.errors import SandboxUnavailable
+from rollout.sandbox import Sandbox, check_available
 from tests.support.processes import wait_for
 
 try:

@@ -95,7 +95,8 @@ def test_unknown_arm_is_refused(arms: str, monkeypatch: pytest.MonkeyPatch, caps
 
 def test_escapes_are_tried_and_contained(tmp_path: Path) -> None:
     """What the benchmark tries beside its environments; each is stopped by its own limit."""
-    from rollout.sandbox import SandboxUnavailable, check_available
+    from base.errors import SandboxUnavailable
+    from rollout.sandbox import check_available
 
     try:
         check_available()

@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import audit, evals, versions
 from datapool.capture import Spool
 from datapool.db import make_engine, upgrade
-from datapool.forget import ForgetError, forget, forget_waiting
+from base.errors import ForgetError, VersionTainted
+from datapool.forget import forget, forget_waiting
 from datapool.leases import ack, start_run
 from datapool.models import (
     AuditEntry,
@@ -166,7 +167,7 @@ def test_forget_session_deletes_everything_keyed_to_it_and_taints(database_url: 
     assert [e["action"] for e in log] == ["taint", "forget"]
     assert log[1]["actor"] == "cli:test" and log[1]["details"]["deleted"]["turns"] == 2
     # tainted: never promoted again, skipped by rollback; the active one is rolled back to the clean one
-    with pytest.raises(versions.VersionTainted, match="tainted"):
+    with pytest.raises(VersionTainted, match="tainted"):
         activate(engine, f"v1child-{tag}", [])
     vllm = _AdapterServer()
     try:
@@ -230,7 +231,7 @@ def test_a_version_trained_from_a_tainted_one_is_tainted(database_url: str, tmp_
     engine, tag, a1, *_ = _pool(database_url, tmp_path)
     forget(engine, session_id=a1.session_id, actor="token", taint=True)
     parent = versions.check_new(engine, f"next-{tag}", f"v1-{tag}")
-    with pytest.raises(versions.VersionTainted, match="tainted version"):
+    with pytest.raises(VersionTainted, match="tainted version"):
         versions.register(engine, name=f"next-{tag}", kind="lora", base_model="b", path=tmp_path / "n",
                           parent_id=parent, activate=True, stats={}, actor="trainer", reason=None, metrics={})
     row, _ = versions.register(engine, name=f"next-{tag}", kind="lora", base_model="b", path=tmp_path / "n",

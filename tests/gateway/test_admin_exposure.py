@@ -18,7 +18,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from base.settings import AdminExposed, Settings, check_admin_exposure, loopback
+from base.errors import AdminExposed
+from base.settings import Settings, check_admin_exposure, loopback
 from gateway.app import create_app
 from tests.support.processes import GatewayProcess
 from tests.support.upstreams import SilentUpstream

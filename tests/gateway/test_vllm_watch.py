@@ -58,7 +58,7 @@ def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused()
     makes `b` the one being loaded."""
     import pytest
 
-    from gateway.errors import OpenAIError
+    from base.errors import RequestError
     from gateway.metrics import Metrics
     from gateway.upstream import ActiveVersion
     from gateway.vllm_watch import State, VLLMWatch
@@ -67,12 +67,12 @@ def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused()
     watch = VLLMWatch(None, None, Metrics(), bases=dict, active=lambda: active[0])  # type: ignore[arg-type]
     base = "http://vllm:8000/v1"
     watch._set(base, State.LOADING, "the active version a is not loaded", "a")
-    with pytest.raises(OpenAIError, match="loading the active version a"):
+    with pytest.raises(RequestError, match="loading the active version a"):
         watch.refuse(base, "a", "policy")
     active[0] = ActiveVersion("b")
     watch.refuse(base, "b", "policy")  # b was loaded by its activation: not refused
     watch.mark_loading(base)  # ... unless vLLM answers 404 for it after all
-    with pytest.raises(OpenAIError, match="loading the active version b"):
+    with pytest.raises(RequestError, match="loading the active version b"):
         watch.refuse(base + "/", "b", "policy")
     watch._set(base, State.OK, "the active version b loaded")
     watch.refuse(base, "b", "policy")

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from openai._models import construct_type
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.errors import OpenAIError, from_upstream
-from gateway.formats import MessagesReply, ResponsesReply, anthropic_error, messages_to_chat, responses_to_chat
+from base.errors import RequestError
+from gateway.errors import anthropic_error, from_upstream
+from gateway.formats import MessagesReply, ResponsesReply, messages_to_chat, responses_to_chat
 from gateway.protocol import MessagesRequest, parse_body
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -174,7 +175,7 @@ def test_a_system_message_mid_conversation_is_accepted_and_kept_in_place() -> No
     chat = messages_to_chat(parse_body(raw, MessagesRequest))
     assert [m["role"] for m in chat["messages"]] == ["system", "user", "user", "user"]
     assert "Tools changed: grep is gone." in json.dumps(chat["messages"][2])
-    with pytest.raises(OpenAIError) as refused:  # any other role is still the client's error
+    with pytest.raises(RequestError) as refused:  # any other role is still the client's error
         parse_body(raw.replace(b'"role": "system", "content": [', b'"role": "tool", "content": ['), MessagesRequest)
     assert refused.value.status == 400
 
@@ -193,9 +194,9 @@ def test_responses_request_continues_the_stored_history() -> None:
 
 
 def test_errors_in_anthropics_dialect() -> None:
-    assert anthropic_error(OpenAIError(502, "down")) == (529, {"type": "error", "error": {
+    assert anthropic_error(RequestError(502, "down")) == (529, {"type": "error", "error": {
         "type": "overloaded_error", "message": "down"}})
-    assert anthropic_error(OpenAIError(404, "no model"))[1]["error"]["type"] == "not_found_error"
+    assert anthropic_error(RequestError(404, "no model"))[1]["error"]["type"] == "not_found_error"
     vllm = ("This model's maximum context length is 8192 tokens. However, your request has 9010 input tokens. "
             "Please reduce the length of the input messages.")
     err = from_upstream(400, {"error": {"message": vllm}}, "fallback")  # how the gateway reads vLLM's 400

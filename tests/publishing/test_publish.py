@@ -29,7 +29,8 @@ from tests.publishing.test_version_races import promote_at_once
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
-from datapool.versions import PublishError, VersionNotFound, active_version, get_version, list_versions  # noqa: E402
+from base.errors import PublishError, VersionNotFound  # noqa: E402
+from datapool.versions import active_version, get_version, list_versions  # noqa: E402
 from vllm_client.http import policy_servers, server_root  # noqa: E402
 from vllm_client.sampling import parse_load  # noqa: E402
 from base.vocab import VersionKind  # noqa: E402

@@ -32,8 +32,9 @@ from tests.support.upstreams import PolicyStream, alias_root, greedy_reply
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
 from vllm_client.http import server_root
-from vllm_client.weights import BASE_LABEL, BASE_LABELS, WeightsError, base_weights_path, labels, reload_one, weight_label, weights_digest  # noqa: E402
-from datapool.versions import PublishError, active_version, list_versions  # noqa: E402
+from base.errors import PublishError, WeightsError  # noqa: E402
+from vllm_client.weights import BASE_LABEL, BASE_LABELS, base_weights_path, labels, reload_one, weight_label, weights_digest  # noqa: E402
+from datapool.versions import active_version, list_versions  # noqa: E402
 from base.vocab import VersionKind  # noqa: E402
 from publishing.publish import PublishRequest, publish, rollback  # noqa: E402
 from tests.support import REPO

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from base.errors import InfraError, RolloutError
 from rollout import runner as ro
 from tests.conftest import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
@@ -91,7 +92,7 @@ def test_tasks_from_jsonl_and_parquet(tmp_path: Path) -> None:
     for lines, message in [("{\"q\": 1}\n", "needs an `id`"), ("{\"id\": 1}\n{\"id\": \"1\"}\n", "duplicate"),
                            ("{\"id\": 1}\nnot json\n", "line 2"), ("[1]\n", "JSON object"), ("\n", "no tasks")]:
         (tmp_path / "bad.jsonl").write_text(lines)
-        with pytest.raises(ro.RolloutError, match=message):
+        with pytest.raises(RolloutError, match=message):
             ro.load_tasks(tmp_path / "bad.jsonl")
 
 
@@ -127,7 +128,7 @@ def test_unreachable_gateway_is_an_infrastructure_error(tmp_path: Path) -> None:
     cfg = ro.RolloutConfig(gateway_url=f"http://127.0.0.1:{free_port()}", run="down", retries=2, backoff_s=0.05,
                            workdir=tmp_path)
     started = time.monotonic()
-    with pytest.raises(ro.InfraError, match="unreachable.*after 2 retries"):
+    with pytest.raises(InfraError, match="unreachable.*after 2 retries"):
         _run(cfg, ro.PythonAgent("tests.support.rollout_agents:one_call", api_key=None), WORDS[:1])
     assert time.monotonic() - started < 10
 

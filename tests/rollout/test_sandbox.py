@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.sandbox import Limits, Sandbox, SandboxUnavailable, check_available, unmount_under
+from base.errors import SandboxUnavailable
+from rollout.sandbox import Limits, Sandbox, check_available, unmount_under
 from tests.support import REPO
 
 try:

@@ -14,8 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scoring.fit import PromptTooLong, allocate
-from scoring.judge import CONTEXT_MESSAGES, JudgeRefused, LLMJudge, _raise_if_final, context_pieces
+from base.errors import JudgeRefused, PromptTooLong
+from scoring.fit import allocate
+from scoring.judge import CONTEXT_MESSAGES, LLMJudge, _raise_if_final, context_pieces
 from base.vocab import DeadReason
 
 OVERHEAD = 5  # the fake chat template's tokens per message

@@ -26,7 +26,7 @@ from scoring.judge import PythonJudge
 from scoring.score import score_turn
 from scoring.siblings import SiblingConfig, resample_siblings
 from gateway.classify import turn_kind_of
-from gateway.errors import OpenAIError
+from base.errors import RequestError
 from tests.gateway.ui.test_ui import admin_client
 from trainer import objectives
 from trainer.objectives import ObjectiveConfig
@@ -55,7 +55,7 @@ def test_load_from_vllm_metrics() -> None:
 
 
 def test_a_client_cannot_send_a_sibling() -> None:
-    with pytest.raises(OpenAIError):
+    with pytest.raises(RequestError):
         turn_kind_of({"x-turn-type": "sibling"}, {}, [])
     assert turn_kind_of({"x-turn-type": "side"}, {}, []) == "side"
 

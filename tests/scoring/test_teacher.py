@@ -15,13 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scoring.teacher import (
-    HINT_TEMPLATE,
-    TeacherError,
-    TeacherResult,
-    teacher_logprobs,
-    teacher_messages,
-)
+from base.errors import TeacherError
+from scoring.teacher import HINT_TEMPLATE, TeacherResult, teacher_logprobs, teacher_messages
 from vllm_client.http import server_root
 
 TIMEOUT = httpx.Timeout(120.0)

@@ -15,7 +15,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from scoring.teacher import TeacherError, teacher_logprobs
+from base.errors import TeacherError
+from scoring.teacher import teacher_logprobs
 from trainer.local import LocalConfig, LocalTrainer
 from trainer.objectives import ObjectiveConfig, compute_advantages, compute_loss, topk_opd_kl
 from tests.support.tiny_model import VOCAB, write_tiny_llama

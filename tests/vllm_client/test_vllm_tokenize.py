@@ -12,7 +12,7 @@ import aiohttp
 import httpx
 import pytest
 
-from vllm_client.http import CallError
+from base.errors import CallError
 from vllm_client.tokenizer import detokenize, tokenize
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]

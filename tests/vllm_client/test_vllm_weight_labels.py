@@ -21,15 +21,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_client import weights as vllm_weights
-from vllm_client.weights import (
-    FRESH,
-    RPC_LABEL_ATTR,
-    DevModeMissing,
-    WeightsError,
-    require_weight_labels,
-    set_weight_label,
-    weight_label,
-)
+from base.errors import DevModeMissing, WeightsError
+from vllm_client.weights import FRESH, RPC_LABEL_ATTR, require_weight_labels, set_weight_label, weight_label
 
 URL = "http://vllm.test:8000/v1"
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session as OrmSession
 
+from base.errors import FilterError, LabelError
 from datapool import browse, labels
 from datapool.db import make_engine
 from datapool.models import Judgement, Label, Turn
@@ -232,7 +233,7 @@ def test_labels_change_what_the_trainer_sees(database_url: str) -> None:
         got = {s.turn_id: s.reward for s in load_samples(db, [ids["offline_0"], ids["offline_1"],
                                                                 ids["weather_reply"]])}
     assert got == {ids["offline_0"]: -0.5, ids["offline_1"]: -1.0, ids["weather_reply"]: 0.25}
-    with pytest.raises(labels.LabelError):
+    with pytest.raises(LabelError):
         lease.lease(engine, "r", limit=1, filters=lease.Filters(labels=("bogus",)))
     engine.dispose()
 
@@ -306,7 +307,7 @@ def test_filters_search_and_counts(database_url: str) -> None:
             if cursor is None:
                 break
     assert len(seen) == len(set(seen)) == 8
-    with pytest.raises(browse.FilterError, match="mode"):
+    with pytest.raises(FilterError, match="mode"):
         browse.Browse.from_params({"mode": "weird"})
     engine.dispose()
 
