@@ -168,8 +168,8 @@ def history_hash(messages: Iterable[Message]) -> str:
 class Prefixes:
     """One pass over a history: the canonical hash after each message (``digests[i]`` covers
     ``messages[: i + 1]``) and the hasher at its end. Every key stitching looks a request up by,
-    or stores a turn under, is read from these, so a request's messages are canonicalized once
-    (they were five times, once per kind of key)."""
+    or stores a turn under, is read from these, so a request's messages are canonicalized once,
+    not once per kind of key."""
 
     __slots__ = ("messages", "digests", "end")
 
