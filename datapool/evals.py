@@ -19,12 +19,12 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import utcnow
 from datapool.models import EvalReply, Session, Turn
 from base.vocab import SessionMode, TurnKind
-from datapool.sessions import history_hash
+from datapool.canonical import history_hash
 
 
 def prompt_hash(messages: Sequence[dict[str, Any]]) -> str:
     """The key that finds the same held-out prompt across versions: the canonical history hash
-    that stitches sessions (``datapool.sessions``), so a prompt matches itself whatever null
+    that stitches sessions (``datapool.canonical``), so a prompt matches itself whatever null
     fields, content parts or tool-call ids a client's spelling of it carries."""
     return history_hash(messages)
 

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import browse, export, judgements, labels, versions
+from datapool import browse, export, judgements, labels
 from publishing import publish
 from vllm_client.http import policy_servers
 from datapool.judgements import mark_pending

@@ -1,11 +1,11 @@
 """The proxy: one agent call, from the client's request to the captured turn. `proxy` parses
 the body in the client's wire format (Chat Completions, Completions, OpenAI's Responses,
-Anthropic's Messages; the last two translated to Chat Completions upstream, gateway.formats),
-resolves the session and the upstream, and hands both to a `_Call`, which sends it upstream
-(vLLM for the white-box policy, LiteLLM for any other provider), relays the reply unchanged and
-hands the record to the capture writer. `ProxyFastPath` routes those POSTs here without
-FastAPI's per-request overhead; gateway.routes.openai declares the same routes for the OpenAPI
-schema and the session-prefixed paths."""
+Anthropic's Messages; the last two translated to Chat Completions upstream by gateway.formats
+and back by gateway.replies), resolves the session and the upstream, and hands both to a
+`_Call`, which sends it upstream (vLLM for the white-box policy, LiteLLM for any other
+provider), relays the reply and hands the record to the capture writer. `ProxyFastPath` routes
+those POSTs here without FastAPI's per-request overhead; gateway.routes.openai declares the same
+routes for the OpenAPI schema and the session-prefixed paths."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import aiohttp
@@ -26,8 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
-from base.settings import ClientProfile
 from base.errors import NextstateError, RequestError
+from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
@@ -35,14 +36,7 @@ from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable
-from gateway.formats import (
-    SENT_ARGUMENTS,
-    MessagesReply,
-    Reply,
-    ResponsesReply,
-    messages_to_chat,
-    responses_to_chat,
-)
+from gateway.formats import SENT_ARGUMENTS, messages_to_chat, responses_to_chat
 from gateway.pool import in_pool
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -52,9 +46,11 @@ from gateway.protocol import (
     parse_body,
     read_body,
 )
+from gateway.replies import MessagesReply, Reply, ResponsesReply
 from gateway.recording import (
     Accumulator,
     ClientWants,
+    SSEvent,
     request_record,
     sse_events,
     strip_for_client,
@@ -83,7 +79,7 @@ class ProxyFastPath:
     large share of what the gateway adds to every agent call (benchmarks/gateway/README.md).
     The routes stay declared in gateway.routes.openai, so the OpenAPI schema, the fuzzers and the route audit see
     them; requests take this shorter way to the same handler, with the same key check and the
-    same errors (gateway.errors.respond). Anything else (other methods, a trailing slash) goes on to
+    same OpenAI-shaped errors. Anything else (other methods, a trailing slash) goes on to
     FastAPI unchanged.
     """
 
@@ -209,25 +205,26 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     return await call.litellm()
 
 
+@dataclass(eq=False)
 class _Call:
     """One proxied call: sends it upstream, relays the reply, hands the record to capture."""
 
-    def __init__(self, gw: Gateway, endpoint: str, body: dict[str, Any], target: Target,
-                 record: TurnRecord, started: float, headers: dict[str, str], reply: Reply | None = None):
-        self.gw = gw
-        self.endpoint = endpoint
-        self.body = body
-        self.target = target
-        self.record = record
-        self.started = started
-        self.headers = headers
-        self.stream = bool(body.get("stream"))
-        self.acc = Accumulator(endpoint, target.white_box)
-        # a Responses or Messages reply: translated back from chat, stored under the client's id
-        self.reply = reply
-        self.label = record.wire_format or endpoint
-        if reply is not None:
-            self.acc.id = reply.id
+    gw: Gateway
+    endpoint: str
+    body: dict[str, Any]
+    target: Target
+    record: TurnRecord
+    started: float
+    headers: dict[str, str]
+    # a Responses or Messages reply: translated back from chat, stored under the client's id
+    reply: Reply | None = None
+
+    def __post_init__(self) -> None:
+        self.stream = bool(self.body.get("stream"))
+        self.acc = Accumulator(self.endpoint, self.target.white_box)
+        self.label = self.record.wire_format or self.endpoint
+        if self.reply is not None:
+            self.acc.id = self.reply.id
 
     # -- finishing --------------------------------------------------------------------------
 
@@ -293,12 +290,8 @@ class _Call:
             await self._upstream_error(resp)
         wants = ClientWants.of(self.endpoint, self.body)
         if self.stream:
-            return StreamingResponse(
-                self._relay(resp, wants) if self.reply is None else self._relay_translated(resp),
-                status_code=resp.status,
-                media_type="text/event-stream",
-                headers={**self.headers, "Cache-Control": "no-cache"},
-            )
+            return self._streamed(sse_events(resp.content.iter_any()), wants, (TimeoutError, aiohttp.ClientError),
+                                  resp)
         try:
             raw = await resp.read()
         except TimeoutError as exc:
@@ -353,99 +346,51 @@ class _Call:
         # Anthropic words it on /v1/messages): gateway.errors renders it
         raise self._fail(err.status, err.message, upstream=upstream, error=err)
 
-    async def _relay(self, resp: aiohttp.ClientResponse, wants: ClientWants) -> AsyncIterator[bytes]:
+    def _streamed(self, arrivals: AsyncIterator[list[SSEvent]], wants: ClientWants,
+                  failures: tuple[type[Exception], ...], resp: aiohttp.ClientResponse | None = None) -> Response:
+        """The client's stream of the upstream's chat events (see _relay)."""
+        events = _AsSent(self.acc, wants) if self.reply is None else _Translated(self.acc, self.reply)
+        return StreamingResponse(self._relay(arrivals, events, failures, resp),
+                                 status_code=resp.status if resp is not None else 200,
+                                 media_type="text/event-stream", headers={**self.headers, "Cache-Control": "no-cache"})
+
+    async def _relay(self, arrivals: AsyncIterator[list[SSEvent]], events: _Events,
+                     failures: tuple[type[Exception], ...], resp: aiohttp.ClientResponse | None,
+                     ) -> AsyncIterator[bytes]:
+        """The upstream's chat stream to the client, event by event in the client's wire format;
+        the turn is recorded once the stream ends, fails (one of *failures*) or the client hangs
+        up. *resp*: vLLM's response, whose connection is reused or closed at the end."""
         status, error = "ok", None
-        done = False  # [DONE] relayed: the reply is complete, whatever the client does next
         ended = False  # the upstream's reply read to its end: its connection can be reused
         try:
-            async for events in sse_events(resp.content.iter_any()):
-                out = []  # the events that arrived together leave together: one write
-                for raw, data in events:
-                    if data is None or data == b"[DONE]":
-                        done = done or data == b"[DONE]"
-                        out.append(raw)
-                        continue
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        out.append(raw)
-                        continue
-                    self.acc.feed(obj)
-                    if wants.everything or not isinstance(obj, dict):
-                        out.append(raw)
-                    else:
-                        strip_for_client(obj, wants)
-                        out.append(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
-                                   + b"\n\n")
-                yield b"".join(out)
-            ended = True
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            status = "error"
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            error = openai_error(RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}"))
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
-        except (asyncio.CancelledError, GeneratorExit):
-            # a client that hangs up after [DONE] got the whole reply
-            if not done:
-                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
-            raise
-        finally:
-            if ended:
-                resp.release()
-            else:
-                resp.close()  # closing the connection is what cancels the request upstream
-            self._finish(200, status=status, error=error)
-
-    async def _relay_translated(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-        """vLLM's chat stream, translated event by event into the client's wire format."""
-        reply = self.reply
-        assert reply is not None
-        status, error = "ok", None
-        done = False  # the closing events were sent: the reply is complete
-        ended = False
-        try:
-            async for events in sse_events(resp.content.iter_any()):
-                out: list[bytes] = []
-                for _, data in events:
-                    if data is None:
-                        continue
-                    if data == b"[DONE]":
-                        out += reply.end()
-                        done = True
-                        continue
-                    try:
-                        obj = json.loads(data)
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
-                        if isinstance(obj.get("error"), dict) and not obj.get("choices"):
-                            err = RequestError(502, str(obj["error"].get("message") or "upstream error"))
-                            status, error = "error", openai_error(err)
-                            out.append(reply.error_event(err))
-                            continue
-                        self.acc.feed(obj)
-                        out += reply.chunk(obj)
+            async for arrived in arrivals:
+                # the events that arrived together leave together: one write
+                out = [b for raw, data in arrived for b in events.event(raw, data)]
                 if out:
                     yield b"".join(out)
             ended = True
-            if not done and status == "ok":
-                done = True
-                yield b"".join(reply.end())
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            if not events.done and events.error is None:
+                events.done = True
+                if closing := events.close():
+                    yield b"".join(closing)
+        except failures as exc:
             status = "error"
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {reason}")
             error = openai_error(err)
-            yield reply.error_event(err)
+            yield events.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
-            if not done:
+            # a client that hangs up after the reply's end ([DONE]) got the whole reply
+            if not events.done:
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
-            if ended:
+            if resp is not None and ended:
                 resp.release()
-            else:
-                resp.close()
+            elif resp is not None:
+                resp.close()  # closing the connection is what cancels the request upstream
+            if status == "ok" and events.error is not None:
+                status, error = "error", events.error
             self._finish(200, status=status, error=error)
 
     # -- other providers: through the LiteLLM Router ---------------------------------------------
@@ -477,35 +422,93 @@ class _Call:
             self.acc.feed(obj)
             self._finish(200)
             return JSONResponse(obj if self.reply is None else self.reply.whole(obj), headers=self.headers)
-        return StreamingResponse(self._relay_litellm(result), media_type="text/event-stream",
-                                 headers={**self.headers, "Cache-Control": "no-cache"})
+        # LiteLLM's exceptions from a provider's stream are many; each is the upstream's failure
+        return self._streamed(_litellm_events(result), ClientWants(logprobs=True, token_ids=True), (Exception,))
 
-    async def _relay_litellm(self, chunks: Any) -> AsyncIterator[bytes]:
-        status, error = "ok", None
-        done = False
-        reply = self.reply
-        try:
-            async for chunk in chunks:
-                obj = chunk.model_dump(mode="json", exclude_none=True)
-                self.acc.feed(obj)
-                if reply is None:
-                    yield b"data: " + _dumps(obj) + b"\n\n"
-                else:
-                    yield b"".join(reply.chunk(obj))
-            done = True
-            yield b"data: [DONE]\n\n" if reply is None else b"".join(reply.end())
-        except (asyncio.CancelledError, GeneratorExit):
-            if not done:
-                status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
-            raise
-        except Exception as exc:
-            status = "error"
-            err = RequestError(502, f"upstream {self.target.group} failed mid-stream: {exc}")
-            error = openai_error(err)
-            yield b"data: " + json.dumps({"error": error}).encode() + b"\n\n" if reply is None else reply.error_event(err)
-        finally:
-            self._finish(200, status=status, error=error)
+
+async def _litellm_events(chunks: Any) -> AsyncIterator[list[SSEvent]]:
+    """LiteLLM's stream of chunks as the Chat Completions events vLLM would send, one at a time."""
+    async for chunk in chunks:
+        data = _dumps(chunk.model_dump(mode="json", exclude_none=True))
+        yield [(b"data: " + data + b"\n\n", data)]
+    yield [(b"data: [DONE]\n\n", b"[DONE]")]
 
 
 def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class _Events:
+    """How the events of the upstream's chat stream reach the client (_Call._relay): each upstream event
+    fed to the accumulator and turned into the client's bytes."""
+
+    def __init__(self, acc: Accumulator):
+        self.acc = acc
+        self.done = False  # the reply's end was relayed: complete, whatever the client does next
+        self.error: dict[str, Any] | None = None  # an error the upstream reported in the stream
+
+    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+        raise NotImplementedError
+
+    def close(self) -> list[bytes]:
+        """The closing events when the upstream's stream ended without ``[DONE]``."""
+        return []
+
+    def error_event(self, err: RequestError) -> bytes:
+        return b"data: " + json.dumps({"error": openai_error(err)}).encode() + b"\n\n"
+
+
+class _AsSent(_Events):
+    """Chat Completions or Completions: the events as vLLM sent them, less the fields the client
+    did not ask for (ClientWants)."""
+
+    def __init__(self, acc: Accumulator, wants: ClientWants):
+        super().__init__(acc)
+        self.wants = wants
+
+    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+        if data is None or data == b"[DONE]":
+            self.done = self.done or data == b"[DONE]"
+            return [raw]
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return [raw]
+        self.acc.feed(obj)
+        if self.wants.everything or not isinstance(obj, dict):
+            return [raw]
+        strip_for_client(obj, self.wants)
+        return [b"data: " + _dumps(obj) + b"\n\n"]
+
+
+class _Translated(_Events):
+    """Responses or Messages: each chat event translated into the client's events (Reply)."""
+
+    def __init__(self, acc: Accumulator, reply: Reply):
+        super().__init__(acc)
+        self.reply = reply
+
+    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+        if data is None:
+            return []
+        if data == b"[DONE]":
+            self.done = True
+            return self.reply.end()
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return []
+        if not isinstance(obj, dict):
+            return []
+        if isinstance(obj.get("error"), dict) and not obj.get("choices"):
+            err = RequestError(502, str(obj["error"].get("message") or "upstream error"))
+            self.error = openai_error(err)
+            return [self.reply.error_event(err)]
+        self.acc.feed(obj)
+        return self.reply.chunk(obj)
+
+    def close(self) -> list[bytes]:
+        return self.reply.end()
+
+    def error_event(self, err: RequestError) -> bytes:
+        return self.reply.error_event(err)

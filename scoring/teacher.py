@@ -35,11 +35,10 @@ Known vLLM problems to keep in mind (vLLM 0.32.0, CPU build, as served by nextst
   memory access); every in-flight request then fails with 500 and the server must be restarted.
   The servers nextstate starts leave ``lm_head`` out (``nextstate.modelserver.LORA_TARGET_MODULES``);
   teacher requests still go to a replica of their own, one at a time (``TEACHER_ARGS`` there says
-  why). Related upstream reports:
-  vllm-project/vllm#17766, #16668, #29955.
+  why). The upstream reports: docs/limitations.md.
 * When a LoRA adapter targets ``lm_head``, vLLM's ``prompt_logprobs`` may omit the adapter's
-  lm_head delta (vllm-project/vllm#51594, open); adapters that leave ``lm_head`` alone are
-  unaffected.
+  lm_head delta (an open upstream report, in docs/limitations.md); adapters that leave
+  ``lm_head`` alone are unaffected.
 """
 
 from __future__ import annotations

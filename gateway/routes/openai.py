@@ -17,7 +17,8 @@ from base.errors import CallError, RequestError
 from datapool import queries
 from base.vocab import WireFormat
 from gateway.auth import require_api_key
-from gateway.formats import messages_to_chat, responses_object
+from gateway.formats import messages_to_chat
+from gateway.replies import responses_object
 from gateway.pool import in_pool
 from gateway.protocol import (
     ChatCompletionRequest,

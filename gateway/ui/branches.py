@@ -3,7 +3,7 @@
 under the turn it continues (``turns.parent_turn_id``), with how it continues it.
 
 The pool stores only the parent; how a turn continues it is read back here from the two
-requests, compared in the stitcher's canonical form (``datapool.sessions.history_hash``):
+requests, compared in the stitcher's canonical form (``datapool.canonical.history_hash``):
 
 - ``fork``: the parent's next state came from another turn (the parent has more than one child);
 - ``retry``: the same messages as a parent that failed or was cancelled;
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from datapool import browse
-from datapool.sessions import history_hash
+from datapool.canonical import history_hash
 from base.vocab import TurnKind, TurnStatus
 
 _SYSTEM = ("system", "developer")

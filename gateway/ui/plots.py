@@ -15,7 +15,8 @@ one series per training run (or per policy version); inside a series a non-finit
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from html import escape
 
@@ -173,6 +174,26 @@ def _legend_rows(names: Sequence[str], width: int, left: int) -> list[list[tuple
     return rows
 
 
+@dataclass(frozen=True)
+class _Plot:
+    """A chart's plot area in SVG units and the data range it shows: the scales from data to SVG."""
+
+    left: int
+    top: int
+    w: int
+    h: int
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+
+    def sx(self, x: float) -> float:
+        return self.left + (x - self.x0) / (self.x1 - self.x0) * self.w
+
+    def sy(self, y: float) -> float:
+        return self.top + self.h - (y - self.y0) / (self.y1 - self.y0) * self.h
+
+
 def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: bool = False,
                integer_x: bool = True, width: int = 520, height: int = 210, testid: str | None = None,
                colors: Mapping[str, str] | None = None) -> Markup:
@@ -203,69 +224,90 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
         return Markup("".join(parts))
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     yticks, ystep = nice_ticks(min(ys), max(ys), 4)
-    y0, y1 = yticks[0], yticks[-1]
-    if time_axis:
-        x0, x1 = min(xs), max(xs)
-        if x0 == x1:
-            x0, x1 = x0 - 30, x1 + 30
-        xticks, xlabels = time_ticks(x0, x1)
-    else:
-        xticks, xstep = nice_ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1, 6, integer=integer_x)
-        x0, x1 = xticks[0], xticks[-1]
-        xlabels = tick_labels(xticks, xstep)
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * w
-
-    def sy(y: float) -> float:
-        return top + plot_h - (y - y0) / (y1 - y0) * plot_h
+    xticks, xlabels, x0, x1 = _x_ticks(xs, time_axis, integer_x)
+    plot = _Plot(left, top, w, plot_h, x0, x1, yticks[0], yticks[-1])
+    parts += _axes(plot, yticks, tick_labels(yticks, ystep), xticks, xlabels,
+                   "time (UTC)" if time_axis else x_label)
 
     def x_text(x: float) -> str:
         if time_axis:
             return datetime.fromtimestamp(x, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return f"{x_label} {value_label(x)}" if x_label else value_label(x)
 
-    parts.append(f'<rect x="{left}" y="{top}" width="{w}" height="{plot_h}" class="chart-frame"/>')
-    for yv, label in zip(yticks, tick_labels(yticks, ystep)):
-        y = sy(yv)
-        cls = "chart-zero" if label == "0" and len(yticks) > 1 and yv not in (y0, y1) else "chart-grid"
+    for name in names:
+        parts += _series(plot, name, color_of[name], cut[name][0], x_text)
+    parts += _legend(legend, color_of, left, top + plot_h + 48)
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def _x_ticks(xs: Sequence[float], time_axis: bool, integer_x: bool) -> tuple[list[float], list[str], float, float]:
+    """The x axis' ticks, their labels and the range it shows."""
+    if time_axis:
+        x0, x1 = min(xs), max(xs)
+        if x0 == x1:
+            x0, x1 = x0 - 30, x1 + 30
+        xticks, xlabels = time_ticks(x0, x1)
+        return xticks, xlabels, x0, x1
+    xticks, xstep = nice_ticks(min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1, 6, integer=integer_x)
+    return xticks, tick_labels(xticks, xstep), xticks[0], xticks[-1]
+
+
+def _axes(plot: _Plot, yticks: Sequence[float], ylabels: Sequence[str], xticks: Sequence[float],
+          xlabels: Sequence[str], axis: str) -> list[str]:
+    """The frame, the grid lines with their tick labels, and the x axis' name."""
+    left, top, w, plot_h = plot.left, plot.top, plot.w, plot.h
+    parts = [f'<rect x="{left}" y="{top}" width="{w}" height="{plot_h}" class="chart-frame"/>']
+    for yv, label in zip(yticks, ylabels):
+        y = plot.sy(yv)
+        cls = "chart-zero" if label == "0" and len(yticks) > 1 and yv not in (plot.y0, plot.y1) else "chart-grid"
         parts.append(f'<line x1="{left}" x2="{left + w}" y1="{y:.1f}" y2="{y:.1f}" class="{cls}"/>'
                      f'<text x="{left - 5}" y="{y + 3.5:.1f}" text-anchor="end" class="chart-tick">{escape(label)}</text>')
     for xv, label in zip(xticks, xlabels):
-        if x0 - 1e-9 <= xv <= x1 + 1e-9:
-            x = sx(xv)
+        if plot.x0 - 1e-9 <= xv <= plot.x1 + 1e-9:
+            x = plot.sx(xv)
             # a label at either edge stays inside the chart
             anchor = "end" if x > left + w - 3 * len(label) else "start" if x < left + 3 * len(label) - 10 else "middle"
             parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" '
                          f'class="chart-frame"/><text x="{x:.1f}" y="{top + plot_h + 15}" text-anchor="{anchor}" '
                          f'class="chart-tick">{escape(label)}</text>')
-    axis = "time (UTC)" if time_axis else x_label
     if axis:
         parts.append(f'<text x="{left + w / 2}" y="{top + plot_h + 31}" text-anchor="middle" '
                      f'class="chart-axis">{escape(axis)}</text>')
-    for name in names:
-        color = color_of[name]
-        segs, _ = cut[name]
-        n = sum(len(s) for s in segs)
-        parts.append(f'<g class="series" data-series="{escape(name)}">')
-        for seg in segs:
-            if len(seg) > 1:
-                drawn = thin(seg, max(2, math.ceil(MAX_DRAWN * len(seg) / n)))
-                parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="'
-                             + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in drawn) + '"/>')
-        stride = max(1, math.ceil(n / 200))  # a hover target for at most ~200 points a series
-        for seg in segs:
-            cls = "pt dot" if n <= 60 or len(seg) == 1 else "pt"
-            marked = list(range(0, len(seg), stride))
-            if marked[-1] != len(seg) - 1:
-                marked.append(len(seg) - 1)
-            for j in marked:
-                x, y = seg[j]
-                parts.append(f'<circle class="{cls}" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
-                             f'<title>{escape(name)} · {escape(x_text(x))}: {escape(value_label(y))}</title>'
-                             '</circle>')
-        parts.append("</g>")
-    ly = top + plot_h + 48
+    return parts
+
+
+def _series(plot: _Plot, name: str, color: str, segs: Sequence[Sequence[tuple[float, float]]],
+            x_text: Callable[[float], str]) -> list[str]:
+    """One series: its line (thinned to MAX_DRAWN vertices) and a hover target per point, or per
+    stride of points in a long series."""
+    sx, sy = plot.sx, plot.sy
+    n = sum(len(s) for s in segs)
+    parts = [f'<g class="series" data-series="{escape(name)}">']
+    for seg in segs:
+        if len(seg) > 1:
+            drawn = thin(seg, max(2, math.ceil(MAX_DRAWN * len(seg) / n)))
+            parts.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.6" points="'
+                         + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in drawn) + '"/>')
+    stride = max(1, math.ceil(n / 200))  # a hover target for at most ~200 points a series
+    for seg in segs:
+        cls = "pt dot" if n <= 60 or len(seg) == 1 else "pt"
+        marked = list(range(0, len(seg), stride))
+        if marked[-1] != len(seg) - 1:
+            marked.append(len(seg) - 1)
+        for j in marked:
+            x, y = seg[j]
+            parts.append(f'<circle class="{cls}" cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}">'
+                         f'<title>{escape(name)} · {escape(x_text(x))}: {escape(value_label(y))}</title>'
+                         '</circle>')
+    parts.append("</g>")
+    return parts
+
+
+def _legend(legend: Sequence[Sequence[tuple[int, str]]], color_of: Mapping[str, str], left: int,
+            ly: int) -> list[str]:
+    """The legend's rows (_legend_rows) under the plot, from *ly* down."""
+    parts = []
     for r, row in enumerate(legend):
         x = left
         for _, name in row:
@@ -274,5 +316,4 @@ def line_chart(title: str, series: Series, *, x_label: str = "step", time_axis: 
                          f'stroke-width="3"/><text x="{x + 21}" y="{ly + 16 * r}" class="chart-legend">'
                          f'{escape(name)}</text>')
             x += 22 + int(6.4 * len(name)) + 14
-    parts.append("</svg>")
-    return Markup("".join(parts))
+    return parts

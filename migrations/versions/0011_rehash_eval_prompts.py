@@ -1,7 +1,7 @@
 """rehash the eval gate's held-out prompts with the canonical history hash
 
 ``eval_replies.prompt_hash`` was the SHA-256 of the prompt's JSON as stored; it is now the
-canonical history hash that stitches sessions (``datapool.sessions.history_hash``), so the
+canonical history hash that stitches sessions (``datapool.canonical.history_hash``), so the
 version-vs-version page pairs a prompt with itself whatever a client's spelling of it. Recomputed
 here from each row's stored prompt. No schema change.
 

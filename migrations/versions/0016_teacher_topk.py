@@ -1,5 +1,5 @@
 """judgements.teacher_topk_ids and teacher_topk_logprobs: the teacher's k most likely tokens
-and their logprobs per response position, for top-k OPD (issue 34)
+and their logprobs per response position, so OPD can distil the top k instead of one token
 
 Revision ID: 0016
 Revises: 0015

@@ -1,5 +1,6 @@
 """turns.sibling_of: shadow siblings, alternative replies resampled from a main turn's exact
-prompt ids and scored against its next state (issue 34)
+prompt ids and scored against its next state, so one online turn gets a group to compare its
+reward with
 
 Revision ID: 0018
 Revises: 0017

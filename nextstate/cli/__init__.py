@@ -14,7 +14,7 @@ from nextstate.cli.privacy import audit_cmd, forget
 from nextstate.cli.rollout import rollout
 from nextstate.cli.serve import config_group, db, gateway, up, worker
 from nextstate.cli.train import train
-from nextstate.modelserver import vllm_cli
+from nextstate.cli.vllm import vllm_cli
 
 
 @click.group(context_settings=options.CONTEXT)

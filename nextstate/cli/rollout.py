@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -12,6 +14,11 @@ from vllm_client.http import server_root
 from base.vocab import Objective, SessionMode
 from nextstate.cli import options as opt
 from nextstate.cli.train import train
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from rollout.runner import RolloutRecord, RunSummary
 
 
 @click.command()
@@ -87,7 +94,6 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
           --verifier examples/terminal/verify.py:verify
     """
     import asyncio
-    from datetime import datetime, timezone
 
     from base.errors import InfraError, RolloutError
     from rollout import runner as ro
@@ -112,20 +118,7 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
                                mode=mode, retries=retries, admin_token=settings.admin_token,
                                pass_threshold=pass_threshold,
                                workdir=(workdir or settings.data_dir / "rollouts" / run).resolve())
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks) * n, unit="rollout", desc=f"{mode} {run}", dynamic_ncols=True)
-        seen: dict[str, int] = {"done": 0, "passed": 0, "timed_out": 0, "failed": 0}
-
-        def on_done(record: ro.RolloutRecord) -> None:
-            seen["done"] += 1
-            seen["passed"] += record.passed(pass_threshold)
-            if record.status != "ok":
-                seen[record.status] += 1
-            bar.set_postfix(passed=f"{seen['passed']}/{seen['done']} ({seen['passed'] / seen['done']:.0%})",
-                            timed_out=seen["timed_out"], failed=seen["failed"])
-            bar.update(1)
-
+        bar, on_done = _progress(len(tasks) * n, f"{mode} {run}", pass_threshold)
         runner = ro.Runner(cfg, agent, verifier, verifier_fn, on_done=on_done)
         click.echo(f"run {run}: {len(tasks)} tasks x {n} through {url} (rerun the same command to resume)", err=True)
         try:
@@ -144,14 +137,43 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     (cfg.workdir / "report.json").write_text(json.dumps(report, indent=1))
     click.echo(ro.format_report(report))
     click.echo(f"report: {cfg.workdir / 'report.json'}")
-    if not then_train:
-        return
+    if then_train:
+        _train_on_run(ctx, summary, url, settings.admin_token, score_wait, objective=objective, steps=train_steps,
+                      publish=publish, model_dir=model_dir, database_url=database_url, log_level=log_level)
+
+
+def _progress(total: int, desc: str, pass_threshold: float) -> tuple[tqdm, Callable[[RolloutRecord], None]]:
+    """A progress bar of the rollouts, and the callback that moves it as each one ends."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="rollout", desc=desc, dynamic_ncols=True)
+    seen: dict[str, int] = {"done": 0, "passed": 0, "timed_out": 0, "failed": 0}
+
+    def on_done(record: RolloutRecord) -> None:
+        seen["done"] += 1
+        seen["passed"] += record.passed(pass_threshold)
+        if record.status != "ok":
+            seen[record.status] += 1
+        bar.set_postfix(passed=f"{seen['passed']}/{seen['done']} ({seen['passed'] / seen['done']:.0%})",
+                        timed_out=seen["timed_out"], failed=seen["failed"])
+        bar.update(1)
+
+    return bar, on_done
+
+
+def _train_on_run(ctx: click.Context, summary: RunSummary, url: str, admin_token: str | None, score_wait: float,
+                  **train_options: Any) -> None:
+    """--then-train: wait for the judges to score the run's turns, then train on the sessions
+    since the run began."""
+    import asyncio
+    from datetime import datetime, timezone
+
+    from rollout import runner as ro
+
     ids = [r.session_id for r in summary.records]
-    finished, total = asyncio.run(ro.wait_for_scoring(url, ids, admin_token=settings.admin_token,
-                                                      timeout_s=score_wait))
+    finished, total = asyncio.run(ro.wait_for_scoring(url, ids, admin_token=admin_token, timeout_s=score_wait))
     click.echo(f"scored {finished}/{total} turns of the run" + ("" if finished == total else
                f" after waiting {score_wait:.0f}s (is a `nextstate worker` running?)"))
     starts = [datetime.fromisoformat(r.created_at) for r in summary.records if r.created_at]
     since = min(starts).astimezone(timezone.utc).replace(tzinfo=None) if starts else None
-    ctx.invoke(train, objective=objective, steps=train_steps, since=since, modes=(SessionMode.OFFLINE.value,), publish=publish,
-               model_dir=model_dir, database_url=database_url, log_level=log_level)
+    ctx.invoke(train, since=since, modes=(SessionMode.OFFLINE.value,), **train_options)

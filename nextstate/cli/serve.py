@@ -33,8 +33,7 @@ def _check_admin_exposure(settings: Settings) -> None:
               help="LiteLLM-style model list (YAML) for several upstreams. [env NEXTSTATE_MODEL_LIST]")
 @click.option("--port", type=int, help="Port to listen on (default 8400). [env NEXTSTATE_PORT]")
 @click.option("--host", help="Address to bind (default 127.0.0.1). [env NEXTSTATE_HOST]")
-@click.option("--database-url", metavar="DSN",
-              help="SQLAlchemy URL of the pool (default: SQLite in the data dir). [env NEXTSTATE_DATABASE_URL]")
+@opt.database_url(opt.DB_HELP)
 @click.option("--migrate/--no-migrate", default=False, show_default=True,
               help="Upgrade the pool's schema before serving.")
 @ADMIN_OPEN
@@ -69,7 +68,7 @@ def gateway(upstream_url: str | None, model_list: Path | None, port: int | None,
 
 
 @click.command()
-@click.option("--database-url", metavar="DSN", help="The pool. [env NEXTSTATE_DATABASE_URL]")
+@opt.database_url("The pool. [env NEXTSTATE_DATABASE_URL]")
 @click.option("--broker-url", metavar="URL",
               help="Celery broker (default: SQLite file in the data dir). [env NEXTSTATE_BROKER_URL]")
 @click.option("--concurrency", type=int, help="Scoring tasks at once (default 4). [env NEXTSTATE_WORKER_CONCURRENCY]")
@@ -110,7 +109,7 @@ def db() -> None:
 
 
 @db.command("upgrade")
-@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@opt.database_url()
 @click.option("--revision", default="head", show_default=True)
 def db_upgrade(database_url: str | None, revision: str) -> None:
     """Apply migrations up to REVISION (works on PostgreSQL and SQLite)."""
@@ -122,7 +121,7 @@ def db_upgrade(database_url: str | None, revision: str) -> None:
 
 
 @db.command("current")
-@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@opt.database_url()
 def db_current(database_url: str | None) -> None:
     """Print the pool's schema revision."""
     from datapool.db import current_revision
@@ -131,7 +130,7 @@ def db_current(database_url: str | None) -> None:
 
 
 @db.command("expire")
-@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@opt.database_url()
 @click.option("--days", type=click.FloatRange(min=0, min_open=True),
               help="Expire content older than this. Default: NEXTSTATE_RETENTION_DAYS.")
 @click.option("--dry-run", is_flag=True, help="Count what would expire; change nothing.")
@@ -158,7 +157,7 @@ def db_expire(database_url: str | None, days: float | None, dry_run: bool) -> No
 
 
 @db.command("rehash")
-@click.option("--database-url", metavar="DSN", help="[env NEXTSTATE_DATABASE_URL]")
+@opt.database_url()
 def db_rehash(database_url: str | None) -> None:
     """Recompute the hashes computed from messages with this version's canonical form of
     messages (docs/sessions.md): those that stitch sessions (each turn's link hash and
@@ -182,7 +181,7 @@ def db_rehash(database_url: str | None) -> None:
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option("--port", type=int, help="Gateway port (default 8400). [env NEXTSTATE_PORT]")
 @click.option("--vllm-port", type=int, help="Policy vLLM port (default 8401). [env NEXTSTATE_VLLM_PORT]")
-@click.option("--database-url", metavar="DSN", help="Pool (default: SQLite in the data dir).")
+@opt.database_url("Pool (default: SQLite in the data dir).")
 @click.option("--scoring/--no-scoring", default=True, show_default=True,
               help="Also run a scoring worker (LLM judge on the local vLLM) and the teacher vLLM replica.")
 @click.option("--vllm-dev-mode/--no-vllm-dev-mode", default=None,

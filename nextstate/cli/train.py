@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,8 @@ def optimisation_options() -> Any:
 
 
 def local_speed_options() -> Any:
-    """The local backend's speed settings (``LocalConfig``; issue #20)."""
+    """The local backend's speed settings (``LocalConfig``): compiling, packing, chunking, precision
+    and activation memory."""
     return opt.group(
         click.option("--compile/--no-compile", "compile_layers", default=opt.field_default(LocalConfig, "compile"),
                      help="Local backend: torch.compile each decoder layer (fused kernels; the first step compiles: "
@@ -195,6 +198,81 @@ def verl_options() -> Any:
     )
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """`nextstate train`'s parameters, typed: one field a parameter, named as click names it from
+    its flag (the option groups above). Made from the command's parameters, so a field missing
+    here, or one the command lacks, fails at once."""
+
+    # optimisation_options
+    objective: str
+    steps: int | None
+    epochs: int
+    batch_size: int
+    micro_batch_size: int | None
+    lr: float
+    full: bool
+    lora_rank: int
+    kl_coef: float
+    w_rl: float
+    w_opd: float
+    opd_topk: bool
+    rl_baseline: str
+    loss_agg_mode: str
+    # local_speed_options
+    compile_layers: bool | None
+    compile_mode: str | None
+    packing: str
+    logprob_chunk: int | None
+    compute_dtype: str
+    fp32_master: bool
+    activation_memory_budget: float | None
+    # opt.turn_filters
+    since: datetime | None
+    until: datetime | None
+    min_abs_reward: float | None
+    capture: str | None
+    task_id: str | None
+    modes: tuple[str, ...]
+    label_filters: tuple[str, ...]
+    new_only: bool
+    # run_options
+    repeat_every: float | None
+    lease_s: float
+    resume: str | None
+    model_dir: Path | None
+    publish: bool
+    vllm_urls: tuple[str, ...]
+    database_url: str | None
+    # online_options
+    online: bool
+    online_k: int
+    max_wait_s: float
+    updates_per_round: int
+    staleness: int
+    stale_policy: str
+    ratio_cap: float
+    eval_prompts: Path | None
+    eval_sessions: int
+    eval_scorer: str | None
+    eval_threshold: float
+    rollback_window: int
+    rollback_threshold: float
+    rounds: int | None
+    log_level: str
+    # verl_options
+    backend: str
+    gpus: int
+    nnodes: int
+    ray_address: str | None
+    gradient_checkpointing: bool
+    fsdp_strategy: str
+    verl_fused_kernels: bool
+    offload: bool
+    push_every: int
+    verl_overrides: tuple[str, ...]
+
+
 @click.command()
 @optimisation_options()
 @local_speed_options()
@@ -203,7 +281,7 @@ def verl_options() -> Any:
 @online_options()
 @opt.log_level()
 @verl_options()
-def train(**p: Any) -> None:
+def train(**params: Any) -> None:
     """Train the policy offline from the scored turns in the pool, then publish it.
 
     \b
@@ -221,18 +299,19 @@ def train(**p: Any) -> None:
     (<data dir>/tensorboard), writes the new version to a new directory and — with
     --publish — loads it into vLLM and switches the `policy` alias to it.
     """
-    if p["repeat_every"] is not None:
-        if p["online"] or p["resume"]:
+    o = TrainOptions(**params)
+    if o.repeat_every is not None:
+        if o.online or o.resume:
             raise click.UsageError("--repeat-every starts new runs; it does not combine with --online or --resume")
         import time
 
         ctx = click.get_current_context()
         while True:  # each run trains only what no earlier run trained on
             ctx.invoke(train, **{**ctx.params, "repeat_every": None, "new_only": True})
-            time.sleep(p["repeat_every"])
-    opt.setup_logging(p["log_level"])
-    settings = opt.settings(database_url=p["database_url"])
-    model_dir = p["model_dir"]
+            time.sleep(o.repeat_every)
+    opt.setup_logging(o.log_level)
+    settings = opt.settings(database_url=o.database_url)
+    model_dir = o.model_dir
     if model_dir is None:
         from nextstate.modelserver import ensure_model, ensure_vllm_env
 
@@ -240,60 +319,60 @@ def train(**p: Any) -> None:
     from datapool.db import make_engine
 
     engine = make_engine(settings.resolved_database_url)
-    filters = _filters(p)
-    cfg = ObjectiveConfig(objective=p["objective"], w_rl=p["w_rl"], w_opd=p["w_opd"], kl_coef=p["kl_coef"],
-                          loss_agg_mode=p["loss_agg_mode"], rl_baseline=p["rl_baseline"],
-                          opd_topk=p["opd_topk"] and p["objective"] != "rl")
-    local = local_config(p, model_dir)
-    urls = list(p["vllm_urls"]) or policy_servers(settings)
+    filters = _filters(o)
+    cfg = ObjectiveConfig(objective=o.objective, w_rl=o.w_rl, w_opd=o.w_opd, kl_coef=o.kl_coef,
+                          loss_agg_mode=o.loss_agg_mode, rl_baseline=o.rl_baseline,
+                          opd_topk=o.opd_topk and o.objective != "rl")
+    local = local_config(o, model_dir)
+    urls = list(o.vllm_urls) or policy_servers(settings)
     base_model = settings.upstream_model or settings.vllm_served_name
-    if p["online"]:
-        _train_online(p, settings, engine, cfg, local, filters, urls, base_model)
+    if o.online:
+        _train_online(o, settings, engine, cfg, local, filters, urls, base_model)
         return
-    _train_offline(p, settings, engine, cfg, local, filters, urls, base_model, model_dir)
+    _train_offline(o, settings, engine, cfg, local, filters, urls, base_model, model_dir)
 
 
-def local_config(p: dict[str, Any], model_dir: Path) -> LocalConfig:
+def local_config(o: TrainOptions, model_dir: Path) -> LocalConfig:
     """The local backend's settings from the command line's."""
-    return LocalConfig(model_dir=model_dir, lora=not p["full"], lora_rank=p["lora_rank"],
-                       lora_alpha=2 * p["lora_rank"], lr=p["lr"], micro_batch_size=p["micro_batch_size"],
-                       compile=p["compile_layers"], compile_mode=p["compile_mode"], packing=p["packing"],
-                       logprob_chunk=p["logprob_chunk"], fp32_master=p["fp32_master"],
-                       activation_memory_budget=p["activation_memory_budget"],
-                       bf16=COMPUTE_DTYPES[p["compute_dtype"]])
+    return LocalConfig(model_dir=model_dir, lora=not o.full, lora_rank=o.lora_rank,
+                       lora_alpha=2 * o.lora_rank, lr=o.lr, micro_batch_size=o.micro_batch_size,
+                       compile=o.compile_layers, compile_mode=o.compile_mode, packing=o.packing,
+                       logprob_chunk=o.logprob_chunk, fp32_master=o.fp32_master,
+                       activation_memory_budget=o.activation_memory_budget,
+                       bf16=COMPUTE_DTYPES[o.compute_dtype])
 
 
-def _filters(p: dict[str, Any]) -> Filters:
+def _filters(o: TrainOptions) -> Filters:
     utc = (lambda d: as_utc(d) if d is not None else None)
-    return Filters(since=utc(p["since"]), until=utc(p["until"]), min_abs_reward=p["min_abs_reward"],
-                   capture=p["capture"], task_id=p["task_id"], needs_teacher=p["objective"] == Objective.OPD,
-                   modes=p["modes"] or opt.field_default(Filters, "modes"),
-                   labels=opt.label_filters(p["label_filters"]), new_only=p["new_only"])
+    return Filters(since=utc(o.since), until=utc(o.until), min_abs_reward=o.min_abs_reward,
+                   capture=o.capture, task_id=o.task_id, needs_teacher=o.objective == Objective.OPD,
+                   modes=o.modes or opt.field_default(Filters, "modes"),
+                   labels=opt.label_filters(o.label_filters), new_only=o.new_only)
 
 
-def _train_online(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
+def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
                   filters: Filters, urls: list[str], base_model: str) -> None:
     from trainer.online import load_prompts, load_scorer, run_online
 
-    if p["full"]:
+    if o.full:
         raise click.UsageError("--online trains LoRA versions; drop --full")
-    if p["backend"] != TrainBackend.LOCAL:
+    if o.backend != TrainBackend.LOCAL:
         raise click.UsageError("--online runs the local backend; the veRL backend trains offline (for now)")
     try:
-        scorer = load_scorer(p["eval_scorer"]) if p["eval_scorer"] else None
+        scorer = load_scorer(o.eval_scorer) if o.eval_scorer else None
     except (ValueError, ImportError, AttributeError) as exc:
         raise click.UsageError(f"--eval-scorer: {exc}") from exc
     online_cfg = OnlineConfig(
-        k=p["online_k"], max_wait_s=p["max_wait_s"], updates_per_round=p["updates_per_round"], lease_s=p["lease_s"],
-        staleness=p["staleness"], stale_policy=p["stale_policy"], ratio_cap=p["ratio_cap"],
-        eval_prompts=load_prompts(p["eval_prompts"]) if p["eval_prompts"] else [],
-        eval_sessions=p["eval_sessions"], eval_scorer=scorer, eval_threshold=p["eval_threshold"],
-        rollback_window=p["rollback_window"], rollback_threshold=p["rollback_threshold"], max_rounds=p["rounds"])
+        k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round, lease_s=o.lease_s,
+        staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
+        eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
+        eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,
+        rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
     run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
                base_model=base_model, output_root=settings.data_dir / "runs", echo=click.echo)
 
 
-def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
+def _train_offline(o: TrainOptions, settings: Settings, engine: Any, cfg: ObjectiveConfig, local: LocalConfig,
                    filters: Filters, urls: list[str], base_model: str, model_dir: Path) -> None:
     from trainer.offline import train_offline
     from base.errors import PublishError
@@ -310,7 +389,7 @@ def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: Obje
 
     from tqdm import tqdm
 
-    bar = tqdm(total=p["steps"], unit="step", desc=f"train {p['objective']}", dynamic_ncols=True)
+    bar = tqdm(total=o.steps, unit="step", desc=f"train {o.objective}", dynamic_ncols=True)
 
     def on_step(step: int, m: dict[str, float]) -> None:
         bar.set_postfix(loss=f"{m.get('pg_loss', float('nan')):.4f}", adv=f"{m['advantage_mean']:+.3f}",
@@ -321,13 +400,13 @@ def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: Obje
             for key, value in m.items():
                 writer.add_scalar(f"train/{key}", value, step)
 
-    if p["backend"] == TrainBackend.VERL:
-        result = _train_verl(p, settings, engine, cfg, filters, model_dir=model_dir, urls=urls,
+    if o.backend == TrainBackend.VERL:
+        result = _train_verl(o, settings, engine, cfg, filters, model_dir=model_dir, urls=urls,
                              base_model=base_model, on_step=on_step)
     else:
-        result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=p["batch_size"],
-                               max_steps=p["steps"], epochs=p["epochs"], lease_s=p["lease_s"],
-                               output_root=settings.data_dir / "runs", resume=p["resume"], on_step=on_step)
+        result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=o.batch_size,
+                               max_steps=o.steps, epochs=o.epochs, lease_s=o.lease_s,
+                               output_root=settings.data_dir / "runs", resume=o.resume, on_step=on_step)
     bar.close()
     if writer is not None:
         writer.close()
@@ -335,26 +414,26 @@ def _train_offline(p: dict[str, Any], settings: Settings, engine: Any, cfg: Obje
         click.echo("nothing to train on: no scored turn matches (see `GET /api/judgements`)")
         return
     click.echo(f"run {result.run_id}: {result.steps} steps over {result.turns} turns; saved {result.output_dir}")
-    if p["publish"] and result.version is not None:  # the veRL backend's checkpoint manager published it
+    if o.publish and result.version is not None:  # the veRL backend's checkpoint manager published it
         click.echo(f"published {result.version}: the `policy` alias serves it now")
-    elif p["publish"]:
-        stats = {"run_id": result.run_id, "steps": result.steps, "turns": result.turns, "objective": p["objective"]}
+    elif o.publish:
+        stats = {"run_id": result.run_id, "steps": result.steps, "turns": result.turns, "objective": o.objective}
         try:
             # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
             version = publish(engine, PublishRequest(
                 result.output_dir, base_model=base_model, vllm_urls=urls, parent=result.parent, stats=stats,
-                kind=VersionKind.FULL if p["full"] else VersionKind.LORA))
+                kind=VersionKind.FULL if o.full else VersionKind.LORA))
         except PublishError as exc:
             raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
 
 
-def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
+def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
                 model_dir: Path, urls: list[str], base_model: str, on_step: Any) -> Any:
     """`train --backend verl`: trainer.verl.backend, publishing each push through publishing.publish."""
     from trainer.verl.backend import train_verl
 
-    gpus, nnodes, batch_size = p["gpus"], p["nnodes"], p["batch_size"]
+    gpus, nnodes, batch_size = o.gpus, o.nnodes, o.batch_size
     if cfg.kl_coef > 0:
         raise click.UsageError("--kl-coef is not supported on the veRL backend yet (it needs veRL's reference worker)")
     if batch_size % (gpus * nnodes):
@@ -368,18 +447,18 @@ def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objecti
         # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
         version = publish(engine, PublishRequest(
             Path(written["path"]), base_model=base_model, vllm_urls=urls,
-            kind=VersionKind.FULL if p["full"] else VersionKind.LORA,
+            kind=VersionKind.FULL if o.full else VersionKind.LORA,
             parent=current["name"] if current else None, stats={"backend": "verl", "step": written.get("step")}))
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
         return version
 
-    verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not p["full"],
-                      lora_rank=p["lora_rank"], lora_alpha=2 * p["lora_rank"], lr=p["lr"],
-                      micro_batch_size=p["micro_batch_size"] or opt.field_default(VerlConfig, "micro_batch_size"),
-                      gradient_checkpointing=p["gradient_checkpointing"],
-                      strategy=p["fsdp_strategy"], param_offload=p["offload"], optimizer_offload=p["offload"],
-                      fused_kernels=p["verl_fused_kernels"], ray_address=p["ray_address"], overrides=p["verl_overrides"])
-    return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=p["steps"],
-                      epochs=p["epochs"], lease_s=p["lease_s"], output_root=settings.data_dir / "runs",
-                      resume=p["resume"], publish=publish_written if p["publish"] else None,
-                      push_every=p["push_every"], on_step=on_step)
+    verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not o.full,
+                      lora_rank=o.lora_rank, lora_alpha=2 * o.lora_rank, lr=o.lr,
+                      micro_batch_size=o.micro_batch_size or opt.field_default(VerlConfig, "micro_batch_size"),
+                      gradient_checkpointing=o.gradient_checkpointing,
+                      strategy=o.fsdp_strategy, param_offload=o.offload, optimizer_offload=o.offload,
+                      fused_kernels=o.verl_fused_kernels, ray_address=o.ray_address, overrides=o.verl_overrides)
+    return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=o.steps,
+                      epochs=o.epochs, lease_s=o.lease_s, output_root=settings.data_dir / "runs",
+                      resume=o.resume, publish=publish_written if o.publish else None,
+                      push_every=o.push_every, on_step=on_step)

@@ -70,7 +70,8 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     from sqlalchemy.orm import Session as OrmSession
 
     from datapool.models import Turn, TurnContinuation
-    from datapool.sessions import Stitcher, continuation_hashes, continuations_of, link_candidates
+    from datapool.canonical import continuation_hashes, continuations_of, link_candidates
+    from datapool.sessions import Stitcher
     from nextstate.cli import main
     from tests.datapool.test_session_matching import _openclaw_tool_loop
 

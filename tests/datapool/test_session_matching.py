@@ -24,10 +24,9 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
-from datapool.sessions import (
+from datapool.canonical import (
     CanonicalHistory,
     Prefixes,
-    Stitcher,
     canonical_message,
     continuation_hashes,
     history_hash,
@@ -35,6 +34,7 @@ from datapool.sessions import (
     request_hash,
     system_free_candidates,
 )
+from datapool.sessions import Stitcher
 from tests.support.conversations import (
     REWRITES,
     Request,

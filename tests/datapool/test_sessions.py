@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine
 from datapool.models import Session, Turn
 from datapool.records import TurnRecord
-from datapool.sessions import Stitcher, canonical_message, link_candidates
+from datapool.canonical import canonical_message, link_candidates
+from datapool.sessions import Stitcher
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 

@@ -23,7 +23,8 @@ from openai import OpenAI
 from openai._models import construct_type
 from openai.types.responses import Response, ResponseStreamEvent
 
-from gateway.formats import MessagesReply, ResponsesReply, messages_to_chat, responses_to_chat
+from gateway.formats import messages_to_chat, responses_to_chat
+from gateway.replies import MessagesReply, ResponsesReply
 from tests.conftest import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 

@@ -1,4 +1,4 @@
-"""The reply translators (gateway/formats.py) on varied replies, without a server: a streamed
+"""The reply translators (gateway/replies.py) on varied replies, without a server: a streamed
 reply, however vLLM chunks it, must build in each official SDK the same object as the whole
 reply; and requests round-trip through LiteLLM's adapters into the chat view the pool keeps."""
 
@@ -17,7 +17,8 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from base.errors import RequestError
 from gateway.errors import anthropic_error, from_upstream
-from gateway.formats import MessagesReply, ResponsesReply, messages_to_chat, responses_to_chat
+from gateway.formats import messages_to_chat, responses_to_chat
+from gateway.replies import MessagesReply, ResponsesReply
 from gateway.protocol import MessagesRequest, parse_body
 
 PROMPT = [1, 2, 3, 4, 5]

@@ -1,0 +1,197 @@
+"""What a batch being stitched knows of the pool: the stored turns it may link to, read up front
+in a few set-based queries and on demand, kept in memory as the truth for the rest of the batch.
+
+datapool.sessions decides the links over these turns; datapool.stitch_writes writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Row, or_, select
+from sqlalchemy.orm import Session as OrmSession
+
+from datapool.canonical import Message, Prepared, system_free_index
+from datapool.db import as_utc, chunked
+from datapool.models import Session, Turn, TurnContinuation
+from base.vocab import TurnKind, TurnStatus
+
+
+def clock(at: datetime) -> datetime:
+    """``at`` as the pool compares it: an aware UTC instant (the UTCDateTime columns store and
+    read every time so, SQLite included; a zoneless one is taken as UTC)."""
+    return as_utc(at)
+
+
+@dataclass(eq=False)
+class StitchTurn:
+    """A turn as stitching sees it, stored or from this batch. Once loaded, this object and not
+    the pool is the truth for the rest of the batch; its changes reach the pool at a flush."""
+
+    id: str
+    session_id: str
+    created_at: datetime  # as the database compares it: see clock
+    turn_type: str
+    status: str
+    parent_id: str | None
+    has_next_state: bool
+    stored: bool  # its row exists, so a change is an UPDATE rather than part of its INSERT
+    messages: list[Message] | None = None  # its request's messages, loaded only for orphans
+    next_state: dict[str, Any] | None = None  # set by this batch, not yet written
+    # its parent is the turn its whole history continues (its longest candidate matched); a turn
+    # linked to an earlier ancestor because its parent was not written yet is not, and is
+    # re-parented when the parent comes
+    exact: bool = True
+
+    @property
+    def order(self) -> tuple[datetime, str]:
+        """The pool's ORDER BY created_at, id."""
+        return (self.created_at, self.id)
+
+
+# what stitching reads of a stored turn (never its request or response: those are large)
+_COLUMNS = (
+    Turn.id,
+    Turn.session_id,
+    Turn.created_at,
+    Turn.turn_type,
+    Turn.status,
+    Turn.parent_turn_id,
+    Turn.next_state.is_(None).label("open"),
+)
+
+
+class KnownTurns:
+    """The turns of the pool and of the batch known so far, indexed the ways stitching looks
+    them up, and the queries that load more of them."""
+
+    def __init__(self, db: OrmSession, prepared: Sequence[Prepared]):
+        self.db = db
+        self.prepared = prepared
+        self.turns: dict[str, StitchTurn] = {}
+        self.members: dict[str, list[StitchTurn]] = {}  # session id -> its known turns
+        self.by_hash: dict[str, dict[str, StitchTurn]] = {}  # continuation hash -> turns it continues
+        self.fetched: set[str] = set()  # continuation hashes whose stored turns are in by_hash
+        # (hash, turn id) of continuations with the turn's system messages left out
+        self.system_left_out: set[tuple[str, str]] = set()
+        self.by_link: dict[str, dict[str, StitchTurn]] = {}  # link hash -> turns that may be orphans
+        self.sources: dict[str, str] = {}  # session id -> "inferred" | "header" | "path"
+        self.latest: dict[str, StitchTurn | None] | None = None  # see latest_stored
+
+    def known(self, row: Row[Any]) -> StitchTurn:
+        """The turn of a row of _COLUMNS; one that is already known keeps its in-memory state."""
+        turn = self.turns.get(row.id)
+        if turn is None:
+            turn = StitchTurn(
+                id=row.id,
+                session_id=row.session_id,
+                created_at=clock(row.created_at),
+                turn_type=row.turn_type,
+                status=row.status,
+                parent_id=row.parent_turn_id,
+                has_next_state=not row.open,
+                stored=True,
+            )
+            self.add(turn)
+        return turn
+
+    def add(self, turn: StitchTurn) -> None:
+        self.turns[turn.id] = turn
+        self.members.setdefault(turn.session_id, []).append(turn)
+
+    def load_orphans(self, hashes: set[str]) -> None:
+        """Stored turns whose link hash is one of this batch's continuations and whose parent is
+        not the turn that hash continues (none, or an earlier ancestor because the parent was
+        not written yet): the turns a record of this batch may adopt. One query before
+        stitching finds all of them."""
+        exact = (
+            select(TurnContinuation.turn_id)
+            .where(TurnContinuation.turn_id == Turn.parent_turn_id, TurnContinuation.hash == Turn.link_hash)
+            .correlate(Turn)
+            .exists()
+        )
+        for chunk in chunked(hashes):
+            rows = self.db.execute(
+                select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
+                .join(Session, Session.id == Turn.session_id)
+                .where(Turn.link_hash.in_(chunk), or_(Turn.parent_turn_id.is_(None), ~exact))
+            )
+            for row in rows:
+                turn = self.known(row)
+                turn.messages = list((row.request or {}).get("messages") or [])
+                turn.exact = row.parent_turn_id is None
+                self.by_link.setdefault(row.link_hash, {})[turn.id] = turn
+                self.sources[row.session_id] = row.source
+
+    def load_parents(self, hashes: Iterable[str]) -> None:
+        """The stored turns that requests starting with these hashes would continue."""
+        todo = set(hashes) - self.fetched
+        self.fetched |= todo
+        for chunk in chunked(todo):
+            rows = self.db.execute(
+                select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS)
+                .join(Turn, Turn.id == TurnContinuation.turn_id)
+                .where(TurnContinuation.hash.in_(chunk))
+            )
+            for row in rows:
+                self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
+                if row.choice_index <= system_free_index(0):
+                    self.system_left_out.add((row.hash, row.id))
+
+    def prefetch_parents(self) -> None:
+        """Loads, in two rounds of queries, the stored turns the records may continue: first each
+        record's longest candidate (the one that matches unless a turn went uncaptured), then
+        every candidate of the records that one cannot match. Finding a parent loads what else
+        it needs on its own."""
+        self.load_parents({p.candidates[0][1] for p in self.prepared if p.candidates})
+        earlier: set[str] = set()  # continuations of the records before this one
+        rest: set[str] = set()
+        for p in self.prepared:
+            if len(p.candidates) > 1:
+                longest = p.candidates[0][1]
+                if longest not in earlier and not self.by_hash.get(longest):
+                    rest.update(h for _, h in p.candidates[1:])
+            earlier.update(c.hash for c in p.continuations)
+        self.load_parents(rest | {h for p in self.prepared for _, h in p.retries})
+
+    def _load_latest(self, session_ids: Iterable[str], before: datetime) -> dict[str, StitchTurn | None]:
+        """For each session, its stored main turn with the latest created_at <= ``before``."""
+        latest = (
+            select(Turn.id)
+            .where(
+                Turn.session_id == Session.id,
+                Turn.turn_type == TurnKind.MAIN,
+                Turn.status == TurnStatus.OK,
+                Turn.created_at <= before,
+            )
+            .order_by(Turn.created_at.desc(), Turn.id.desc())
+            .limit(1)
+            .correlate(Session)
+            .scalar_subquery()
+        )
+        found: dict[str, StitchTurn | None] = dict.fromkeys(session_ids)
+        for chunk in chunked(found):
+            rows = self.db.execute(
+                select(*_COLUMNS).where(Turn.id.in_(select(latest).where(Session.id.in_(chunk))))
+            )
+            for row in rows:
+                found[row.session_id] = self.known(row)
+        return found
+
+    def latest_stored(self, session_id: str, before: datetime) -> StitchTurn | None:
+        """The stored main turn of a session that a record of it at ``before`` continues when
+        its history was rewritten. The first call asks for every named session of the batch at
+        once, up to the batch's newest record; a record older than the answer, or a session that
+        stored turns were merged into since, is asked about on its own."""
+        if self.latest is None:
+            named = [p.record for p in self.prepared if p.record.session_id and p.record.turn_type == TurnKind.MAIN]
+            newest = max((r.created_at for r in named), key=clock)
+            self.latest = self._load_latest({r.session_id for r in named if r.session_id}, newest)
+        if session_id in self.latest:
+            hit = self.latest[session_id]
+            if hit is None or hit.created_at <= clock(before):
+                return hit
+        return self._load_latest([session_id], before)[session_id]
