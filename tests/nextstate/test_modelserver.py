@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from nextstate.modelserver import (
     READY_STAMP,
     VLLMServer,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rollout import runner as ro
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 from tests.support import REPO
 
