@@ -4,7 +4,7 @@ dropped system prompts and summaries marked.
 
 Sessions are written through the real Stitcher (so the parents are the ones the pool records),
 then the page is rendered by the admin UI and read back: one session per pool state, and a
-hypothesis property over the generated conversations of tests/datapool/test_trajectories.py.
+hypothesis property over the generated conversations of tests/support/trajectories.py.
 """
 
 from __future__ import annotations
