@@ -47,6 +47,7 @@ from datapool import sessions as current  # noqa: E402
 from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.models import Judgement, Session, Turn  # noqa: E402
 from datapool.records import TurnRecord  # noqa: E402
+from tests.support.records import turn_record  # noqa: E402
 
 # the last commit whose datapool/sessions.py stitches record by record
 BASELINE = "d8199f465e5103ba476dfa8fb92ce915c51d66fe"
@@ -76,24 +77,11 @@ def load_baseline(rev: str, directory: Path) -> types.ModuleType:
 
 
 def _record(messages: list[dict[str, Any]], reply: dict[str, Any], at: datetime) -> TurnRecord:
-    return TurnRecord(
-        id=uuid.uuid4().hex,
-        created_at=at,
-        endpoint="chat",
-        status="ok",
-        model="policy",
-        capture="white-box",
-        request={"messages": messages, "params": {"temperature": 0.7, "max_tokens": 256}},
-        response={
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
-            "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}],
-        },
-        prompt_token_ids=list(range(40 * len(messages))),
-        token_ids=list(range(24)),
-        logprobs=[-0.5] * 24,
-        latency_ms=12.5,
-        usage={"prompt_tokens": 40 * len(messages), "completion_tokens": 24},
-    )
+    return turn_record(messages, reply, at=at, model="policy", params={"temperature": 0.7, "max_tokens": 256},
+                       response_id=f"chatcmpl-{uuid.uuid4().hex[:12]}",
+                       prompt_token_ids=list(range(40 * len(messages))), token_ids=list(range(24)),
+                       logprobs=[-0.5] * 24, latency_ms=12.5,
+                       usage={"prompt_tokens": 40 * len(messages), "completion_tokens": 24})
 
 
 def _conversation(tag: str) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:

@@ -7,7 +7,6 @@ import contextlib
 import os
 import sqlite3
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,7 @@ from base.settings import Settings  # noqa: E402
 from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn, throwaway_unavailable_reason  # noqa: E402
 from tests.support.redis_server import ThrowawayRedis, redis_unavailable_reason, service_redis_url  # noqa: E402
 from tests.support import flakes, xdist_groups  # noqa: E402
-
-
-@dataclass(frozen=True)
-class RunningVLLM:
-    base_url: str  # http://host:port/v1
-    model: str
+from tests.support.vllm_servers import RunningVLLM  # noqa: E402
 
 
 # reuse env -> a vLLM server spawned ahead of the fixture that takes it (see vllm_server)
@@ -189,14 +183,29 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
-    """A fresh, migrated SQLite pool for one test (a copy of :func:`sqlite_template`, made with
-    SQLite's backup API, so a write-ahead log is never left behind)."""
-    path = tmp_path / "pool.db"
-    with contextlib.closing(sqlite3.connect(sqlite_template)) as src, contextlib.closing(sqlite3.connect(path)) as dst:
+def _sqlite_copy(template: Path, path: Path) -> str:
+    """A copy of *template* at *path*, made with SQLite's backup API (so a write-ahead log is never
+    left behind); its URL."""
+    with contextlib.closing(sqlite3.connect(template)) as src, contextlib.closing(sqlite3.connect(path)) as dst:
         src.backup(dst)
     return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    """A fresh, migrated SQLite pool for one test (a copy of :func:`sqlite_template`)."""
+    return _sqlite_copy(sqlite_template, tmp_path / "pool.db")
+
+
+@pytest.fixture(scope="module")
+def module_sqlite_engine(tmp_path_factory: pytest.TempPathFactory, sqlite_template: Path) -> Iterator[Any]:
+    """An engine on a migrated SQLite pool shared by one module's tests (a copy of
+    :func:`sqlite_template`): the properties that write many generated sessions into one pool."""
+    from datapool.db import make_engine
+
+    engine = make_engine(_sqlite_copy(sqlite_template, tmp_path_factory.mktemp("module-sqlite") / "pool.db"))
+    yield engine
+    engine.dispose()
 
 
 @pytest.fixture

@@ -1,11 +1,15 @@
 """The house's layers (docs/architecture.md): the import-linter contracts in pyproject.toml hold,
-and the module import graph has no cycle, counting imports inside functions too."""
+and the module import graph has no cycle, counting imports inside functions too; the tests share
+helpers through tests/support and fixtures through conftest.py, never by importing each other."""
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import grimp
@@ -108,3 +112,55 @@ def test_nothing_shipped_imports_the_tests() -> None:
     assert "tests.support.pg" in graph.modules
     importers = graph.find_downstream_modules("tests", as_package=True)
     assert {m for m in importers if not m.startswith("tests.")} == set()
+
+
+# a module named in a string: `python -c "from tests.x.test_y import f"`, a `tests.x.test_y:f` spec
+_TEST_MODULE_NAMED = re.compile(r"\btests(?:\.\w+)*\.(?:test_\w+|conftest)\b")
+
+
+def _is_test_module(module: str) -> bool:
+    last = module.rsplit(".", 1)[-1]
+    return last.startswith("test_") or last == "conftest"
+
+
+def _imported(path: Path, tree: ast.AST) -> Iterator[str]:
+    """Every module *path* imports, anywhere in it (in functions too), and every `from m import x`
+    as m.x as well (x may be a module)."""
+    package = list(path.relative_to(ROOT).parent.parts)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join([*package[:len(package) - node.level + 1], *([node.module] if node.module else [])]) \
+                if node.level else node.module or ""
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def test_no_test_module_imports_a_test_module_or_a_conftest() -> None:
+    """What tests share lives in tests/support (plain helpers, data) or in a conftest.py (fixtures,
+    which pytest hands over without an import); a test module is pytest's to collect, not another
+    module's to import (an import runs its module-level code again, under another name)."""
+    found: set[str] = set()
+    for folder in ("tests", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == Path(__file__).resolve():
+                continue  # the check's own examples below
+            tree = ast.parse(path.read_text(), str(path))
+            where = path.relative_to(ROOT)
+            found |= {f"{where} imports {m}" for m in _imported(path, tree)
+                      if m.startswith("tests.") and _is_test_module(m)}
+            found |= {f"{where} names {m.group(0)}" for node in ast.walk(tree)
+                      if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                      for m in _TEST_MODULE_NAMED.finditer(node.value)}
+    assert sorted(found) == []
+
+
+def test_the_check_finds_a_test_module_imported_or_named() -> None:
+    source = ("from tests.gateway.ui.test_ui import login\nfrom tests.gateway.ui import test_ui\n"
+              "def f():\n    import tests.conftest\n    return 'from tests.gateway.test_policy_push import g'\n")
+    path = ROOT / "tests" / "gateway" / "x.py"
+    tree = ast.parse(source)
+    assert {m for m in _imported(path, tree) if _is_test_module(m)} == {
+        "tests.gateway.ui.test_ui", "tests.conftest"}
+    assert _TEST_MODULE_NAMED.findall(source.split("return")[1]) == ["tests.gateway.test_policy_push"]

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-import uuid
-from datetime import datetime, timezone
 from typing import Any
 
 from datapool.records import TurnRecord
+from tests.support.records import turn_record
 from base.redact import CLASSES, Redactor
 from datapool.token_mask import redact_text
 
@@ -43,10 +42,8 @@ AGENT_BODY: dict[str, Any] = {"messages": [
 def _turn(i: int) -> TurnRecord:
     messages = copy.deepcopy(AGENT_BODY["messages"])
     messages[-1]["content"] = messages[-1]["content"].replace("@@N@@", str(i))
-    return TurnRecord(id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), endpoint="chat", status="ok",
-                      model="m", capture="black-box", request={"messages": messages, "params": {}},
-                      response={"id": "r", "choices": [{"index": 0, "finish_reason": "stop", "message": {
-                          "role": "assistant", "content": "The log level is set; the key should not be here."}}]})
+    return turn_record(messages, "The log level is set; the key should not be here.", capture="black-box",
+                       response_id="r")
 
 
 def measure(classes: tuple[str, ...], turns: int) -> dict[str, float]:

@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 model=${MODEL_DIR:-/tmp/smollm2}
 base="--enable-lora --max-lora-rank 16 --max-loras 4 --max-cpu-loras 16 --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.5} --enforce-eager"
 # the fix: no LoRA wrapper on lm_head (nor embed_tokens), so prompt_logprobs never run vLLM 0.26's
-# per-request LoRA logits mapping over per-token rows (benchmarks/gpu/results/README.md)
+# per-request LoRA logits mapping over per-token rows (docs/why-lora-target-modules.md)
 targets="--lora-target-modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"
 repro="--streams 128 --adapters 12 --live 8 --load-every 1 --prompt-logprobs 4 --duration ${REPRO_S:-240}"
 rc=0

@@ -54,7 +54,7 @@ if ! up; then
   # LoRA only on the decoder's projections, never lm_head/embed_tokens: vLLM (0.26 to 0.33, model
   # runner V2) otherwise runs a prompt_logprobs request's logits, in 1,024-row chunks, through a
   # LoRA mapping of one row per running request, and its kernels read and write past the chunk
-  # (the CUDA illegal memory access in benchmarks/gpu/results/README.md; lora_churn.py reproduces it).
+  # (the CUDA illegal memory access in docs/why-lora-target-modules.md; lora_churn.py reproduces it).
   # LORA_TARGETS=all: vLLM's default (every supported module, lm_head included).
   targets=(--lora-target-modules ${LORA_TARGETS:-q_proj k_proj v_proj o_proj gate_proj up_proj down_proj})
   [ "${LORA_TARGETS:-}" = all ] && targets=()

@@ -48,7 +48,7 @@ import pytest
 
 from gateway.budget import requested_budget
 from tests.support.agents import AgentInstall, AgentRun, ensure_agent, run_agent
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.steer import SteeredVLLM, text_of
 from tests.support.processes import GatewayProcess, wait_for
 

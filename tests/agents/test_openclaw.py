@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.openclaw_agent import AgentRun, OpenClawAgent, OpenClawInstall, ensure_openclaw, lean_config
 from tests.support.steer import SteeredVLLM
 from tests.support.processes import GatewayProcess, wait_for

@@ -10,7 +10,6 @@ import random
 import string
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -24,67 +23,13 @@ from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
-from base.redact import CLASSES, Found, Redactor, iban_valid, luhn, parse_classes
+from base.redact import CLASSES, Found, Redactor, parse_classes
 from base.settings import Settings
 from datapool.token_mask import Decoder, mask_ids, redact_text
+from tests.support.planted import PERSONAL, SECRETS, plant, random_text
+from tests.support.records import turn_record
 
-ALNUM = string.ascii_letters + string.digits
-
-
-def _rand(rng: random.Random, n: int, alphabet: str = ALNUM) -> str:
-    return "".join(rng.choice(alphabet) for _ in range(n))
-
-
-def _card(rng: random.Random) -> str:
-    digits = [4] + [rng.randrange(10) for _ in range(14)]
-    for check in range(10):
-        if luhn("".join(map(str, digits + [check]))):
-            number = "".join(map(str, digits + [check]))
-            return " ".join(number[i:i + 4] for i in range(0, 16, 4)) if rng.random() < 0.5 else number
-    raise AssertionError("unreachable")
-
-
-def _iban(rng: random.Random) -> str:
-    bban = _rand(rng, 18, string.digits)
-    moved = bban + "DE00"
-    check = 98 - int("".join(str(int(ch, 36)) for ch in moved)) % 97
-    iban = f"DE{check:02d}{bban}"
-    assert iban_valid(iban)
-    return " ".join(iban[i:i + 4] for i in range(0, len(iban), 4)) if rng.random() < 0.5 else iban
-
-
-#: one generator per detector class and provider format: what a person or a tool might paste
-SECRETS = {
-    "openai_key": lambda r: "sk-proj-" + _rand(r, 48, ALNUM + "_-"),
-    "openai_legacy": lambda r: "sk-" + _rand(r, 20) + "T3BlbkFJ" + _rand(r, 20),
-    "anthropic_key": lambda r: "sk-ant-api03-" + _rand(r, 80, ALNUM + "_-"),
-    "aws_access_key": lambda r: "AKIA" + _rand(r, 16, string.ascii_uppercase + string.digits),
-    "github_token": lambda r: "ghp_" + _rand(r, 36),
-    "github_pat": lambda r: "github_pat_" + _rand(r, 82, ALNUM + "_"),
-    "slack_token": lambda r: f"xoxb-{_rand(r, 12, string.digits)}-{_rand(r, 12, string.digits)}-{_rand(r, 24)}",
-    "google_api_key": lambda r: "AIza" + _rand(r, 35, ALNUM + "_-"),
-    "jwt": lambda r: "eyJhbGciOiJIUzI1NiJ9.eyJ" + _rand(r, 30, ALNUM + "_-") + "." + _rand(r, 43, ALNUM + "_-"),
-    "private_key": lambda r: ("-----BEGIN RSA PRIVATE KEY-----\n" + "\n".join(_rand(r, 64, ALNUM + "+/")
-                                                                            for _ in range(3))
-                              + "\n-----END RSA PRIVATE KEY-----"),
-    "stripe_key": lambda r: "sk_live_" + _rand(r, 24),
-    "sendgrid_key": lambda r: "SG." + _rand(r, 22, ALNUM + "_-") + "." + _rand(r, 43, ALNUM + "_-"),
-}
-PERSONAL = {
-    "email": lambda r: f"{_rand(r, 8, string.ascii_lowercase)}.{_rand(r, 5, string.ascii_lowercase)}@"
-                       f"{_rand(r, 7, string.ascii_lowercase)}.example.com",
-    "phone": lambda r: r.choice([f"+1 {_rand(r, 3, '23456789')}-{_rand(r, 3, string.digits)}-{_rand(r, 4, string.digits)}",
-                                 f"+44 20 {_rand(r, 4, string.digits)} {_rand(r, 4, string.digits)}",
-                                 f"({_rand(r, 3, '23456789')}) {_rand(r, 3, string.digits)}-{_rand(r, 4, string.digits)}"]),
-    "card": _card,
-    "iban": _iban,
-}
 FILLER = st.text(alphabet=st.sampled_from(list(string.ascii_letters + " ,.!?\n\t'\"(){}[]:;=")), max_size=60)
-
-
-def plant(rng: random.Random, kinds: dict[str, Any]) -> tuple[str, str]:
-    kind = rng.choice(sorted(kinds))
-    return kind, kinds[kind](rng)
 
 
 @settings(max_examples=300, deadline=None)
@@ -143,19 +88,14 @@ def test_custom_patterns() -> None:
 
 
 def _record(text: str, *, white_box: bool = False, ids: list[int] | None = None) -> TurnRecord:
-    return TurnRecord(
-        id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), endpoint="chat", status="ok", model="m",
-        capture="white-box" if white_box else "black-box",
-        request={"messages": [{"role": "user", "content": text},
-                              {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"out": text})}],
-                 "params": {"user": text, "metadata": {"note": text}}},
-        response={"id": "r", "choices": [{"index": 0, "finish_reason": "stop", "message": {
-            "role": "assistant", "content": f"you said {text}",
-            "tool_calls": [{"id": "c2", "type": "function",
-                            "function": {"name": "f", "arguments": json.dumps({"q": text})}}]}}]},
-        error={"message": text},
-        prompt_token_ids=ids, token_ids=ids, logprobs=[0.0] * len(ids) if ids else None,
-    )
+    """*text* in every field of a turn a person or a tool could have written it in."""
+    messages = [{"role": "user", "content": text},
+                {"role": "tool", "tool_call_id": "c1", "content": json.dumps({"out": text})}]
+    reply = {"role": "assistant", "content": f"you said {text}", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "f", "arguments": json.dumps({"q": text})}}]}
+    return turn_record(messages, reply, capture="white-box" if white_box else "black-box", response_id="r",
+                       params={"user": text, "metadata": {"note": text}}, error={"message": text},
+                       prompt_token_ids=ids, token_ids=ids, logprobs=[0.0] * len(ids) if ids else None)
 
 
 def test_every_field_of_a_record_is_redacted() -> None:
@@ -214,8 +154,8 @@ class BPETokens:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         rng = random.Random(0)
-        corpus = [" ".join(_rand(rng, rng.randrange(1, 9), string.ascii_lowercase) for _ in range(40))
-                  for _ in range(300)] + [f"key sk-{_rand(rng, 30)} mail a@b.example.com" for _ in range(50)]
+        corpus = [" ".join(random_text(rng, rng.randrange(1, 9), string.ascii_lowercase) for _ in range(40))
+                  for _ in range(300)] + [f"key sk-{random_text(rng, 30)} mail a@b.example.com" for _ in range(50)]
         tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                              special_tokens=["<|im_start|>"]))
         self.tok = tok

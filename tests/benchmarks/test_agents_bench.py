@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from benchmarks.agents import run as bench
 from datapool.models import Judgement, Session, Turn
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 
 
 def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, model_dir: Path,

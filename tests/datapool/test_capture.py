@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy import func, select
@@ -16,20 +15,12 @@ from datapool.models import Turn
 from datapool.records import TurnRecord
 from tests.support.holds import HeldPool
 from tests.support.pg import ThrowawayPostgres
+from tests.support.records import turn_record
 
 
 def _record(i: int) -> TurnRecord:
-    return TurnRecord(
-        id=uuid.uuid4().hex,
-        created_at=datetime.now(timezone.utc),
-        endpoint="chat",
-        status="ok",
-        model="m",
-        capture="black-box",
-        request={"messages": [{"role": "user", "content": f"message {i} {uuid.uuid4().hex}"}], "params": {}},
-        response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
-                                          "finish_reason": "stop"}]},
-    )
+    return turn_record([{"role": "user", "content": f"message {i} {uuid.uuid4().hex}"}], capture="black-box",
+                       response_id="r")
 
 
 def _stored_ids(url: str) -> list[str]:

@@ -39,6 +39,7 @@ from datapool.models import (
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
 from publishing.publish import activate, rollback_tainted
+from tests.support.records import turn_record
 
 
 class _AdapterServer(ThreadingHTTPServer):
@@ -84,13 +85,10 @@ class _AdapterServer(ThreadingHTTPServer):
 
 
 def _turn(session: str, tenant: str | None = None, user: str | None = None) -> TurnRecord:
-    request: dict = {"messages": [{"role": "user", "content": uuid.uuid4().hex}], "params": {}}
-    if user:  # as the gateway stores the body's other fields: in params
-        request["params"] = {"user": user} if "alice" in user else {"metadata": {"user_id": user}}
-    return TurnRecord(id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), endpoint="chat", status="ok",
-                      model="m", capture="black-box", session_id=session, session_source="header",
-                      request=request, tenant=tenant,
-                      response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+    # as the gateway stores the body's other fields: in params
+    params = ({"user": user} if "alice" in user else {"metadata": {"user_id": user}}) if user else None
+    return turn_record([{"role": "user", "content": uuid.uuid4().hex}], capture="black-box", params=params,
+                       response_id="r", session_id=session, session_source="header", tenant=tenant)
 
 
 def _pool(database_url: str, adapters: Path) -> tuple:

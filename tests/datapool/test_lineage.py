@@ -15,13 +15,12 @@ from datapool.lineage import session_lineage, versions_trained_on
 from datapool.models import PolicyVersion, TrainingLease, TrainingRun
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
+from tests.support.records import turn_record
 
 
 def _turn(session: str) -> TurnRecord:
-    return TurnRecord(id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), endpoint="chat", status="ok",
-                      model="m", capture="black-box", session_id=session, session_source="header",
-                      request={"messages": [{"role": "user", "content": uuid.uuid4().hex}], "params": {}},
-                      response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+    return turn_record([{"role": "user", "content": uuid.uuid4().hex}], capture="black-box", response_id="r",
+                       session_id=session, session_source="header")
 
 
 def test_versions_trained_on_turns(database_url: str) -> None:

@@ -73,9 +73,9 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     from datapool.canonical import continuation_hashes, continuations_of, link_candidates
     from datapool.sessions import Stitcher
     from nextstate.cli import main
-    from tests.datapool.test_session_matching import _openclaw_tool_loop
+    from tests.support.records import openclaw_tool_loop
 
-    first, rewritten = _openclaw_tool_loop()
+    first, rewritten = openclaw_tool_loop()
     engine = make_engine(database_url)
     with OrmSession(engine) as db, db.begin():
         Stitcher(db).write([first])

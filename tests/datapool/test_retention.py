@@ -20,15 +20,14 @@ from datapool.models import AuditEntry, Judgement, ToolCallArguments, Turn, Vote
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
 from nextstate.cli import main
+from tests.support.records import turn_record
 
 
 def _turn(age_days: float) -> TurnRecord:
-    return TurnRecord(id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc) - timedelta(days=age_days),
-                      endpoint="chat", status="ok", model="m", capture="white-box", session_id=uuid.uuid4().hex,
-                      session_source="header", prompt_token_ids=[1, 2, 3], token_ids=[4, 5],
-                      logprobs=[-0.1, -0.2], usage={"prompt_tokens": 3, "completion_tokens": 2},
-                      request={"messages": [{"role": "user", "content": "PRIVATE " + uuid.uuid4().hex}], "params": {}},
-                      response={"id": "r", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+    return turn_record([{"role": "user", "content": "PRIVATE " + uuid.uuid4().hex}],
+                       at=datetime.now(timezone.utc) - timedelta(days=age_days), response_id="r",
+                       session_id=uuid.uuid4().hex, session_source="header", prompt_token_ids=[1, 2, 3],
+                       token_ids=[4, 5], logprobs=[-0.1, -0.2], usage={"prompt_tokens": 3, "completion_tokens": 2})
 
 
 def test_old_content_expires_and_the_numbers_stay(database_url: str) -> None:

@@ -11,7 +11,6 @@ import copy
 import json
 import random
 import uuid
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any, NamedTuple
 
@@ -21,7 +20,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import make_engine, upgrade
+from datapool.db import make_engine
 from datapool.models import Turn
 from datapool.records import TurnRecord
 from datapool.canonical import (
@@ -35,6 +34,7 @@ from datapool.canonical import (
     system_free_candidates,
 )
 from datapool.sessions import Stitcher
+from tests.support.records import openclaw_tool_loop, turn_record
 from tests.support.conversations import (
     REWRITES,
     Request,
@@ -47,18 +47,8 @@ from tests.support.conversations import (
 T0 = datetime(2026, 11, 26, tzinfo=timezone.utc)
 
 
-def _record(req: Request, at: int, **kw: Any) -> TurnRecord:
-    return TurnRecord(
-        id=uuid.uuid4().hex,
-        created_at=T0 + timedelta(seconds=at),
-        endpoint="chat",
-        status="ok",
-        model="m",
-        capture="white-box",
-        request={"messages": req.messages, "params": {}},
-        response={"id": "chatcmpl-x", "choices": [{"index": 0, "message": req.reply, "finish_reason": "stop"}]},
-        **kw,
-    )
+def _record(req: Request, at: int) -> TurnRecord:
+    return turn_record(req.messages, req.reply, at=T0 + timedelta(seconds=at))
 
 
 def _write(engine: Engine, *batches: list[TurnRecord]) -> None:
@@ -92,26 +82,9 @@ def _assert_one_session(engine: Engine, records: list[TurnRecord]) -> None:
 # --- the cases seen in the wild, and the rules one at a time -------------------------------------
 
 
-def _openclaw_tool_loop() -> list[TurnRecord]:
-    """The split seen with OpenClaw: the tool call comes back with its id's dashes removed and
-    its arguments re-serialised without spaces, beside a result naming the rewritten id."""
-    system = {"role": "system", "content": f"You are a personal assistant. Runtime: {uuid.uuid4().hex}"}
-    user = {"role": "user", "content": "[Thu 2026-11-26 14:03 UTC] list the files"}
-    call = {"role": "assistant", "content": None, "reasoning_content": None, "tool_calls": [
-        {"id": "chatcmpl-tool-82f1a7c0d5e94b6f", "type": "function",
-         "function": {"name": "exec", "arguments": '{"command": "ls", "timeout": 10.0}'}}]}
-    replayed = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "chatcmpltool82f1a7c0d5e94b6f", "type": "function",
-         "function": {"name": "exec", "arguments": '{"command":"ls","timeout":10}'}}]}
-    result = {"role": "tool", "tool_call_id": "chatcmpltool82f1a7c0d5e94b6f", "content": "a.txt\nb.txt"}
-    answer = {"role": "assistant", "content": "Two files: a.txt and b.txt."}
-    return [_record(Request([system, user], call, 2), 0),
-            _record(Request([system, user, replayed, result], answer, 4), 1)]
-
-
 def test_openclaw_tool_loop_stays_in_its_session(database_url: str) -> None:
     engine = make_engine(database_url)
-    records = _openclaw_tool_loop()
+    records = openclaw_tool_loop()
     _write(engine, records)
     _assert_one_session(engine, records)
     turns = _stored(engine, [r.id for r in records])
@@ -211,22 +184,13 @@ def test_text_only_hashes_are_unchanged_by_the_new_form() -> None:
 # --- property: rewritten histories stitch into one session -----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    url = f"sqlite:///{tmp_path_factory.mktemp('matching') / 'pool.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield engine
-    engine.dispose()
-
-
 REWRITES_SEEN: dict[str, int] = {}
 WRITTEN = {"conversations": 0, "turns": 0}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(r=st.randoms(use_true_random=False), batches=st.integers(1, 3), order=st.sampled_from(["sent", "reversed", "shuffled"]))
-def test_rewritten_histories_stitch_into_one_session(pool: Engine, r: random.Random, batches: int, order: str) -> None:
+def test_rewritten_histories_stitch_into_one_session(module_sqlite_engine: Engine, r: random.Random, batches: int, order: str) -> None:
     steps = draw_steps(r, system=f"agent run {uuid.uuid4().hex}")
     reqs = requests(r, steps, REWRITES_SEEN)
     records = [_record(q, k) for k, q in enumerate(reqs)]
@@ -235,8 +199,8 @@ def test_rewritten_histories_stitch_into_one_session(pool: Engine, r: random.Ran
     if order == "shuffled":
         r.shuffle(todo)
     cuts = sorted(r.sample(range(1, len(todo)), min(batches - 1, len(todo) - 1))) if len(todo) > 1 else []
-    _write(pool, *[todo[a:b] for a, b in zip([0, *cuts], [*cuts, len(todo)])])
-    _assert_one_session(pool, records)
+    _write(module_sqlite_engine, *[todo[a:b] for a, b in zip([0, *cuts], [*cuts, len(todo)])])
+    _assert_one_session(module_sqlite_engine, records)
     WRITTEN["conversations"] += 1
     WRITTEN["turns"] += len(records)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -15,22 +14,13 @@ from datapool.models import Session, Turn
 from datapool.records import TurnRecord
 from datapool.canonical import canonical_message, link_candidates
 from datapool.sessions import Stitcher
+from tests.support.records import turn_record
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def _record(messages: list[dict[str, Any]], reply: dict[str, Any], at: int, **kw: Any) -> TurnRecord:
-    return TurnRecord(
-        id=uuid.uuid4().hex,
-        created_at=T0 + timedelta(seconds=at),
-        endpoint="chat",
-        status=kw.pop("status", "ok"),
-        model="m",
-        capture="white-box",
-        request={"messages": messages, "params": {}},
-        response={"id": "x", "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}]},
-        **kw,
-    )
+    return turn_record(messages, reply, at=T0 + timedelta(seconds=at), response_id="x", **kw)
 
 
 def _conversation(tag: str) -> list[TurnRecord]:

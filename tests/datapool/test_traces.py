@@ -49,8 +49,7 @@ class Stack:
     project: str
 
     def turn(self, turn_id: str) -> dict[str, Any]:
-        return wait_for(lambda: (r := httpx.get(f"{self.gw.url}/api/turns/{turn_id}", headers=ADMIN,
-                                                timeout=10)).status_code == 200 and r.json(), timeout=60)
+        return self.gw.stored_turn(turn_id, headers=ADMIN, timeout=60)
 
     def spans(self, want: int) -> list[dict[str, Any]]:
         return wait_for(lambda: len(s := self.phoenix.spans(self.project)) >= want and s, timeout=90, interval=0.5)
@@ -161,6 +160,6 @@ def test_a_receiver_that_is_down_costs_no_turn(upstream: UpstreamProcess, tmp_pa
                 "model": "fixed", "stream": bool(i % 2), "messages": [{"role": "user", "content": f"hello {i}"}]})
             assert r.status_code == 200, r.text
             turns.append(r.headers["x-turn-id"])
-        wait_for(lambda: all(httpx.get(f"{gw.url}/api/turns/{t}", timeout=10).status_code == 200 for t in turns),
-                 timeout=60)
+        for t in turns:
+            gw.stored_turn(t, timeout=60)
         assert httpx.get(f"{gw.url}/readyz", timeout=10).status_code == 200

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from base.settings import Settings
 from gateway.budget import prompt_bound
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, wait_for
 
 CONTEXT = 8192

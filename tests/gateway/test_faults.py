@@ -269,7 +269,7 @@ def test_upstream_dying_mid_stream(pg_url: str, upstream: UpstreamProcess, tmp_p
         assert "mid-stream" in chunks[3]["error"]["message"]
         assert len(chunks) == 4
 
-        stored = wait_for(lambda: (t := http.get(f"{gw.url}/api/turns/{turn_id}")).status_code == 200 and t.json())
+        stored = gw.stored_turn(turn_id)
         assert stored["status"] == "error" and "mid-stream" in stored["error"]["message"]
         assert stored["token_ids"] == [100, 101, 102]  # the partial reply is kept, marked failed
         assert stored["response"]["content"] == "Hello! How"
@@ -349,7 +349,6 @@ def test_client_disconnect_cancels_the_upstream_request(pg_url: str, upstream: U
         stats = wait_for(lambda: (s := upstream.stats()) and tag in s["aborted"] + s["completed"] and s,
                          timeout=5)
         assert tag in stats["aborted"] and tag not in stats["completed"]
-        stored = wait_for(lambda: (t := httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)).status_code == 200
-                          and t.json())
+        stored = gw.stored_turn(turn_id)
     assert stored["status"] == "cancelled" and stored["error"]["type"] == "cancelled"
     assert 0 < len(stored["token_ids"]) < 100

@@ -5,50 +5,20 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, wait_for
 
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def pool_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'pool.db'}"
-        return
-    from tests.support.pg import fresh_database
-
-    url, drop = fresh_database(request.getfixturevalue("pg_admin_dsn"))
-    yield url
-    drop()
-
-
-@pytest.fixture(scope="module")
-def gateway(pool_url: str, vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    with GatewayProcess(tmp_path_factory.mktemp("gw"), database_url=pool_url,
-                        upstream_url=vllm_server.base_url) as gw:
-        yield gw
-
-
 def client(base_url: str, **kw: Any) -> OpenAI:
     return OpenAI(base_url=base_url, api_key=kw.pop("api_key", "not-needed"), max_retries=0, **kw)
-
-
-def turn(gw: GatewayProcess, turn_id: str, *, timeout: float = 20.0) -> dict[str, Any]:
-    """The stored turn, once the write-behind capture has written it."""
-
-    def fetch() -> dict[str, Any] | None:
-        r = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)
-        return r.json() if r.status_code == 200 else None
-
-    return wait_for(fetch, timeout)
 
 
 def session(gw: GatewayProcess, session_id: str) -> dict[str, Any]:
@@ -96,7 +66,7 @@ def test_chat_reply_and_token_ids_match_vllm(gateway: GatewayProcess, vllm_serve
         content = raw.parse().choices[0].message.content
 
     assert content == ref["choices"][0]["message"]["content"]
-    stored = turn(gateway, turn_id)
+    stored = gateway.stored_turn(turn_id)
     assert stored["capture"] == "white-box" and stored["status"] == "ok"
     assert stored["response"]["content"] == content
     assert stored["token_ids"] == ref["choices"][0]["token_ids"]
@@ -129,7 +99,7 @@ def test_client_sees_exactly_what_vllm_sends(gateway: GatewayProcess, vllm_serve
     body |= {"logprobs": True, "return_token_ids": True}
     raw = httpx.post(f"{gateway.base_url}/chat/completions", json=body, timeout=120)
     got = raw.json()
-    stored = turn(gateway, raw.headers["x-turn-id"])
+    stored = gateway.stored_turn(raw.headers["x-turn-id"])
     assert stored["prompt_token_ids"] == got["prompt_token_ids"]
     assert stored["token_ids"] == got["choices"][0]["token_ids"]
     assert stored["logprobs"] == [t["logprob"] for t in got["choices"][0]["logprobs"]["content"]]
@@ -163,7 +133,7 @@ def test_completions_endpoint_captures_token_ids(gateway: GatewayProcess, vllm_s
     raw = client(gateway.base_url).completions.with_raw_response.create(
         model="smollm2", prompt=prompt, max_tokens=5, temperature=0)
     assert raw.parse().choices[0].text == ref["choices"][0]["text"]
-    stored = turn(gateway, raw.headers["x-turn-id"])
+    stored = gateway.stored_turn(raw.headers["x-turn-id"])
     assert stored["endpoint"] == "completions"
     assert stored["token_ids"] == ref["choices"][0]["token_ids"]
     assert stored["prompt_token_ids"] == ref["choices"][0]["prompt_token_ids"]
@@ -201,11 +171,11 @@ def test_tool_call_round_trip_sets_next_state(gateway: GatewayProcess) -> None:
     raw2 = c.chat.completions.with_raw_response.create(
         model="smollm2", messages=messages, tools=tools, max_tokens=20, temperature=0)
 
-    t1 = turn(gateway, raw.headers["x-turn-id"])
-    t2 = turn(gateway, raw2.headers["x-turn-id"])
+    t1 = gateway.stored_turn(raw.headers["x-turn-id"])
+    t2 = gateway.stored_turn(raw2.headers["x-turn-id"])
     assert t1["response"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert t2["session_id"] == t1["session_id"] and t2["parent_turn_id"] == t1["id"]
-    t1 = turn(gateway, t1["id"])
+    t1 = gateway.stored_turn(t1["id"])
     assert t1["next_state"] == {"turn_id": t2["id"], "messages": [tool_result]}
 
 
@@ -223,14 +193,14 @@ def test_three_turns_without_header_are_one_session(gateway: GatewayProcess) -> 
     other = c.chat.completions.with_raw_response.create(model="smollm2", messages=unique_user("Hello!"),
                                                         max_tokens=8)
 
-    stored = [turn(gateway, i) for i in ids]
+    stored = [gateway.stored_turn(i) for i in ids]
     sid = stored[0]["session_id"]
     s = wait_for(lambda: (s := session(gateway, sid)) and len(s["turns"]) == 3 and s)
     assert [t["id"] for t in s["turns"]] == ids and s["source"] == "inferred"
     assert [t["next_state"]["messages"] for t in s["turns"][:2]] == [
         [{"role": "user", "content": "Tell me more."}], [{"role": "user", "content": "Thanks, bye."}]]
     assert s["turns"][2]["next_state"] is None
-    assert turn(gateway, other.headers["x-turn-id"])["session_id"] != sid
+    assert gateway.stored_turn(other.headers["x-turn-id"])["session_id"] != sid
 
 
 def test_session_from_path_and_header(gateway: GatewayProcess) -> None:
@@ -241,7 +211,7 @@ def test_session_from_path_and_header(gateway: GatewayProcess) -> None:
     raw2 = client(gateway.base_url).chat.completions.with_raw_response.create(
         model="smollm2", messages=unique_user("b"), max_tokens=2, extra_headers={"X-Session-Id": sid,
                                                                                    "X-Turn-Type": "side"})
-    t1, t2 = turn(gateway, raw.headers["x-turn-id"]), turn(gateway, raw2.headers["x-turn-id"])
+    t1, t2 = gateway.stored_turn(raw.headers["x-turn-id"]), gateway.stored_turn(raw2.headers["x-turn-id"])
     assert t1["session_id"] == t2["session_id"] == sid
     assert t2["turn_type"] == "side"
     assert session(gateway, sid)["source"] == "path"
@@ -254,7 +224,7 @@ def test_session_list_pages_newest_first(gateway: GatewayProcess) -> None:
     for sid in sids:
         last = client(f"{gateway.url}/s/{sid}/v1").chat.completions.with_raw_response.create(
             model="smollm2", messages=unique_user("x"), max_tokens=1)
-    turn(gateway, last.headers["x-turn-id"])
+    gateway.stored_turn(last.headers["x-turn-id"])
     seen: list[str] = []
     cursor = None
     while True:
@@ -290,7 +260,7 @@ def test_sampling_parameters_pass_through(gateway: GatewayProcess, vllm_server: 
             break
     assert contents[-1][0] == contents[-1][1], contents
     assert len(got["choices"]) == 2 and "}" not in got["choices"][0]["message"]["content"]
-    stored = turn(gateway, raw.headers["x-turn-id"])
+    stored = gateway.stored_turn(raw.headers["x-turn-id"])
     assert stored["request"]["params"] | {"model": "smollm2"} == {
         k: v for k, v in body.items() if k != "messages"}
     assert stored["token_ids"] == ref["choices"][0]["token_ids"]
@@ -308,7 +278,7 @@ def test_client_hanging_up_mid_stream_is_stored_as_cancelled(gateway: GatewayPro
         for _ in range(4):
             next(lines)
     # the client is gone after a few chunks; what it got is kept, marked cancelled
-    stored = turn(gateway, turn_id)
+    stored = gateway.stored_turn(turn_id)
     assert stored["status"] == "cancelled" and stored["error"]["type"] == "cancelled"
     assert 0 < len(stored["token_ids"]) < 300
 

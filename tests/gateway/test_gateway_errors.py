@@ -12,7 +12,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 from tests.support.upstreams import SilentUpstream
 
@@ -158,8 +158,7 @@ def test_api_keys_admin_token_and_no_secrets_stored(vllm_server: RunningVLLM, tm
         assert raw.parse().choices
         _error(httpx.get(f"{gw.url}/api/sessions", timeout=5), 401)
         auth = {"Authorization": f"Bearer {admin}"}
-        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{raw.headers['x-turn-id']}", headers=auth,
-                                   timeout=5).status_code == 200)
+        gw.stored_turn(raw.headers["x-turn-id"], headers=auth)
         log = gw.log_tail(10_000)
     stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".log")
     assert key.encode() not in stored and admin.encode() not in stored

@@ -13,21 +13,13 @@ from openai import OpenAI
 from sqlalchemy import text
 
 from datapool.db import make_engine
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.pg import ThrowawayPostgres
 from tests.support.processes import GatewayProcess, wait_for
 
 
 def _client(gw: GatewayProcess) -> OpenAI:
     return OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-def _turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
-    def fetch() -> dict[str, Any] | None:
-        r = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)
-        return r.json() if r.status_code == 200 else None
-
-    return wait_for(fetch)
 
 
 def test_black_box_capture_stores_text_only(vllm_server: RunningVLLM, tmp_path: Path) -> None:
@@ -47,7 +39,7 @@ def test_black_box_capture_stores_text_only(vllm_server: RunningVLLM, tmp_path: 
         chunks = list(_client(gw).chat.completions.create(
             model="provider-model", messages=messages, max_tokens=8, temperature=0, stream=True))
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        stored = _turn(gw, raw.headers["x-turn-id"])
+        stored = gw.stored_turn(raw.headers["x-turn-id"])
         models = [m.id for m in _client(gw).models.list().data]
     assert streamed == content and content
     assert stored["capture"] == "black-box" and stored["status"] == "ok"
@@ -71,7 +63,7 @@ def test_two_gateways_sharing_postgres_stitch_one_session(
                 model="smollm2", messages=messages, max_tokens=6)
             ids.append(raw.headers["x-turn-id"])
             messages += [raw.parse().choices[0].message, {"role": "user", "content": f"More {i}"}]
-        turns = [_turn(b, i) for i in ids]
+        turns = [b.stored_turn(i) for i in ids]
         sid = turns[0]["session_id"]
         assert {t["session_id"] for t in turns} == {sid}
         s = wait_for(lambda: (r := httpx.get(f"{a.url}/api/sessions/{sid}", timeout=5).json())

@@ -233,7 +233,7 @@ def test_rejected_requests_store_nothing(open_gateway: GatewayProcess) -> None:
     accepted = httpx.post(f"{open_gateway.base_url}/chat/completions", json=OK, timeout=30)
     assert accepted.status_code == 200
     tid = accepted.headers["x-turn-id"]
-    wait_for(lambda: httpx.get(f"{open_gateway.url}/api/turns/{tid}", timeout=5).status_code == 200)
+    open_gateway.stored_turn(tid)
     db = sqlite3.connect(open_gateway.data_dir / "pool.db")
     try:
         rows = db.execute("SELECT status, request FROM turns").fetchall()

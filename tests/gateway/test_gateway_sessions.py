@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from base.settings import DEFAULT_SESSION_KEYS, DEFAULT_SIDE_TURN_RULES
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, wait_for
 
 CUSTOM_KEYS = [
@@ -62,13 +62,7 @@ def _chat(gw: GatewayProcess, messages: list[dict[str, Any]], headers: dict[str,
 
 
 def _turn(gw: GatewayProcess, r: httpx.Response) -> dict[str, Any]:
-    turn_id = r.headers["x-turn-id"]
-
-    def fetch() -> dict[str, Any] | None:
-        got = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)
-        return got.json() if got.status_code == 200 else None
-
-    return wait_for(fetch, 20)
+    return gw.stored_turn(r.headers["x-turn-id"])
 
 
 def _session(gw: GatewayProcess, sid: str) -> dict[str, Any]:

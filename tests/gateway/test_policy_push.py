@@ -14,10 +14,10 @@ from pathlib import Path
 from datapool import versions
 from datapool.db import make_engine
 from base.settings import Settings
-from base.vocab import VersionKind
 from gateway.state import Gateway, running
 from publishing.publish import rollback
 from tests.support import REPO
+from tests.support.versions import register_lora
 
 HANG_GUARD_S = 120  # not a latency bound: only stops a test that would otherwise wait forever
 ROOT = REPO
@@ -35,18 +35,6 @@ async def _until(gw: Gateway, want: str | None) -> None:
         await asyncio.wait_for(gw.policy_read.wait_for(serves), HANG_GUARD_S)
 
 
-def _register(url: str, name: str, tmp: Path, *, activate: bool = True) -> None:
-    engine = make_engine(url)
-    try:
-        path = tmp / name
-        path.mkdir()
-        (path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-        versions.register(engine, name=name, kind=VersionKind.LORA, base_model="smollm2", path=path,
-                          parent_id=None, activate=activate, stats=None, actor="test", reason=None, metrics={})
-    finally:
-        engine.dispose()
-
-
 def _settings(url: str, tmp: Path) -> Settings:
     return Settings(upstream_url="http://127.0.0.1:9/v1", upstream_model="smollm2", database_url=url,
                     data_dir=tmp / "data", policy_fallback_s=3600)
@@ -59,10 +47,10 @@ async def test_switches_reach_the_gateway_in_process(database_url: str, tmp_path
     try:
         async with running(_settings(database_url, tmp_path), None, None) as gw:
             await _until(gw, None)
-            await asyncio.to_thread(_register, database_url, "v1", tmp_path)
+            await asyncio.to_thread(register_lora, database_url, "v1", tmp_path)
             await _until(gw, "v1")
-            await asyncio.to_thread(_register, database_url, "cand", tmp_path, activate=False)
-            await asyncio.to_thread(_register, database_url, "v2", tmp_path)
+            await asyncio.to_thread(register_lora, database_url, "cand", tmp_path, activate=False)
+            await asyncio.to_thread(register_lora, database_url, "v2", tmp_path)
             await _until(gw, "v2")
             await asyncio.to_thread(rollback, engine, [], "base")
             await _until(gw, None)
@@ -75,8 +63,8 @@ async def test_a_switch_from_another_process_reaches_the_gateway(database_url: s
     too (NOTIFY; SQLite: the file's data_version)."""
     async with running(_settings(database_url, tmp_path), None, None) as gw:
         await _until(gw, None)
-        code = ("import sys; from pathlib import Path; from tests.gateway.test_policy_push import _register; "
-                "_register(sys.argv[1], 'other', Path(sys.argv[2]))")
+        code = ("import sys; from pathlib import Path; from tests.support.versions import register_lora; "
+                "register_lora(sys.argv[1], 'other', Path(sys.argv[2]))")
         env = {**os.environ, "PYTHONPATH": str(ROOT), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, database_url, str(tmp_path),
                                                     cwd=ROOT, env=env, stderr=subprocess.PIPE)

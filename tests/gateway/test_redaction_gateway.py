@@ -26,11 +26,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.upstream import UpstreamProcess
 from tests.support.processes import GatewayProcess, wait_for
 from tests.support.phoenix import PhoenixProcess
-from tests.base.test_redaction import PERSONAL, SECRETS
+from tests.support.planted import PERSONAL, SECRETS
 
 TOKEN = "admin-secret-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -141,8 +141,7 @@ def test_planted_values_are_answered_and_stored_redacted(gateway: GatewayProcess
     SESSIONS.append(session)
     turn = resp.headers["x-turn-id"]
     TURNS.append(turn)
-    wait_for(lambda: httpx.get(f"{gateway.url}/api/turns/{turn}", headers=ADMIN, timeout=10).status_code == 200,
-             timeout=60)
+    gateway.stored_turn(turn, headers=ADMIN, timeout=60)
     stored = httpx.get(f"{gateway.url}/api/turns/{turn}", headers=ADMIN, timeout=10).text
     assert value not in stored and "[REDACTED:" in stored, (fmt, field, stream, stored[:2000])
 
@@ -213,9 +212,7 @@ def test_stored_token_ids_do_not_decode_to_what_was_redacted(vllm_server: Runnin
                 "messages": [{"role": "user", "content": f"Repeat exactly: {value}"}]})
             assert resp.status_code == 200, resp.text
             turns.append(resp.headers["x-turn-id"])
-        wait_for(lambda: all(httpx.get(f"{gw.url}/api/turns/{t}", timeout=5).status_code == 200 for t in turns),
-                 timeout=120)
-        stored = [httpx.get(f"{gw.url}/api/turns/{t}", timeout=5).json() for t in turns]
+        stored = [gw.stored_turn(t, timeout=120) for t in turns]
     for value, turn in zip(values, stored):
         assert turn["capture"] == "white-box", turn.get("redaction")
         masked = (turn.get("redaction") or {}).get("prompt")

@@ -89,10 +89,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
                 w.turns[tenant], w.responses[tenant] = turns, responses
             httpx.post(f"{gw.url}/api/capture/flush", headers=ADMIN, timeout=60)
             for tenant in w.markers:
-                wait_for(lambda t=tenant: all(httpx.get(f"{gw.url}/api/turns/{i}", headers=ADMIN, timeout=10)
-                                              .status_code == 200 for i in w.turns[t]), timeout=60)
-                w.sessions[tenant] = sorted({httpx.get(f"{gw.url}/api/turns/{i}", headers=ADMIN, timeout=10)
-                                             .json()["session_id"] for i in w.turns[tenant]})
+                w.sessions[tenant] = sorted({gw.stored_turn(i, headers=ADMIN, timeout=60)["session_id"]
+                                             for i in w.turns[tenant]})
             for tenant in w.markers:
                 w.logins[tenant], w.csrf[tenant] = _login(gw, w.key_of(tenant))
             yield w

@@ -24,8 +24,7 @@ def test_a_dead_upstream_is_503_with_retry_after_and_served_again_once_back(tmp_
             r = http.post(f"{gw.base_url}/chat/completions", json=chat)
             assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
             assert r.json()["error"]["code"] == "upstream_unavailable"
-            turn = wait_for(lambda: (t := http.get(f"{gw.url}/api/turns/{r.headers['x-turn-id']}")).status_code
-                            == 200 and t.json())
+            turn = gw.stored_turn(r.headers["x-turn-id"])
             assert turn["status"] == "error" and turn["error"]["status"] == 503
             r = http.post(f"{gw.base_url}/responses", json={"model": "fixed", "input": "hi"})
             assert r.status_code == 503 and r.headers["retry-after"] == "2"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from gateway.formats import messages_to_chat, responses_to_chat
 from gateway.replies import MessagesReply, ResponsesReply
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 
 MAX_TOKENS = 12
@@ -33,32 +32,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 WEATHER_ANTHROPIC = {"name": "get_weather", "description": "Current weather in a city",
                      "input_schema": WEATHER["parameters"]}
-
-
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
-def pool_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('pool') / 'pool.db'}"
-        return
-    from tests.support.pg import fresh_database
-
-    url, drop = fresh_database(request.getfixturevalue("pg_admin_dsn"))
-    yield url
-    drop()
-
-
-@pytest.fixture(scope="module")
-def gateway(pool_url: str, vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    with GatewayProcess(tmp_path_factory.mktemp("gw"), database_url=pool_url, upstream_url=vllm_server.base_url) as gw:
-        yield gw
-
-
-def turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
-    def fetch() -> dict[str, Any] | None:
-        r = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)
-        return r.json() if r.status_code == 200 else None
-
-    return wait_for(fetch, 20)
 
 
 def run_id() -> str:
@@ -137,7 +110,7 @@ def test_responses_match_vllm_event_by_event(gateway: GatewayProcess, vllm_serve
 
     direct = _vllm_chat(vllm_server, chat)
     assert text == direct["choices"][0]["message"]["content"]
-    stored = turn(gateway, turn_id)
+    stored = gateway.stored_turn(turn_id)
     assert stored["wire_format"] == "responses" and stored["endpoint"] == "chat"
     assert stored["capture"] == "white-box" and stored["response"]["content"] == text
     assert stored["response"]["id"] == final["id"]
@@ -166,8 +139,8 @@ def test_responses_function_tool_round_trip_by_previous_response_id(gateway: Gat
     second = raw.parse()
     assert second.previous_response_id == first.id and second.output_text
 
-    t2 = turn(gateway, raw.headers["x-turn-id"])
-    t1 = wait_for(lambda: (t := turn(gateway, t2["parent_turn_id"])) and t["next_state"] and t)
+    t2 = gateway.stored_turn(raw.headers["x-turn-id"])
+    t1 = wait_for(lambda: (t := gateway.stored_turn(t2["parent_turn_id"])) and t["next_state"] and t)
     assert t1["response"]["id"] == first.id and t1["session_id"] == t2["session_id"] == sid
     tool_message = {"role": "tool", "tool_call_id": calls[0].call_id, "content": "18 C, sunny"}
     assert t1["next_state"] == {"turn_id": t2["id"], "messages": [tool_message]}
@@ -185,9 +158,9 @@ def test_previous_response_id_continuation_is_stitched_without_a_session(gateway
                                max_output_tokens=8, temperature=0)
     raw = c.responses.with_raw_response.create(model="smollm2", previous_response_id=first.id,
                                                input="Tell me more.", max_output_tokens=8, temperature=0)
-    t2 = turn(gateway, raw.headers["x-turn-id"])
+    t2 = gateway.stored_turn(raw.headers["x-turn-id"])
     assert t2["parent_turn_id"] is not None
-    t1 = turn(gateway, t2["parent_turn_id"])
+    t1 = gateway.stored_turn(t2["parent_turn_id"])
     assert t1["response"]["id"] == first.id and t1["session_id"] == t2["session_id"]
     assert t2["request"]["messages"][-1] == {"role": "user", "content": "Tell me more."}
 
@@ -256,7 +229,7 @@ def test_messages_match_vllm_event_by_event(gateway: GatewayProcess, vllm_server
                                                    value=MessagesReply("smollm2", body).whole(_vllm_chat(vllm_server, chat)))
         assert _ids_out(message.model_dump(mode="json")) == _ids_out(ref_msg.model_dump(mode="json"))
     direct = _vllm_chat(vllm_server, chat)
-    stored = turn(gateway, turn_id)
+    stored = gateway.stored_turn(turn_id)
     assert stored["wire_format"] == "messages" and stored["capture"] == "white-box"
     assert message.content[0].text == stored["response"]["content"] == direct["choices"][0]["message"]["content"]  # type: ignore[union-attr]
     assert stored["token_ids"] == direct["choices"][0]["token_ids"]
@@ -304,7 +277,7 @@ def test_messages_tool_use_round_trip_with_vllm_ids(gateway: GatewayProcess, vll
     uses = [b for b in message.content if b.type == "tool_use"]
     assert uses and uses[0].name == "get_weather" and message.stop_reason == "tool_use"
 
-    first = turn(gateway, turn_id)
+    first = gateway.stored_turn(turn_id)
     assert first["wire_format"] == "messages" and first["capture"] == "white-box"
     call = first["response"]["tool_calls"][0]
     assert call["id"] == uses[0].id
@@ -321,11 +294,11 @@ def test_messages_tool_use_round_trip_with_vllm_ids(gateway: GatewayProcess, vll
     body["max_tokens"] = 20
     raw2 = a.messages.with_raw_response.create(**body, extra_body=extra)
     assert raw2.parse().content
-    second = turn(gateway, raw2.headers["x-turn-id"])
+    second = gateway.stored_turn(raw2.headers["x-turn-id"])
     assert second["parent_turn_id"] == first["id"] and second["session_id"] == sid
     # the model's own arguments text comes back in the history, though the client sent an object
     assert second["request"]["messages"][2]["tool_calls"][0]["function"]["arguments"] == arguments
-    first = wait_for(lambda: (t := turn(gateway, first["id"])) and t["next_state"] and t)
+    first = wait_for(lambda: (t := gateway.stored_turn(first["id"])) and t["next_state"] and t)
     assert first["next_state"]["messages"] == [{"role": "tool", "tool_call_id": uses[0].id, "content": "18 C, sunny"}]
 
 
@@ -423,8 +396,8 @@ def test_black_box_provider_speaks_both_formats(vllm_server: RunningVLLM, tmp_pa
                                extra_body={"temperature": 0}) as s:
             m_turn = s.response.headers["x-turn-id"]
             message = s.get_final_message()
-        stored = turn(gw, raw.headers["x-turn-id"])
-        m_stored = turn(gw, m_turn)
+        stored = gw.stored_turn(raw.headers["x-turn-id"])
+        m_stored = gw.stored_turn(m_turn)
     assert text and streamed[-1].response.output_text == text
     assert message.content[0].text == text  # type: ignore[union-attr]
     for t, fmt in ((stored, "responses"), (m_stored, "messages")):
@@ -457,12 +430,12 @@ def test_a_tool_calls_own_arguments_come_back_through_another_replica(pg_url: st
                 first_raw = claude(a.url).messages.with_raw_response.create(**body)
                 (use,) = [c for c in first_raw.parse().content if c.type == "tool_use"]
                 assert use.input == given
-                first = turn(a, first_raw.headers["x-turn-id"])
+                first = a.stored_turn(first_raw.headers["x-turn-id"])
                 assert first["response"]["tool_calls"][0]["function"]["arguments"] == raw
                 body["messages"] += [
                     {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in first_raw.parse().content]},
                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
                 second_raw = claude(b.url).messages.with_raw_response.create(**body)  # the other replica
-                second = turn(b, second_raw.headers["x-turn-id"])
+                second = b.stored_turn(second_raw.headers["x-turn-id"])
                 assert second["request"]["messages"][1]["tool_calls"][0]["function"]["arguments"] == raw
                 assert second["parent_turn_id"] == first["id"] and second["session_id"] == first["session_id"]

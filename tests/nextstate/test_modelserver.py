@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from nextstate.modelserver import (
     READY_STAMP,
     VLLMServer,
@@ -153,7 +153,7 @@ def test_prompt_logprobs_beside_lora_requests(vllm_server: RunningVLLM, model_di
     """With serve_command's --lora-target-modules, prompt_logprobs requests share batches with
     streamed LoRA requests and every request is answered. With vLLM's default targets (lm_head
     included) the CPU build's engine dies here (einsum in punica_cpu.add_lora_logits) and the GPU
-    build's with a CUDA illegal memory access (benchmarks/gpu/results/README.md)."""
+    build's with a CUDA illegal memory access (docs/why-lora-target-modules.md)."""
     import asyncio
 
     from benchmarks.gpu.lora_churn import write_adapter

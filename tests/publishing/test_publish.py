@@ -22,10 +22,10 @@ from sqlalchemy import func, select
 
 from datapool.db import make_engine
 from datapool.models import PolicyEvent
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 from tests.support.upstreams import PolicyStream, alias_root, greedy_reply
-from tests.publishing.test_version_races import promote_at_once
+from tests.support.versions import promote_at_once
 
 pytest.importorskip("peft", reason="the trainer extra (peft, torch) is needed to make an adapter")
 
@@ -185,8 +185,7 @@ def test_publish_switches_the_alias_and_rollback_restores_the_base(
         "model": "policy", "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
     assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == tuned
     turn_id = raw.headers["x-turn-id"]
-    stored = wait_for(lambda: (r := httpx.get(f"{gateway.url}/api/turns/{turn_id}", timeout=5))
-                      .status_code == 200 and r.json())
+    stored = gateway.stored_turn(turn_id)
     assert stored["policy_version"] == name and stored["capture"] == "white-box"
 
     with capsys.disabled():

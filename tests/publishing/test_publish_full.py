@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import Judgement, PolicyEvent
 from base.settings import Settings
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, wait_for
 from tests.support.upstreams import PolicyStream, alias_root, greedy_reply
 
@@ -121,11 +121,6 @@ def label(url: str) -> str | None:
     return labels([url])[url]
 
 
-def stored_turn(gw: GatewayProcess, turn_id: str) -> dict[str, Any]:
-    return wait_for(lambda: (r := httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=5)).status_code == 200
-                    and r.json())
-
-
 def events(sqlite_engine: Any) -> list[PolicyEvent]:
     with OrmSession(sqlite_engine) as db:
         rows = list(db.scalars(select(PolicyEvent).order_by(PolicyEvent.id)))
@@ -166,7 +161,7 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
         assert r.status_code == 200
         ids.append(r.headers["x-turn-id"])
     for tid in ids:
-        assert stored_turn(gateway, tid)["policy_version"] == BASE_MODEL
+        assert gateway.stored_turn(tid)["policy_version"] == BASE_MODEL
     with OrmSession(sqlite_engine) as db, db.begin():
         db.execute(delete(Judgement))  # whatever the gateway queued for scoring
         for tid in ids:
@@ -201,12 +196,12 @@ def test_train_full_publish_then_rollback(gateway: GatewayProcess, sqlite_url: s
     raw = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
         "model": "policy", "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
     assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == tuned
-    turn = stored_turn(gateway, raw.headers["x-turn-id"])
+    turn = gateway.stored_turn(raw.headers["x-turn-id"])
     assert turn["policy_version"] == name and turn["capture"] == "white-box"
     assert turn["upstream_model"] == BASE_MODEL  # what vLLM serves the weights as (teacher logprobs ask it)
     direct = httpx.post(f"{gateway.base_url}/chat/completions", timeout=60, json={
         "model": BASE_MODEL, "messages": PROMPT, "temperature": 0, "max_tokens": MAX_TOKENS})
-    assert stored_turn(gateway, direct.headers["x-turn-id"])["policy_version"] == name
+    assert gateway.stored_turn(direct.headers["x-turn-id"])["policy_version"] == name
 
     (publish_event,) = events(sqlite_engine)
     assert publish_event.action == "publish" and publish_event.actor == "trainer"

@@ -4,9 +4,7 @@ replaced by a no-op); tests/publishing/test_publish.py runs the same against rea
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,28 +13,10 @@ from datapool.versions import list_versions, register
 from publishing import publish
 from publishing.publish import activate
 from base.vocab import VersionKind
+from tests.support.versions import promote_at_once
 
 BASE_MODEL = "smollm2"
 URLS = ["http://127.0.0.1:9/v1"]  # never called: serve is replaced
-
-
-def promote_at_once(engine: Any, names: list[str], urls: list[str], n: int = 9) -> list[BaseException]:
-    """*n* promotions started together, by threads (several operators, several processes), cycling
-    through *names*; returns what they raised."""
-    errors: list[BaseException] = []
-
-    def promote(name: str) -> None:
-        try:
-            activate(engine, name, urls)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            errors.append(exc)
-
-    threads = [threading.Thread(target=promote, args=(names[i % len(names)],)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return errors
 
 
 def test_concurrent_promotions_leave_exactly_one_active(database_url: str, tmp_path: Path,

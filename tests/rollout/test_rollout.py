@@ -20,7 +20,7 @@ import pytest
 
 from base.errors import InfraError, RolloutError
 from rollout import runner as ro
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, free_port, wait_for
 from tests.support import REPO
 

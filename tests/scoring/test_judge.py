@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from scoring.teacher import teacher_messages
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.support.redis_server import unique_queue
 

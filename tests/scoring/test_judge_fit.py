@@ -158,7 +158,7 @@ def test_only_transient_judge_errors_are_left_to_retry(exc: Exception, reason: D
 
 def test_litellm_tokenizer_fits_a_provider_judge_offline() -> None:
     """A judge LiteLLM knows (no vLLM /tokenize): its tokenizer and token_counter do the counting."""
-    from tests.scoring.test_judge_long import agent_system_prompt
+    from tests.support.prompts import agent_system_prompt
 
     turn = _turn(agent_system_prompt(12_000), [("user", "List my files."), ("assistant", "Which folder?"),
                                               ("user", "The workspace.")], "AGENTS.md and notes/.")

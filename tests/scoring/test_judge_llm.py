@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.processes import GatewayProcess, WorkerProcess, wait_for
 
 

@@ -27,7 +27,7 @@ from scoring.score import score_turn
 from scoring.siblings import SiblingConfig, resample_siblings
 from gateway.classify import turn_kind_of
 from base.errors import RequestError
-from tests.gateway.ui.test_ui import admin_client
+from tests.support.admin_ui import admin_client
 from trainer import objectives
 from trainer.objectives import ObjectiveConfig
 from trainer.samples import load_samples

@@ -8,6 +8,11 @@
 - :mod:`tests.support.upstream`: a fast fake of vLLM's OpenAI wire format
   (`python -m tests.support.upstream --port N`).
 
+and what the tests share, since no test module imports another (tests/test_architecture.py):
+captured turns built in one call (:mod:`tests.support.records`), the admin UI through a
+TestClient (:mod:`tests.support.admin_ui`), generated conversations and their trajectories,
+planted secrets, the deterministic judges.
+
 Nothing that serves or trains imports it (tests/test_architecture.py checks, deferred imports included).
 """
 

@@ -1,4 +1,5 @@
-"""Deterministic python judges for the tests (`NEXTSTATE_JUDGE_PYTHON=tests.support.judges:verdict`).
+"""Deterministic python judges for the tests (`NEXTSTATE_JUDGE_PYTHON=tests.support.judges:verdict`),
+and a lenient scorer for the online trainer's eval gate (`--eval-scorer tests.support.judges:lenient_scorer`).
 
 The verdict is read off the next state's text, so a test decides a turn's votes by what its
 simulated user says: thanks → +1; "no, ..." → -1 with the correction as the hint; "TIE" → one
@@ -40,3 +41,8 @@ def verdict(turn: dict[str, Any], next_state: dict[str, Any], index: int) -> dic
     if next_state.get("end"):
         return {"vote": 1 if (next_state.get("outcome") or 0) > 0 else 0, "rationale": "session ended"}
     return {"vote": 0, "rationale": "no evidence either way"}
+
+
+def lenient_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
+    """Any candidate passes a gate with threshold 1 on this (it scores in [0, 1])."""
+    return 1.0 if len(reply.split()) < 40 else 0.0

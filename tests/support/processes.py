@@ -131,6 +131,16 @@ class GatewayProcess(_NextstateProcess):
         self.stop()
         raise RuntimeError(f"gateway not up after {timeout}s:\n{self.log_tail()}")
 
+    def stored_turn(self, turn_id: str, *, headers: dict[str, str] | None = None,
+                    timeout: float = 20.0) -> dict[str, Any]:
+        """Turn *turn_id* as `/api/turns/{id}` serves it, once the write-behind capture has stored it."""
+
+        def fetch() -> dict[str, Any] | None:
+            r = httpx.get(f"{self.url}/api/turns/{turn_id}", headers=headers, timeout=10)
+            return r.json() if r.status_code == 200 else None
+
+        return wait_for(fetch, timeout)
+
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.1) -> Any:

@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, PolicyEvent, PolicyVersion, Session, TrainingLease, TrainingRun, TrainingStep, Turn
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.holds import HeldTrainingStep
 from tests.support.pg import fresh_database
 from tests.support.processes import GatewayProcess, WorkerProcess, wait_for
@@ -45,11 +45,6 @@ from trainer.online import REFUSED, OnlineConfig, OnlineTrainer
 QUESTIONS = ["Name a fruit.", "Name a color.", "Name an animal.", "Name a city.", "Name a planet.",
              "Name a metal."]
 EVAL_PROMPTS = ["Name a tree.", "Name a river.", "Name a bird."]
-
-
-def lenient_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
-    """Any candidate passes a gate with threshold 1 on this (it scores in [0, 1])."""
-    return 1.0 if len(reply.split()) < 40 else 0.0
 
 
 @pytest.fixture
@@ -78,6 +73,25 @@ def cleanup(servers: list[str], pg: str) -> Iterator[None]:
     with httpx.Client(timeout=10) as http:
         for name in names:
             unload(http, servers, name)
+
+
+def _scored_turns(pg: str, upstream: str, data_dir: Path, questions: list[str]) -> list[str]:
+    """The turns of *questions* asked through a gateway of their own on *pg*, once stored, then
+    scored -1, +1, -1, ... (the gateway gone)."""
+    data_dir.mkdir()
+    with GatewayProcess(data_dir, database_url=pg, upstream_url=upstream) as gw:
+        ids = []
+        for q in questions:
+            r = httpx.post(f"{gw.base_url}/chat/completions", timeout=120, json={
+                "model": "policy", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": q}]})
+            ids.append(r.headers["x-turn-id"])
+        gw.stored_turn(ids[-1])
+    engine = make_engine(pg)
+    with OrmSession(engine) as db, db.begin():
+        for i, tid in enumerate(ids):
+            db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if i % 2 else -1.0, attempts=1))
+    engine.dispose()
+    return ids
 
 
 def _trainer_args(pg: str, model_dir: Path, servers: list[str], *extra: str) -> list[str]:
@@ -163,7 +177,7 @@ def test_online_loop_promotes_a_version_that_serves_without_a_dropped_request(
                 "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.support.judges:verdict",
                 "NEXTSTATE_JUDGE_VOTES": "1", "NEXTSTATE_TEACHER_URL": servers[1]}):
         trainer = _spawn(_trainer_args(pg, model_dir, servers, "--k", "4", "--eval-prompts", str(prompts),
-                                       "--eval-scorer", "tests.trainer.test_online:lenient_scorer", "--eval-threshold", "1"),
+                                       "--eval-scorer", "tests.support.judges:lenient_scorer", "--eval-threshold", "1"),
                          tmp_path, "trainer.log")
         try:
             client = OpenAI(base_url=gw.base_url, api_key="unused", max_retries=0, timeout=120)
@@ -186,8 +200,7 @@ def test_online_loop_promotes_a_version_that_serves_without_a_dropped_request(
             assert stream.errors == [], stream.errors[:5]
             r = client.chat.completions.with_raw_response.create(
                 model="policy", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=4)
-            served = wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{r.headers['x-turn-id']}", timeout=5)
-                              .json().get("policy_version"))
+            served = gw.stored_turn(r.headers["x-turn-id"])["policy_version"]
             assert served == name
         finally:
             _stop(trainer)
@@ -335,18 +348,8 @@ def test_active_version_regressing_on_live_rewards_is_rolled_back(
 
 def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
         pg: str, servers: list[str], model_dir: Path, tmp_path: Path, cleanup: None) -> None:
-    (tmp_path / "gw").mkdir()
-    with GatewayProcess(tmp_path / "gw", database_url=pg, upstream_url=servers[0]) as gw:
-        ids = []
-        for q in QUESTIONS:
-            r = httpx.post(f"{gw.base_url}/chat/completions", timeout=120, json={
-                "model": "policy", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": q}]})
-            ids.append(r.headers["x-turn-id"])
-        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+    ids = _scored_turns(pg, servers[0], tmp_path / "gw", QUESTIONS)
     engine = make_engine(pg)
-    with OrmSession(engine) as db, db.begin():
-        for i, tid in enumerate(ids):
-            db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if i % 2 else -1.0, attempts=1))
     args = _trainer_args(pg, model_dir, servers, "--k", "2")
 
     # the trainer is held inside its second step's transaction, so it is killed there, after one
@@ -495,18 +498,8 @@ def test_a_round_a_down_vllm_could_not_take_is_tried_again_and_nothing_is_lost(
         pg: str, servers: list[str], model_dir: Path, tmp_path: Path, cleanup: None) -> None:
     from datapool import leases
 
-    (tmp_path / "gw").mkdir()
-    with GatewayProcess(tmp_path / "gw", database_url=pg, upstream_url=servers[0]) as gw:
-        ids = []
-        for q in QUESTIONS[:4]:
-            r = httpx.post(f"{gw.base_url}/chat/completions", timeout=120, json={
-                "model": "policy", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": q}]})
-            ids.append(r.headers["x-turn-id"])
-        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+    ids = _scored_turns(pg, servers[0], tmp_path / "gw", QUESTIONS[:4])
     engine = make_engine(pg)
-    with OrmSession(engine) as db, db.begin():
-        for i, tid in enumerate(ids):
-            db.add(Judgement(turn_id=tid, status="scored", reward=1.0 if i % 2 else -1.0, attempts=1))
 
     def pool_state() -> tuple[int, list[str], int]:
         with OrmSession(engine) as db:

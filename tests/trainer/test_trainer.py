@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, TrainingLease, TrainingStep, Turn
 from scoring.teacher import teacher_logprobs, teacher_messages
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.holds import HeldTrainingStep
 from tests.support.processes import GatewayProcess, wait_for
 from datapool.leases import Filters
@@ -45,7 +45,7 @@ def pool(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> 
                 "model": "smollm2", "max_tokens": 12, "temperature": 0,
                 "messages": [{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": q}]})
             ids.append(r.headers["x-turn-id"])
-        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+        gw.stored_turn(ids[-1])
     yield url, ids
 
 

@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
-from tests.conftest import RunningVLLM
-from tests.support.processes import GatewayProcess, wait_for
+from tests.support.vllm_servers import RunningVLLM
+from tests.support.processes import GatewayProcess
 from datapool import leases
 from trainer import objectives
 from trainer.local import LocalConfig, LocalTrainer
@@ -54,7 +54,7 @@ def pool(vllm_server: RunningVLLM, tmp_path_factory: pytest.TempPathFactory) -> 
                 "messages": [{"role": "system", "content": "Answer in a few words."}, {"role": "user", "content": q}]})
             assert r.status_code == 200, r.text
             ids.append(r.headers["x-turn-id"])
-        wait_for(lambda: httpx.get(f"{gw.url}/api/turns/{ids[-1]}", timeout=5).status_code == 200)
+        gw.stored_turn(ids[-1])
     finally:
         gw.stop()
     engine = make_engine(url)

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import labels, reliability
 from datapool.db import make_engine
 from datapool.models import Judgement, Session, TrainingLease, TrainingRun, Turn, Vote
-from tests.gateway.ui.test_ui import admin_page, cells
+from tests.support.admin_ui import admin_page, cells
 from tests.support.ui_seed import _turn
 
 NOW = datetime.now(UTC).replace(microsecond=0)

@@ -4,7 +4,7 @@ dropped system prompts and summaries marked.
 
 Sessions are written through the real Stitcher (so the parents are the ones the pool records),
 then the page is rendered by the admin UI and read back: one session per pool state, and a
-hypothesis property over the generated conversations of tests/datapool/test_trajectories.py.
+hypothesis property over the generated conversations of tests/support/trajectories.py.
 """
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import queries
-from datapool.db import make_engine, upgrade
+from datapool.db import make_engine
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
 from gateway.ui.branches import graph
 from tests.support.conversations import draw_steps, requests
-from tests.datapool.test_trajectories import plan
-from tests.gateway.ui.test_ui import admin_client
+from tests.support.records import turn_record
+from tests.support.trajectories import plan
+from tests.support.admin_ui import admin_client
 
 T0 = datetime(2026, 11, 28, tzinfo=timezone.utc)
 SYSTEM = {"role": "system", "content": "You are a coding agent."}
@@ -56,14 +57,9 @@ class Session:
 
     def turn(self, messages: list[dict[str, Any]], reply: str | None, *, status: str = "ok",
              turn_type: str = "main") -> TurnRecord:
-        r = TurnRecord(
-            id=uuid.uuid4().hex, created_at=T0 + timedelta(seconds=len(self.records)), endpoint="chat", status=status,
-            model="smollm2", capture="white-box", turn_type=turn_type,
-            request={"messages": messages, "params": {}},
-            response={"id": "chatcmpl-x", "choices": [{"index": 0, "message": _reply(reply), "finish_reason": "stop"}]}
-            if reply is not None else None,
-            error=None if status == "ok" else {"message": "client disconnected", "type": status},
-            session_id=self.key, session_source="key" if self.key else None)
+        r = turn_record(messages, reply, at=T0 + timedelta(seconds=len(self.records)), status=status,
+                        model="smollm2", turn_type=turn_type, session_id=self.key,
+                        session_source="key" if self.key else None)
         self.records.append(r)
         return r
 
@@ -195,15 +191,6 @@ def test_a_session_that_starts_again(ui: tuple[TestClient, Engine]) -> None:
 
 # -- the same over generated conversations --------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    url = f"sqlite:///{tmp_path_factory.mktemp('branches') / 'pool.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    yield engine
-    engine.dispose()
-
-
 def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [m for m in messages if m.get("role") != "system"]
 
@@ -212,13 +199,13 @@ def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @given(r=st.randoms(use_true_random=False),
        ending=st.sampled_from(["none", "fork", "cancelled and resumed", "reply dropped"]), named=st.booleans())
 def test_every_turn_is_drawn_once_under_its_parent_with_how_it_continues(
-        pool: Engine, r: random.Random, ending: str, named: bool) -> None:
+        module_sqlite_engine: Engine, r: random.Random, ending: str, named: bool) -> None:
     steps = draw_steps(r, system=f"agent run {uuid.uuid4().hex}")
     steps[1].text = f"{uuid.uuid4().hex} {steps[1].text}"
     planned = plan(r, requests(r, steps), ending, f"s-{uuid.uuid4().hex[:12]}" if named else None)
-    with OrmSession(pool) as db, db.begin():
+    with OrmSession(module_sqlite_engine) as db, db.begin():
         Stitcher(db).write([p.record for p in planned])
-    with OrmSession(pool) as db:
+    with OrmSession(module_sqlite_engine) as db:
         stored = queries.get_turn(db, planned[-1].record.id)
         assert stored is not None
         session = queries.get_session(db, stored["session_id"])

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.models import PolicyEvent
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from tests.support.browser import require_chromium
 from tests.support.processes import GatewayProcess, wait_for
 from tests.support.upstreams import alias_root

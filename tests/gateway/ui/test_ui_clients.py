@@ -4,30 +4,24 @@ column and a filter, and the person's first words instead of the agent's boilerp
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 
-from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.db import make_engine
 from datapool.records import TurnRecord
 from datapool.sessions import Stitcher
-from base.settings import Settings
-from gateway.app import create_app
 from gateway.clients import BUILTIN_PROFILES, first_words
-from tests.gateway.ui.test_ui import login
+from tests.support.admin_ui import admin_client
+from tests.support.records import turn_record
 
 REMINDER = "<system-reminder>\nToday's date is 2026-11-27.\n</system-reminder>"
 CONTEXT = "<environment_context>\n  <cwd>/src</cwd>\n</environment_context>"
 
 
 def _turn(client: str | None, content: object) -> TurnRecord:
-    return TurnRecord(id=uuid.uuid4().hex, created_at=datetime.now(timezone.utc), endpoint="chat", status="ok",
-                      model="smollm2", capture="white-box", client=client,
-                      request={"messages": [{"role": "system", "content": f"agent {uuid.uuid4().hex}"},
-                                            {"role": "user", "content": content}], "params": {}},
-                      response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+    messages = [{"role": "system", "content": f"agent {uuid.uuid4().hex}"}, {"role": "user", "content": content}]
+    return turn_record(messages, model="smollm2", client=client)
 
 
 def test_first_words_skip_each_agents_boilerplate() -> None:
@@ -49,10 +43,7 @@ def test_sessions_list_shows_and_filters_the_client(database_url: str, tmp_path:
     with OrmSession(engine) as db, db.begin():
         Stitcher(db).write([claude, codex])
     engine.dispose()
-    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                        data_dir=tmp_path / "data")
-    with TestClient(create_app(settings)) as client:
-        login(client)
+    with admin_client(database_url, tmp_path) as client:
         page = client.get("/admin/sessions").text
         assert "<th>Client</th>" in page and ">claude-code<" in page and ">codex<" in page
         assert f"fix {word}" in page and f"rename {word}" in page

@@ -20,7 +20,7 @@ from datapool.db import make_engine
 from base.settings import Settings
 from base.vocab import JudgementStatus
 from gateway.app import create_app
-from tests.gateway.ui.test_ui import admin_routes
+from tests.support.admin_ui import admin_routes
 from tests.support.ui_fill import every_state, turn_specs, write_session, write_training_states
 
 # query strings the list pages are also asked with: each filter value

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session as OrmSession
 from datapool import evals
 from datapool.models import Session, Turn
 from rollout.runner import RolloutRecord, RunSummary
-from tests.gateway.ui.test_ui import admin_page, cells
+from tests.support.admin_ui import admin_page, cells
 from tests.support.ui_seed import _turn
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

@@ -25,7 +25,7 @@ from base.settings import Settings
 from base.vocab import CaptureKind, JudgementStatus, SessionMode, SessionSource, TurnKind, TurnStatus
 from gateway.app import create_app
 from gateway.ui import facts, markup
-from tests.gateway.ui.test_ui import csrf_of
+from tests.support.admin_ui import csrf_of
 from tests.support.ui_fill import UNICODE, TurnSpec, write_session
 
 

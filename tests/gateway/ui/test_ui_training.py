@@ -32,7 +32,7 @@ from datapool.models import (
 )
 from base.settings import Settings
 from datapool.training_view import series_by_run
-from tests.conftest import RunningVLLM
+from tests.support.vllm_servers import RunningVLLM
 from gateway.app import create_app
 from gateway.ui import plots
 

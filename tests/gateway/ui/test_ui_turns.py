@@ -23,7 +23,7 @@ from datapool.db import make_engine
 from datapool.models import Judgement, Session, Turn
 from base.settings import Settings
 from gateway.app import create_app
-from tests.gateway.ui.test_ui import login
+from tests.support.admin_ui import admin_client
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -66,10 +66,7 @@ def seed_many(url: str, n_sessions: int = 60, bad: int = 3) -> dict[str, Any]:
 @pytest.fixture
 def many(database_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, Any]]]:
     data = seed_many(database_url)
-    settings = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=database_url, admin_token="tok-123",
-                        data_dir=tmp_path / "data")
-    with TestClient(create_app(settings)) as client:
-        login(client)
+    with admin_client(database_url, tmp_path) as client:
         yield client, data
 
 
