@@ -12,7 +12,7 @@ from typing import Any
 from base.vocab import VersionKind
 from datapool import versions
 from datapool.db import make_engine
-from datapool.versions import activate
+from publishing.publish import activate
 
 
 def promote_at_once(engine: Any, names: list[str], urls: list[str], n: int = 9) -> list[BaseException]:
