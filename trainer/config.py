@@ -254,6 +254,15 @@ class OnlineConfig:
     eval_scorer: Scorer | None = None
     eval_threshold: float = 0.05  # refuse a candidate scoring more than this below the active one
     eval_max_tokens: int = 64
+    # topicality check (trainer.eval_gate): refuse a candidate whose on-topic share on the held-out
+    # prompts, scored by topic_scorer (reply, messages) -> [0, 1], is more than topic_margin below
+    # that of topic_reference (a served name; None: the base model)
+    topic_scorer: Scorer | None = None
+    topic_margin: float = 0.05
+    topic_reference: str | None = None
+    # per round, the candidate's drift from the base on the round's tokens (trainer.drift: KL,
+    # entropy, top-k mass) into the step's metrics: two no-grad passes over the round's turns
+    drift_metrics: bool = False
     # live monitor
     rollback_window: int = 16  # live scored turns of a version before it is judged
     rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's
