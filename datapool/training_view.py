@@ -21,7 +21,8 @@ from base.vocab import PolicyAction, VoteKind
 
 def versions(db: OrmSession) -> list[dict[str, Any]]:
     """Every version, newest first, with its parent's name and its events (newest first);
-    ``evals`` are the metrics of its ``eval`` events."""
+    ``evals`` are the metrics of its ``eval`` events, ``held_back`` the reason of its newest
+    ``refuse`` event (why the gate refused it: its score, or off topic)."""
     rows = list(db.scalars(select(PolicyVersion).order_by(PolicyVersion.created_at.desc(), PolicyVersion.id.desc())))
     names = {r.id: r.name for r in rows}
     events: dict[int, list[PolicyEvent]] = {}
@@ -34,7 +35,8 @@ def versions(db: OrmSession) -> list[dict[str, Any]]:
                     "path": r.path, "parent": names.get(r.parent_id) if r.parent_id else None,
                     "created_at": r.created_at, "stats": dict(r.stats or {}), "events": evs,
                     "evals": [e["metrics"] for e in evs if e["action"] == "eval"],
-                    "serving": _train_serve(evs)})
+                    "serving": _train_serve(evs),
+                    "held_back": next((e["reason"] for e in evs if e["action"] == PolicyAction.REFUSE), None)})
     return out
 
 
@@ -97,7 +99,7 @@ def number(v: Any) -> float | None:
 
 
 # the charts every run has, and the metric keys each reads (the first one present)
-STEP_CHARTS = (("loss", "Loss", ("loss", "pg_loss")), ("kl", "KL to the base policy", ("kl", "kl_loss", "ppo_kl")),
+STEP_CHARTS = (("loss", "Loss", ("loss", "pg_loss")), ("kl", "KL to the base policy", ("kl", "drift_kl_k3", "kl_loss", "ppo_kl")),
                ("advantage", "Mean advantage", ("advantage_mean",)))
 MAX_RUNS = 8
 

@@ -62,8 +62,8 @@ class ObjectiveConfig:
         rl_baseline: what the binary reward of a sample outside a GRPO group (of at least two
             samples in the batch) is measured against: ``"batch"`` (default): the batch's other
             such samples, as one GRPO group, A = (r − mean) / (std + ε) — a batch whose rewards
-            are all equal gives A = 0, a lone sample keeps A = r; ``"none"``: A = r (before
-            issue #19: online, where turns have no groups, every token of a failed reply got −1).
+            are all equal gives A = 0, a lone sample keeps A = r; ``"none"``: A = r (online, where
+            turns have no groups, every token of a failed reply then gets −1).
         grpo_eps: ε added to the group std.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
@@ -74,6 +74,11 @@ class ObjectiveConfig:
             samples with only the sampled token's teacher log-prob keep that advantage.
         opd_topk_tail: the tail outcome (1 − Σ of the k probabilities); off, the k tokens are
             renormalised among themselves.
+        opd_topk_temperature: the teacher's k+1-way distribution tempered, p_i ∝ p_i^(1/T): above
+            1 it spreads the teacher's mass over its lower tokens and the tail, so the student is
+            pulled less hard into the hinted teacher's mode; 1 is the KL to the teacher as it is.
+        opd_topk_tail_weight: the weight of the tail's term in the top-k KL (1: the KL); under
+            1 the student keeps more of its mass outside the teacher's top k.
     """
 
     objective: Objective = Objective.RL
@@ -93,6 +98,8 @@ class ObjectiveConfig:
     policy_loss: str = "vanilla"
     opd_topk: bool = False
     opd_topk_tail: bool = True
+    opd_topk_temperature: float = 1.0
+    opd_topk_tail_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
@@ -110,6 +117,9 @@ class ObjectiveConfig:
             raise ValueError(f"opd_clip must be > 0, got {self.opd_clip}")
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.opd_topk_temperature <= 0.0 or self.opd_topk_tail_weight < 0.0:
+            raise ValueError(f"need opd_topk_temperature > 0 and opd_topk_tail_weight >= 0, got "
+                             f"{self.opd_topk_temperature}, {self.opd_topk_tail_weight}")
         if self.opd_topk and self.objective == Objective.RL:
             raise ValueError("opd_topk distils the teacher: it needs objective opd or combined, not rl")
 
@@ -244,6 +254,15 @@ class OnlineConfig:
     eval_scorer: Scorer | None = None
     eval_threshold: float = 0.05  # refuse a candidate scoring more than this below the active one
     eval_max_tokens: int = 64
+    # topicality check (trainer.eval_gate): refuse a candidate whose on-topic share on the held-out
+    # prompts, scored by topic_scorer (reply, messages) -> [0, 1], is more than topic_margin below
+    # that of topic_reference (a served name; None: the base model)
+    topic_scorer: Scorer | None = None
+    topic_margin: float = 0.05
+    topic_reference: str | None = None
+    # per round, the candidate's drift from the base on the round's tokens (trainer.drift: KL,
+    # entropy, top-k mass) into the step's metrics: two no-grad passes over the round's turns
+    drift_metrics: bool = False
     # live monitor
     rollback_window: int = 16  # live scored turns of a version before it is judged
     rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's

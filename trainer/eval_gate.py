@@ -1,6 +1,11 @@
 """The online loop's eval gate: a candidate version and the active one answer the held-out prompts;
 a candidate scoring more than ``eval_threshold`` below the active one is refused (unloaded,
-marked ``refused``), otherwise it is promoted. Every decision is a ``policy_events`` row."""
+marked ``refused``), otherwise it is promoted. Every decision is a ``policy_events`` row.
+
+The topicality check (``topic_scorer``) holds back a candidate that drifted off what it is asked:
+its share of on-topic replies to the same prompts more than ``topic_margin`` below the reference
+version's (the base model by default, evaluated once) refuses it, whatever its score. The
+refusal's reason says which check held it back (the training page shows it)."""
 
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ class EvalGate:
 
     def __init__(self, engine: Engine, urls: Sequence[str], base_model: str, *,
                  prompts: Sequence[list[dict[str, Any]]], sessions: int, scorer: Scorer | None,
-                 threshold: float, max_tokens: int):
+                 threshold: float, max_tokens: int, topic_scorer: Scorer | None = None,
+                 topic_margin: float = 0.05, topic_reference: str | None = None):
         self.engine = engine
         self.urls = list(urls)
         self.base_model = base_model
@@ -44,7 +50,13 @@ class EvalGate:
         self.scorer = scorer
         self.threshold = threshold
         self.max_tokens = max_tokens
+        self.topic_scorer = topic_scorer
+        self.topic_margin = topic_margin
+        self.topic_reference = topic_reference or base_model
         self._cache: dict[str, float] = {}  # version -> held-out score
+        self._topic: dict[str, float] = {}  # version -> held-out on-topic share
+        #: why the last candidate :meth:`decide` saw was refused (None: promoted)
+        self.last_reason: str | None = None
 
     def eval_prompts(self) -> list[list[dict[str, Any]]]:
         """The held-out prompts: the configured ones, then the newest eval sessions' first prompts."""
@@ -54,17 +66,50 @@ class EvalGate:
                 prompts += queries.eval_session_prompts(db, self.sessions)
         return prompts
 
-    def evaluate(self, model: str) -> dict[str, Any]:
-        """The version's mean score on the held-out prompts (greedy, on the first vLLM); each
-        reply and its score is stored (``eval_replies``)."""
-        prompts = self.eval_prompts()
-        assert self.scorer is not None
+    def answer(self, model: str, prompts: list[list[dict[str, Any]]]) -> list[str]:
+        """The version's replies to *prompts* (greedy, on the first vLLM, 4 at a time)."""
         with httpx.Client(timeout=300) as http, ThreadPoolExecutor(4) as pool:
-            replies = list(pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens), prompts))
-        scores = [float(self.scorer(r, m)) for r, m in zip(replies, prompts)]
-        # kept for the admin UI's version-vs-version page (the replies side by side)
-        evals.record_replies(self.engine, model, prompts, replies, scores)
-        return {"score": sum(scores) / len(scores), "n": len(scores)}
+            return list(pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens), prompts))
+
+    def evaluate(self, model: str) -> dict[str, Any]:
+        """The version's mean score on the held-out prompts (greedy, on the first vLLM) and, with
+        a topic scorer, its on-topic share (``on_topic``); each reply and its score is stored
+        (``eval_replies``)."""
+        prompts = self.eval_prompts()
+        replies = self.answer(model, prompts)
+        out: dict[str, Any] = {"n": len(replies)}
+        if self.topic_scorer is not None:
+            out["on_topic"] = sum(float(self.topic_scorer(r, m)) for r, m in zip(replies, prompts)) / len(replies)
+            self._topic[model] = out["on_topic"]
+        if self.scorer is not None:
+            scores = [float(self.scorer(r, m)) for r, m in zip(replies, prompts)]
+            # kept for the admin UI's version-vs-version page (the replies side by side)
+            evals.record_replies(self.engine, model, prompts, replies, scores)
+            out["score"] = sum(scores) / len(scores)
+        return out
+
+    def off_topic(self, name: str, cand: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The topicality check of candidate *name* (evaluated as *cand*): its metrics, and the
+        reason to refuse it when its on-topic share is more than the margin below the reference's."""
+        if self.topic_scorer is None:
+            return {}, None
+        ref = self.topic_reference
+        if ref not in self._topic:
+            self.evaluate(ref)
+        got, want = cand["on_topic"], self._topic[ref]
+        metrics = {"on_topic": got, "reference_on_topic": want, "topic_reference": ref,
+                   "topic_margin": self.topic_margin}
+        if got < want - self.topic_margin:
+            return metrics, (f"off topic: held-out on-topic share {got:.3f} < {ref} {want:.3f} - "
+                             f"{self.topic_margin}")
+        return metrics, None
+
+    def refuse(self, name: str, reason: str) -> str:
+        """:meth:`discard` a candidate :meth:`decide` refused, its reason kept in :attr:`last_reason`."""
+        self.discard(name, reason)
+        self.last_reason = reason
+        log.info("refused %s: %s", name, reason)
+        return PolicyAction.REFUSE
 
     def discard(self, name: str, reason: str) -> None:
         """Refuse candidate *name*: marked refused, unloaded from every vLLM, the reason recorded."""
@@ -74,28 +119,35 @@ class EvalGate:
         versions.record_event(self.engine, PolicyAction.REFUSE, version=name, actor="trainer", reason=reason)
 
     def decide(self, name: str, stats: dict[str, Any]) -> str:
-        """Promote the candidate or refuse it; returns "promote" or "refuse"."""
+        """Promote the candidate or refuse it; returns "promote" or "refuse" (the reason of a
+        refusal in :attr:`last_reason`)."""
         active = versions.active_row(self.engine)
         current = active.name if active else self.base_model
         metrics: dict[str, Any] = {"against": current}
-        if self.scorer is not None and self.eval_prompts():
+        self.last_reason = None
+        if (self.scorer is not None or self.topic_scorer is not None) and self.eval_prompts():
             try:
-                if current not in self._cache:
+                if self.scorer is not None and current not in self._cache:
                     self._cache[current] = self.evaluate(current)["score"]
                 cand = self.evaluate(name)
+                topic, why = self.off_topic(name, cand)
             except httpx.HTTPError as exc:
-                self.discard(name, f"eval failed: {type(exc).__name__}: {exc}")
-                return PolicyAction.REFUSE
-            metrics |= {"score": cand["score"], "active_score": self._cache[current], "n": cand["n"],
-                        "threshold": self.threshold}
+                return self.refuse(name, f"eval failed: {type(exc).__name__}: {exc}")
+            metrics |= topic
+            if self.scorer is not None:
+                metrics |= {"score": cand["score"], "active_score": self._cache[current], "n": cand["n"],
+                            "threshold": self.threshold}
             versions.record_event(self.engine, PolicyAction.EVAL, version=name, actor="eval-gate", metrics=metrics)
-            if cand["score"] < self._cache[current] - self.threshold:
-                self.discard(name, f"held-out score {cand['score']:.3f} < {current} "
-                                   f"{self._cache[current]:.3f} - {self.threshold}")
-                log.info("refused %s: held-out %.3f vs %.3f", name, cand["score"], self._cache[current])
-                return PolicyAction.REFUSE
-            self._cache[name] = cand["score"]
-            reason = f"held-out score {cand['score']:.3f} vs {current} {self._cache[current]:.3f}"
+            if why is None and self.scorer is not None and cand["score"] < self._cache[current] - self.threshold:
+                why = (f"held-out score {cand['score']:.3f} < {current} {self._cache[current]:.3f} - "
+                       f"{self.threshold}")
+            if why is not None:
+                return self.refuse(name, why)
+            if self.scorer is not None:
+                self._cache[name] = cand["score"]
+                reason = f"held-out score {cand['score']:.3f} vs {current} {self._cache[current]:.3f}"
+            else:
+                reason = f"held-out on-topic share {cand['on_topic']:.3f} vs {metrics['reference_on_topic']:.3f}"
         else:
             reason = "no held-out set configured: promoted without an eval"
         # learning latency: from a turn being scored to a version trained on it serving (the

@@ -17,27 +17,32 @@ Objectives (docs/design.md, "Objectives"), per response token a_t of a turn:
   log π_θ(a_t | s), ±opd_clip); the student log-prob is detached, so the advantage is a
   constant for the surrogate.
 - **Combined** (``objective="combined"``): A_t = w_rl · A_rl + w_opd · A_opd.
-- **Top-k OPD** (``opd_topk``, under ``"opd"`` or ``"combined"``): on samples whose teacher pass
-  kept its top-k tokens per position, the sampled-token OPD advantage is replaced by a loss term
-  w_opd · agg(KL(q ‖ p)), the reverse KL between the student's and the teacher's k+1-way
-  distributions at each response position: the teacher's k most likely tokens plus the tail
-  (everything else), q_i = π_θ(v_i | s, a_<t), q_tail = 1 − Σ q_i, likewise p under s + hint
-  (:func:`topk_opd_kl`). Its gradient is −Σ_i q_i (log p_i − log q_i) ∇log q_i (Σ_i q_i ∇log q_i = 0
-  over a whole distribution): the sampled-token OPD advantage's policy gradient, averaged over
-  the k+1 outcomes exactly instead of estimated from the one sampled token.
 
 All three are optimised with the PPO clipped surrogate (veRL's
 :func:`~verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`) with ratio
 π_θ / π_behaviour, where π_behaviour is the log-prob captured from vLLM at sampling time
 (``old_log_prob``), asymmetric clip ε_low = 0.2, ε_high = 0.28 and veRL's dual-clip bound
-(ratio ≤ ``clip_ratio_c`` for negative advantages). An optional k3 KL to the base policy
-(veRL's ``"low_var_kl"``) is added as ``kl_coef · agg(k3)``; the aggregation
-(``loss_agg_mode``) is any of veRL's modes, applied to both terms.
+(ratio ≤ ``clip_ratio_c`` for negative advantages).
 
-Rewards: :func:`rewards_for_batch` turns turn-level judgements into one scalar per sample: the
-turn's process reward r, or — for sessions with an outcome O — the integrated reward
-R_t = O + (1/m) Σ_i r_t^(i), standardized per step index across the batch
-(:func:`standardize_per_step`).
+Loss terms beside the surrogate are registered in :data:`LOSS_TERMS` (``@register_loss_term``,
+as veRL registers its policy losses); each gives a coefficient, a per-token loss and the
+positions it counts on, aggregated by ``loss_agg_mode`` like the surrogate:
+
+- ``"kl"``, the anchor to the base policy: ``kl_coef · agg(kl_to_base)``, veRL's ``kl_penalty``
+  of ``kl_type`` (``"low_var_kl"``, k3, by default) on the sampled tokens, under any objective.
+- ``"topk_kl"``, **top-k OPD** (``opd_topk``, under ``"opd"`` or ``"combined"``): on samples whose
+  teacher pass kept its top-k tokens per position, the sampled-token OPD advantage is replaced
+  by w_opd · agg(KL(q ‖ p)), the reverse KL between the student's and the teacher's k+1-way
+  distributions at each response position: the teacher's k most likely tokens plus the tail
+  (everything else), q_i = π_θ(v_i | s, a_<t), q_tail = 1 − Σ q_i, likewise p under s + hint
+  (:func:`topk_opd_kl`). Its gradient is −Σ_i q_i (log p_i − log q_i) ∇log q_i (Σ_i q_i ∇log q_i = 0
+  over a whole distribution): the sampled-token OPD advantage's policy gradient, averaged over
+  the k+1 outcomes exactly instead of estimated from the one sampled token. The teacher's k+1-way
+  distribution may be tempered (``opd_topk_temperature`` > 1 spreads its mass, so the student is
+  not pulled into the teacher's mode) and the tail's term weighted (``opd_topk_tail_weight``).
+
+Rewards (:mod:`trainer.rewards`, re-exported here): one scalar per sample, the turn's process
+reward or the integrated reward of a session with an outcome, standardized per step index.
 
 Samples without teacher log-probs (no hint, or the teacher call failed) get an OPD term of 0:
 under ``"opd"`` their advantage is 0 on every token (they still count in token-mean
@@ -69,6 +74,7 @@ from trainer.config import (  # the objectives' names and their configuration
     Objective,
     ObjectiveConfig,
 )
+from trainer.rewards import rewards_for_batch, sample_rewards, scores_to_token_rewards, standardize_per_step
 
 __all__ = [
     "ADV_BINARY",
@@ -76,6 +82,7 @@ __all__ = [
     "ADV_ESTIMATOR_FOR_OBJECTIVE",
     "ADV_OPD",
     "LOSS_AGG_MODES",
+    "LOSS_TERMS",
     "Objective",
     "ObjectiveConfig",
     "actor_config",
@@ -86,12 +93,14 @@ __all__ = [
     "compute_opd_advantage",
     "kl_to_base",
     "masked_mean",
+    "register_loss_term",
     "rewards_for_batch",
     "sample_rewards",
     "scores_to_token_rewards",
     "standardize_per_step",
     "topk_opd_kl",
 ]
+
 
 def _as_objective_config(config: Any) -> ObjectiveConfig:
     """Accept an ObjectiveConfig, None (defaults) or any config object veRL hands an estimator
@@ -124,101 +133,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over the entries where ``mask`` is set (0 when nothing is set)."""
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place one scalar per sample on its last response token (veRL's convention for
-    ``token_level_rewards``): ``(batch,) -> (batch, response_len)``.
-
-    Outcome estimators sum this over the response, so the sum of each row is its score; a row
-    with no response tokens gets all zeros.
-    """
-    mask = response_mask.to(torch.bool)
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=scores.device)
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
-    rows = torch.nonzero(last >= 0).squeeze(-1)
-    out[rows, last[rows]] = scores.to(torch.float32)[rows]
-    return out
-
-
-def standardize_per_step(values: torch.Tensor, step_index: torch.Tensor | Sequence[int],
-                         eps: float = 1e-6) -> torch.Tensor:
-    """Standardize ``values`` (``(batch,)``) within each step index across the batch.
-
-    Every sample with step index k gets ``(v − mean_k) / (std_k + eps)``, where mean_k and the
-    (unbiased, as in veRL's GRPO) std_k are over the samples with step index k. A step index
-    with a single sample has no spread: its std counts as 0, so that sample is only centred,
-    which makes it exactly 0. Likewise, a step whose samples are all equal gives 0s.
-    """
-    values = values.to(torch.float32)
-    steps = torch.as_tensor(step_index, device=values.device)
-    if steps.shape != values.shape:
-        raise ValueError(f"step_index shape {tuple(steps.shape)} != values shape {tuple(values.shape)}")
-    out = torch.empty_like(values)
-    for step in torch.unique(steps):
-        sel = steps == step
-        group = values[sel]
-        mean = group.mean()
-        std = group.std() if group.numel() > 1 else torch.zeros((), dtype=values.dtype, device=values.device)
-        out[sel] = (group - mean) / (std + eps)
-    return out
-
-
-def rewards_for_batch(
-    r: torch.Tensor,
-    *,
-    outcome: torch.Tensor | None = None,
-    has_outcome: torch.Tensor | None = None,
-    vote_mean: torch.Tensor | None = None,
-    step_index: torch.Tensor | Sequence[int] | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """One scalar reward per sample (``(batch,)``) from turn-level judgements.
-
-    Args:
-        r: the turn's process reward (majority of its PRM votes, +1 / 0 / −1, or a label's
-            override). This is the binary reward used for samples without an outcome.
-        outcome: the session's terminal reward O per sample (any value where there is none).
-        has_outcome: which samples' sessions have an outcome; default: all of them when
-            ``outcome`` is given.
-        vote_mean: (1/m) Σ_i r_t^(i), the mean of the turn's m votes; defaults to ``r``.
-        step_index: the turn's position in its session; required when outcomes are given.
-        eps: added to the per-step std.
-
-    Returns:
-        ``r`` for samples without an outcome; for samples with one, the integrated reward
-        R_t = O + vote_mean, standardized per step index among those samples
-        (:func:`standardize_per_step`; a step index with one such sample gives 0).
-    """
-    rewards = r.to(torch.float32).clone()
-    if outcome is None:
-        return rewards
-    if step_index is None:
-        raise ValueError("step_index is required with outcomes (the integrated reward is standardized per step)")
-    with_outcome = (torch.ones_like(rewards, dtype=torch.bool) if has_outcome is None
-                    else has_outcome.to(torch.bool))
-    if not bool(with_outcome.any()):
-        return rewards
-    votes = rewards if vote_mean is None else vote_mean.to(torch.float32)
-    integrated = outcome.to(torch.float32) + votes
-    steps = torch.as_tensor(step_index, device=rewards.device)
-    rewards[with_outcome] = standardize_per_step(integrated[with_outcome], steps[with_outcome], eps=eps)
-    return rewards
-
-
-def sample_rewards(samples: Sequence[Any]) -> torch.Tensor:
-    """:func:`rewards_for_batch` for pool samples (``trainer.samples.Sample``): the turn's r,
-    or for sessions with an outcome the integrated reward R_t = O + mean votes (already summed
-    in the pool as ``integrated_reward``) standardized per step index. Both backends use it."""
-    r = torch.tensor([s.reward if s.reward is not None else 0.0 for s in samples])
-    integrated = [s.integrated_reward for s in samples]
-    if all(x is None for x in integrated):
-        return rewards_for_batch(r)
-    return rewards_for_batch(
-        r, outcome=torch.tensor([x if x is not None else 0.0 for x in integrated]),
-        has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
-        step_index=[s.step_index for s in samples])
 
 
 def _group_index(index: Any, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -430,7 +344,8 @@ def _log1mexp(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def topk_opd_kl(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, valid: torch.Tensor | None = None,
-                *, tail: bool = True, eps: float = 1e-6) -> torch.Tensor:
+                *, tail: bool = True, eps: float = 1e-6, temperature: float = 1.0,
+                tail_weight: float = 1.0) -> torch.Tensor:
     """Per position, KL(q ‖ p) between the student's and the teacher's k+1-way distributions.
 
     Args:
@@ -441,9 +356,13 @@ def topk_opd_kl(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, 
             teacher kept fewer); default all.
         tail: add the tail outcome, log q_tail = log(1 − Σ q_i) (and p's), each mass kept ≥ *eps*;
             without it both are renormalised over the k tokens (then k = 1 gives 0: one outcome).
+        temperature: the teacher's k+1-way (k-way without the tail) distribution tempered,
+            p_i ∝ p_i^(1/T), renormalised over its outcomes; 1 leaves it as it is.
+        tail_weight: the weight of the tail's term; 1 is the KL.
 
     Returns:
-        ``(...)``: Σ_i q_i (log q_i − log p_i) [+ q_tail (log q_tail − log p_tail)], ≥ 0.
+        ``(...)``: Σ_i q_i (log q_i − log p_i) [+ tail_weight · q_tail (log q_tail − log p_tail)],
+        ≥ 0 with tail_weight 1.
     """
     s = student_log_prob.to(torch.float32)
     t = teacher_log_prob.detach().to(torch.float32)
@@ -454,12 +373,18 @@ def topk_opd_kl(student_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor, 
     if not tail:
         s_in = s_in - torch.logsumexp(s_in, -1, keepdim=True)
         t_in = t_in - torch.logsumexp(t_in, -1, keepdim=True)
+    log_q_tail = _log1mexp(torch.logsumexp(s_in, -1), eps) if tail else None
+    log_p_tail = _log1mexp(torch.logsumexp(t_in, -1), eps) if tail else None
+    if temperature != 1.0:
+        outcomes = torch.cat([t_in, log_p_tail[..., None]], -1) if tail else t_in
+        tempered = torch.where(torch.cat([ok, torch.ones_like(ok[..., :1])], -1) if tail else ok,
+                               outcomes / temperature, torch.full_like(outcomes, -1e4))
+        tempered = tempered - torch.logsumexp(tempered, -1, keepdim=True)
+        t_in, log_p_tail = (tempered[..., :-1], tempered[..., -1]) if tail else (tempered, None)
     terms = torch.where(ok, torch.exp(s_in) * (s_in - t_in), torch.zeros_like(s))
     kl = terms.sum(-1)
     if tail:
-        log_q_tail = _log1mexp(torch.logsumexp(s_in, -1), eps)
-        log_p_tail = _log1mexp(torch.logsumexp(t_in, -1), eps)
-        kl = kl + torch.exp(log_q_tail) * (log_q_tail - log_p_tail)
+        kl = kl + tail_weight * torch.exp(log_q_tail) * (log_q_tail - log_p_tail)
     return torch.where(ok.any(-1), kl, torch.zeros_like(kl))
 
 
@@ -529,6 +454,68 @@ def policy_loss_vanilla(
                      "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach()}
 
 
+@dataclasses.dataclass(frozen=True)
+class LossInputs:
+    """What a loss term may read: the step's log-probs (``log_prob`` with grad), the response
+    mask as bool, and what the caller passed of the base policy's and the teacher's top-k."""
+
+    log_prob: torch.Tensor
+    mask: torch.Tensor
+    ref_log_prob: torch.Tensor | None = None
+    topk_log_prob: torch.Tensor | None = None
+    topk_teacher_log_prob: torch.Tensor | None = None
+    topk_valid: torch.Tensor | None = None
+    topk_mask: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTerm:
+    """One term beside the surrogate: ``coef · agg(loss_mat over mask)``; ``report`` are
+    metrics of its own (detached tensors). A coefficient of 0 reports the term, adds nothing."""
+
+    coef: float
+    loss_mat: torch.Tensor
+    mask: torch.Tensor
+    report: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+#: name -> (config, inputs) -> LossTerm or None (the term does not apply to this batch)
+LOSS_TERMS: dict[str, Callable[[ObjectiveConfig, LossInputs], LossTerm | None]] = {}
+
+
+def register_loss_term(name: str) -> Callable[[Callable[..., LossTerm | None]], Callable[..., LossTerm | None]]:
+    """Register a loss term under *name* (its aggregated value is the metric *name*); a later
+    registration under the same name replaces the earlier one (a module reload)."""
+    def decorate(fn: Callable[..., LossTerm | None]) -> Callable[..., LossTerm | None]:
+        LOSS_TERMS[name] = fn
+        return fn
+    return decorate
+
+
+@register_loss_term("kl_loss")
+def kl_anchor_term(cfg: ObjectiveConfig, x: LossInputs) -> LossTerm | None:
+    """The anchor to the base policy: kl_coef · :func:`kl_to_base` on the sampled tokens; with
+    base log-probs and a coefficient of 0 only reported (``kl``: the masked mean estimate)."""
+    if cfg.kl_coef > 0 and x.ref_log_prob is None:
+        raise ValueError("kl_coef > 0 needs ref_log_prob (the base policy's log-probs)")
+    if x.ref_log_prob is None:
+        return None
+    kld = kl_to_base(x.log_prob, x.ref_log_prob.detach(), cfg.kl_type)
+    return LossTerm(cfg.kl_coef, kld, x.mask, {"kl": masked_mean(kld.detach(), x.mask)})
+
+
+@register_loss_term("topk_kl")
+def topk_opd_term(cfg: ObjectiveConfig, x: LossInputs) -> LossTerm | None:
+    """Top-k OPD: w_opd · :func:`topk_opd_kl` over ``topk_mask`` (its metric is before w_opd)."""
+    if not cfg.opd_topk or x.topk_log_prob is None:
+        return None
+    if x.topk_teacher_log_prob is None or x.topk_mask is None:
+        raise ValueError("top-k OPD needs the teacher's top-k log-probs and their positions (topk_mask)")
+    kl = topk_opd_kl(x.topk_log_prob, x.topk_teacher_log_prob, x.topk_valid, tail=cfg.opd_topk_tail,
+                     temperature=cfg.opd_topk_temperature, tail_weight=cfg.opd_topk_tail_weight)
+    return LossTerm(cfg.w_opd, kl, x.topk_mask.to(torch.bool))
+
+
 def compute_loss(
     cfg: ObjectiveConfig,
     log_prob: torch.Tensor,
@@ -545,20 +532,17 @@ def compute_loss(
     topk_valid: torch.Tensor | None = None,
     topk_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """PPO clipped surrogate (+ optional KL to the base policy), aggregated by ``cfg.loss_agg_mode``.
+    """PPO clipped surrogate plus the :data:`LOSS_TERMS`, aggregated by ``cfg.loss_agg_mode``.
 
     Per token, with ratio ρ = exp(log_prob − old_log_prob) (old_log_prob: the behaviour
     policy's captured log-probs) and A the advantage:
     L = max(−A·ρ, −A·clip(ρ, 1 − clip_low, 1 + clip_high)), and for A < 0 additionally
-    L = min(L, −A·clip_ratio_c) (veRL's dual clip). The loss is
-    ``agg(L) + kl_coef · agg(kl_to_base(log_prob, ref_log_prob))``.
+    L = min(L, −A·clip_ratio_c) (veRL's dual clip). The loss is ``agg(L) + Σ coef · agg(term)``.
 
     Args:
-        cfg: the objective configuration.
-        log_prob: ``(batch, response_len)`` log-probs of the sampled tokens under π_θ (with grad).
-        old_log_prob: same shape, behaviour-policy log-probs (no grad needed).
-        advantages: same shape, from :func:`compute_advantages`.
-        response_mask: same shape, 1 on trained tokens.
+        log_prob: ``(batch, response_len)`` log-probs of the sampled tokens under π_θ (with grad);
+            ``old_log_prob`` the behaviour policy's, ``advantages`` from
+            :func:`compute_advantages`, ``response_mask`` 1 on trained tokens, all that shape.
         ref_log_prob: base-policy log-probs; required when ``cfg.kl_coef > 0``, else only
             reported as the ``kl`` metric.
         global_batch_info: see :func:`actor_config`.
@@ -570,7 +554,7 @@ def compute_loss(
             teacher's top-k tokens (with grad); ``topk_teacher_log_prob`` the teacher's, same
             shape; ``topk_valid`` which entries are tokens; ``topk_mask`` ``(batch,
             response_len)``, the positions that have them (the response tokens of samples with
-            top-k teacher data). Adds ``w_opd · agg(topk_opd_kl)`` over ``topk_mask``.
+            top-k teacher data).
 
     Returns:
         ``(loss, metrics)``; metrics are floats: ``loss``, ``pg_loss``, ``pg_clipfrac`` (share
@@ -579,48 +563,29 @@ def compute_loss(
         with ``ref_log_prob`` also ``kl`` (masked mean k3) and ``kl_loss`` (aggregated); with
         top-k OPD ``topk_kl`` (the aggregated top-k term, before w_opd).
     """
-    if cfg.kl_coef > 0 and ref_log_prob is None:
-        raise ValueError("kl_coef > 0 needs ref_log_prob (the base policy's log-probs)")
     actor_cfg = actor_config(cfg, global_batch_info)
     mask = response_mask.to(torch.bool)
     policy_loss_fn = ca.get_policy_loss_fn(cfg.policy_loss)
     if tensor_metrics and cfg.policy_loss == "vanilla":
         policy_loss_fn = policy_loss_vanilla
-    pg_loss, pg_metrics = policy_loss_fn(
-        old_log_prob=old_log_prob.detach(),
-        log_prob=log_prob,
-        advantages=advantages.detach(),
-        response_mask=mask,
-        loss_agg_mode=cfg.loss_agg_mode,
-        config=actor_cfg,
-        rollout_is_weights=rollout_is_weights,
-    )
-    loss = pg_loss
+    loss, pg_metrics = policy_loss_fn(old_log_prob=old_log_prob.detach(), log_prob=log_prob,
+                                      advantages=advantages.detach(), response_mask=mask,
+                                      loss_agg_mode=cfg.loss_agg_mode, config=actor_cfg,
+                                      rollout_is_weights=rollout_is_weights)
+    metrics: dict[str, Any] = {k.removeprefix("actor/"): v for k, v in pg_metrics.items()}
+    metrics |= {"pg_loss": loss, "adv_mean": masked_mean(advantages.detach().to(torch.float32), mask)}
+    inputs = LossInputs(log_prob, mask, ref_log_prob, topk_log_prob, topk_teacher_log_prob, topk_valid, topk_mask)
+    for name, term_fn in LOSS_TERMS.items():
+        term = term_fn(cfg, inputs)
+        if term is None:
+            continue
+        value = ca.agg_loss(loss_mat=term.loss_mat, loss_mask=term.mask, loss_agg_mode=cfg.loss_agg_mode,
+                            **actor_cfg.global_batch_info)
+        metrics |= term.report | {name: value}
+        if term.coef > 0:
+            loss = loss + term.coef * value
+    metrics["loss"] = loss
     if tensor_metrics:
-        def out(v: Any) -> Any:
-            return v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=log_prob.device)
-    else:
-        def out(v: Any) -> Any:
-            return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-    metrics: dict[str, Any] = {k.removeprefix("actor/"): out(v) for k, v in pg_metrics.items()}
-    metrics["pg_loss"] = out(pg_loss)
-    metrics["adv_mean"] = out(masked_mean(advantages.detach().to(torch.float32), mask))
-    if ref_log_prob is not None:
-        kld = kl_to_base(log_prob, ref_log_prob.detach(), cfg.kl_type)
-        kl_loss = ca.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=cfg.loss_agg_mode,
-                              **actor_cfg.global_batch_info)
-        metrics["kl"] = out(masked_mean(kld.detach(), mask))
-        metrics["kl_loss"] = out(kl_loss)
-        if cfg.kl_coef > 0:
-            loss = loss + cfg.kl_coef * kl_loss
-    if cfg.opd_topk and topk_log_prob is not None:
-        if topk_teacher_log_prob is None or topk_mask is None:
-            raise ValueError("top-k OPD needs the teacher's top-k log-probs and their positions (topk_mask)")
-        topk = ca.agg_loss(loss_mat=topk_opd_kl(topk_log_prob, topk_teacher_log_prob, topk_valid,
-                                                tail=cfg.opd_topk_tail),
-                           loss_mask=topk_mask.to(torch.bool), loss_agg_mode=cfg.loss_agg_mode,
-                           **actor_cfg.global_batch_info)
-        metrics["topk_kl"] = out(topk)
-        loss = loss + cfg.w_opd * topk
-    metrics["loss"] = out(loss)
-    return loss, metrics
+        return loss, {k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=log_prob.device)
+                      for k, v in metrics.items()}
+    return loss, {k: float(v.detach()) if isinstance(v, torch.Tensor) else float(v) for k, v in metrics.items()}

@@ -12,8 +12,11 @@ One loop (``nextstate train --online``), round after round:
    (loaded into every vLLM, not yet served), and record the step — the step's transaction
    acks the leases, so a turn is trained once whatever happens next;
 5. eval gate (``trainer.eval_gate``): the candidate and the active version answer the held-out prompts; a candidate
-   scoring more than ``eval_threshold`` below the active one is refused, otherwise it is
-   promoted (the alias flips only after the adapter loaded: serving never pauses);
+   scoring more than ``eval_threshold`` below the active one, or (``topic_scorer``) whose on-topic
+   share falls more than ``topic_margin`` below the base model's, is refused and the round's
+   update dropped, otherwise it is promoted (the alias flips only after the adapter loaded:
+   serving never pauses); ``drift_metrics`` adds the candidate's KL to the base, entropy and
+   top-k masses on the round's tokens to the step's metrics (``trainer.drift``);
 6. live monitor (``trainer.monitor``): a version this loop promoted whose live rewards fall more than
    ``rollback_threshold`` below its parent's is rolled back automatically.
 
@@ -55,6 +58,7 @@ from vllm_client.adapters import ensure_loaded
 from base.errors import AdminError, PublishError
 from vllm_client.http import openai_base
 from base.vocab import PolicyAction, TrainBackend, VersionKind, VersionStatus
+from trainer import drift
 from trainer.config import OnlineConfig, Scorer
 from trainer.eval_gate import EvalGate
 from trainer.local import LocalConfig, LocalTrainer, StepProgress
@@ -80,6 +84,7 @@ class RoundResult:
     candidate: str | None
     decision: str | None  # "promote" | "refuse" | None (nothing trained)
     metrics: dict[str, Any]
+    reason: str | None = None  # why the gate refused the candidate
 
 
 def _duration(seconds: float) -> str:
@@ -166,7 +171,9 @@ class OnlineTrainer:
         self.trainer_version: str | None = None  # the version the trainer's weights started from
         self.gate = EvalGate(engine, self.urls, base_model, prompts=config.eval_prompts,
                              sessions=config.eval_sessions, scorer=config.eval_scorer,
-                             threshold=config.eval_threshold, max_tokens=config.eval_max_tokens)
+                             threshold=config.eval_threshold, max_tokens=config.eval_max_tokens,
+                             topic_scorer=config.topic_scorer, topic_margin=config.topic_margin,
+                             topic_reference=config.topic_reference)
         self.monitor = LiveMonitor(engine, self.urls, base_model, window=config.rollback_window,
                                    threshold=config.rollback_threshold)
         self.run_id = self._run()
@@ -298,6 +305,10 @@ class OnlineTrainer:
                                         progress=lambda p, u=update: report(u, p))
         log.info("round %d: trained in %s; publishing the candidate", self.step, _duration(report.elapsed_s))
         metrics |= {k: v for k, v in step_metrics.items() if isinstance(v, float)}
+        if self.cfg.drift_metrics:
+            metrics |= drift.round_drift(trainer, train)
+            log.info("round %d: drift %s", self.step, " ".join(f"{k} {metrics[k]:.4g}" for k in drift.KEYS
+                                                                if k in metrics))
         out = trainer.save(self.output_root / f"run-{self.run_id}" / f"step-{self.step}-{secrets.token_hex(3)}")
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"
         stats = {"run_id": self.run_id, "step": self.step, "turns": len(train), "objective": self.objective.objective,
@@ -319,7 +330,8 @@ class OnlineTrainer:
             self.trainer_version = name  # the weights in memory are the version now served
         else:
             self.trainer = None  # drop the refused update: the next round starts from the active version
-        return self._done(RoundResult(self.step, ids, dropped, corrected, name, decision, metrics))
+        return self._done(RoundResult(self.step, ids, dropped, corrected, name, decision, metrics,
+                                      self.gate.last_reason))
 
     def _done(self, result: RoundResult) -> RoundResult:
         if self.on_round:

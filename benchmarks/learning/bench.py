@@ -32,14 +32,21 @@ corrected turns), combined; each over --seeds seeds. An rl or combined arm may n
 baseline after a colon (``rl:none``, ``combined:batch``: ``ObjectiveConfig.rl_baseline``; without
 one, --rl-baseline's), and a combined arm w_rl after another (``combined:batch:0.5``), so the
 variants run side by side as arms of their own (seed: the order of training questions,
-sampling seeds, LoRA init). Options follow a ``+`` (issue #34): ``topk[=K]`` distils the
-teacher's top K tokens and the tail at each position (``opd+topk``, ``combined+topk=8``;
-``ObjectiveConfig.opd_topk``, the teacher pass asked for K), ``kl=C`` adds the KL guard to the
-base policy (``combined+kl=0.05``; ``ObjectiveConfig.kl_coef``), ``siblings=N`` resamples each
-turn N times from its exact prompt ids after it is scored, scores the replies against the same
-next state and trains them with it as one group (``rl+siblings=4``; ``datapool.siblings``). Every arm and seed is its own process with its own pool, gateway
-and trainer (its adapters carry its own names), --jobs of them at a time against the shared
-vLLM(s). The base policy's held-out answers use the same per-request seeds at every checkpoint,
+sampling seeds, LoRA init). Options follow a ``+``: ``topk[=K]`` distils the teacher's top K
+tokens and the tail at each position (``opd+topk``, ``combined+topk=8``;
+``ObjectiveConfig.opd_topk``, the teacher pass asked for K), with ``tau=T`` tempering the
+teacher's k+1-way distribution and ``tail=W`` weighting the tail's term; ``kl[=C]`` adds the KL
+anchor to the base policy (``opd+topk+kl``, ``combined+kl=0.05``; ``ObjectiveConfig.kl_coef``,
+default :data:`KL_DEFAULT`); ``topic[=M]`` turns on the eval gate's topicality check, which
+holds back a candidate whose on-topic share on :data:`GATE` (greedy) falls more than M below the
+untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures the version
+still serving); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
+is scored, scores the replies against the same next state and trains them with it as one group
+(``rl+siblings``; ``datapool.siblings``). Every arm and seed is its own process with its own
+pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
+the shared vLLM(s). Each training round's drift from the base policy (``trainer.drift``: KL on
+the round's tokens, entropy, the teacher's top-k mass) and the gate's decision are kept per
+arm and seed (``rounds``), printed as it goes and tabled at the end. The base policy's held-out answers use the same per-request seeds at every checkpoint,
 so they are measured once per seed, before any adapter exists: that is the `none` arm's value
 at every checkpoint and every trained arm's checkpoint 0. A trained arm starts by serving its
 untrained adapter (LoRA B = 0: exactly the base model's outputs), so its requests never take
@@ -120,6 +127,17 @@ HELD_OUT = [
     "How does a microwave heat food?", "What is a calorie?", "Why is the ocean salty?", "What is a cloud?",
     "How do trains run?", "What is friction?", "Why do we yawn?", "How does a camera work?",
     "What is the stock market?", "How do magnets work?", "What is a desert?", "Why do stars twinkle?",
+]
+
+#: the topicality check's prompts (an arm's ``+topic``): neither trained on nor measured, so the
+#: gate's choices are not fitted to the curve's prompts
+GATE = [
+    "What is a volcano?", "How do clocks keep time?", "What is a planet?", "Why do dogs bark?",
+    "How does rain form?", "What is a language?", "Why do we sneeze?", "How does a bicycle work?",
+    "What is a forest?", "How do telephones work?", "What is an atom?", "Why is snow white?",
+    "How do ships float?", "What is a river?", "Why do birds sing?", "How does a lock work?",
+    "What is a vitamin?", "How do spiders spin webs?", "What is thunder?", "Why do we dream?",
+    "How does a thermometer work?", "What is a mountain?", "How do seeds grow?", "What is a library?",
 ]
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -289,11 +307,21 @@ class Job:
                 local=LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.k,
                                   bf16=trainer_bf16(getattr(a, "trainer_dtype", "auto"))),
                 filters=Filters(since=now(), needs_teacher=self.objective.objective == "opd"),
-                config=OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0,
-                                    version_prefix=f"b-{arm_slug(self.arm)}-{self.seed}-{uuid.uuid4().hex[:6]}"),
+                config=self.online_config(f"b-{arm_slug(self.arm)}-{self.seed}-{uuid.uuid4().hex[:6]}"),
                 vllm_urls=self.urls, base_model=a.model, output_root=self.work / "runs", store=self.work / "store")
             trainer._trainer()
         return trainer
+
+    def online_config(self, prefix: str) -> OnlineConfig:
+        """The loop's configuration: no eval gate (every round's version serves) unless the arm
+        asks for the topicality check (``+topic``: against the untrained adapter, which answers as
+        the base does, on :data:`GATE`); the drift instruments on."""
+        a, margin = self.args, self.spec.topic_margin
+        gate: dict[str, Any] = {} if margin is None else {
+            "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
+            "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
+        return OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0, version_prefix=prefix,
+                            drift_metrics=True, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -304,6 +332,7 @@ class Job:
         curves = {key: [value] for key, value in base.items()}
         latencies: list[float] = []
         turns: list[dict[str, Any]] = []
+        rounds: list[dict[str, Any]] = []
         teacher = self.objective.objective in ("opd", "combined")
         # the held-out answers of the version now serving run beside the next round's interactions
         # (the same version serves both): one batch for the vLLM instead of two in a row
@@ -315,9 +344,12 @@ class Job:
             return {"arm": arm, "seed": seed, "objective": self.objective.objective,
                     "rl_baseline": self.objective.rl_baseline, "w_rl": self.objective.w_rl,
                     "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
+                    "topk_temperature": self.objective.opd_topk_temperature,
+                    "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
                     **curves,
                     "latencies_s": latencies,
-                    "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns}
+                    "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns,
+                    "rounds": rounds, "held_back": sum(r["decision"] == "refuse" for r in rounds)}
 
         def collect(upto: int) -> None:
             with phase("heldout"):
@@ -350,6 +382,9 @@ class Job:
                 continue
             with phase("train_round"):
                 result = trainer.run_round()
+            if result is not None:
+                rounds.append(round_record(lo + a.k, result))
+                log.info("%s seed %d: round after %d interactions: %s", arm, seed, lo + a.k, rounds[-1])
             if result is not None and result.decision == "promote":
                 name = serving = result.candidate
                 self.names.append(name)
@@ -391,16 +426,36 @@ def trainer_bf16(choice: str) -> bool | None:
 
 #: the teacher's top-k of an arm that says ``+topk`` without a number
 TOPK_DEFAULT = 5
+#: the KL anchor's coefficient of an arm that says ``+kl`` without one (README: the CPU sweep)
+KL_DEFAULT = 0.05
+#: shadow siblings per turn of an arm that says ``+siblings`` without a number
+SIBLINGS_DEFAULT = 4
+#: the topicality check's margin of an arm that says ``+topic`` without one: a candidate whose
+#: on-topic share on GATE falls more than this below the base's is held back
+TOPIC_DEFAULT = 0.05
+#: the round metrics kept per round (``rounds`` in the JSON): the drift instruments and the loss's
+ROUND_KEYS = ("drift_kl_k1", "drift_kl_k3", "entropy_behaviour", "entropy_candidate", "teacher_topk_mass",
+              "student_topk_mass", "sampled_in_topk", "loss", "pg_loss", "kl", "kl_loss", "topk_kl",
+              "advantage_mean", "pg_clipfrac")
 
 
 @dataclass(frozen=True)
 class Arm:
     """What a trained arm runs: its objective, the teacher's top-k per reply token it asks for
-    (0: the sampled token's log-prob only), and the shadow siblings resampled per turn (0: none)."""
+    (0: the sampled token's log-prob only), the shadow siblings resampled per turn (0: none), and
+    the topicality check's margin (None: no gate)."""
 
     objective: ObjectiveConfig
     top_k: int = 0
     siblings: int = 0
+    topic_margin: float | None = None
+
+
+def round_record(after: int, result: Any) -> dict[str, Any]:
+    """A training round as the JSON keeps it: after how many interactions, the gate's decision
+    and why it held the candidate back, and its :data:`ROUND_KEYS` metrics."""
+    return {"after": after, "decision": result.decision, "reason": result.reason,
+            **{k: round(result.metrics[k], 5) for k in ROUND_KEYS if isinstance(result.metrics.get(k), float)}}
 
 
 def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
@@ -408,9 +463,12 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``combined:batch:0.5``, ``opd+topk``, ``combined+topk=8+kl=0.05``); an arm without a
     baseline takes *rl_baseline*, else ``ObjectiveConfig``'s default. Options: ``topk[=K]``
     (top-k OPD: the teacher keeps its K most likely tokens per position, default
-    :data:`TOPK_DEFAULT`), ``kl=C`` (the topicality guard: ``kl_coef``), ``siblings=N`` (N shadow
-    siblings per turn, scored and trained as its group). Raises ValueError for an unknown
-    objective, baseline or option."""
+    :data:`TOPK_DEFAULT`), ``kl[=C]`` (the KL anchor to the base policy: ``kl_coef``, default
+    :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
+    tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
+    margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
+    and trained as its group, default :data:`SIBLINGS_DEFAULT`). Raises ValueError for an
+    unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
     if len(rest) > 2:
@@ -420,6 +478,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     if len(rest) == 2:
         kw["w_rl"] = float(rest[1])
     top_k = n_siblings = 0
+    margin = None
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -427,15 +486,22 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             if not 1 <= top_k <= 20:
                 raise ValueError(f"topk is 1 to 20 (vLLM's --max-logprobs), not {value!r}")
             kw["opd_topk"] = True
-        elif name == "kl" and eq:
-            kw["kl_coef"] = float(value)
-        elif name == "siblings" and eq:
-            n_siblings = int(value)
+        elif name == "kl":
+            kw["kl_coef"] = float(value) if eq else KL_DEFAULT
+        elif name in ("tau", "tail") and eq:
+            kw["opd_topk_temperature" if name == "tau" else "opd_topk_tail_weight"] = float(value)
+        elif name == "topic":
+            margin = float(value) if eq else TOPIC_DEFAULT
+        elif name == "siblings":
+            n_siblings = int(value) if eq else SIBLINGS_DEFAULT
             if not 1 <= n_siblings <= 16:
                 raise ValueError(f"siblings is 1 to 16, not {value!r}")
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl=C or siblings=N")
-    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings)
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M] or "
+                             "siblings[=N]")
+    if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
+        raise ValueError("tau and tail temper top-k OPD: they need +topk")
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -540,8 +606,11 @@ def main() -> None:
                    help="comma-separated: none, rl, opd, combined; rl and combined may name the RL baseline "
                         "after a colon (rl:none, combined:batch), combined also w_rl after another "
                         "(combined:batch:0.5), to run the variants side by side; then options after a +: "
-                        f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), kl=C (the KL guard to the "
-                        "base policy: combined+kl=0.05), siblings=N (N shadow siblings per turn: rl+siblings=4)")
+                        f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), tau=T / tail=W (with topk: "
+                        f"the teacher tempered / its tail's weight), kl[=C] (the KL anchor to the base policy, C "
+                        f"{KL_DEFAULT} by default: opd+topk+kl), topic[=M] (hold back a candidate whose on-topic share "
+                        f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
+                        f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")
@@ -688,6 +757,36 @@ def sibling_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def round_table(results: list[dict[str, Any]], key: str, fmt: str = ".3f") -> str:
+    """Per arm, the mean over seeds of round metric *key* (``rounds`` in the JSON: the drift
+    instruments) after each round's interactions, and the rounds the gate held back of all."""
+    rows = [r for r in results if r.get("rounds")]
+    afters = sorted({x["after"] for r in rows for x in r["rounds"]})
+    lines = ["| arm | " + " | ".join(f"after {a}" for a in afters) + " | held back |", "|---|" + "---|" * (len(afters) + 1)]
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        mine = [r for r in rows if r["arm"] == arm]
+        if not any(key in x for r in mine for x in r["rounds"]):
+            continue
+        cells = []
+        for a in afters:
+            vals = [x[key] for r in mine for x in r["rounds"] if x["after"] == a and key in x]
+            cells.append(f"{statistics.fmean(vals):{fmt}}" if vals else "–")
+        held = sum(x["decision"] == "refuse" for r in mine for x in r["rounds"])
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {held}/{sum(len(r['rounds']) for r in mine)} |")
+    return "\n".join(lines)
+
+
+def drift_tables(results: list[dict[str, Any]]) -> str:
+    """The drift instruments per round (:func:`round_table`), those some arm has."""
+    names = (("drift_kl_k3", "KL(candidate ‖ base), k3, per reply token"),
+             ("drift_kl_k1", "KL(candidate ‖ base), k1 = mean(log π − log π_base)"),
+             ("entropy_behaviour", "entropy of the serving policy (−mean captured log-prob)"),
+             ("teacher_topk_mass", "the teacher's top-k mass"), ("sampled_in_topk", "sampled tokens in the teacher's top-k"))
+    out = [f"{label}:\n\n{round_table(results, key)}" for key, label in names
+           if any(key in x for r in results for x in r.get("rounds") or ())]
+    return "\n\n".join(out)
+
+
 def phase_table(results: list[dict[str, Any]]) -> str:
     """Where a job's time went: mean seconds per job and arm of each phase."""
     names = ["trainer_setup", "interact", "score", "siblings", "train_round", "switch", "heldout"]
@@ -706,7 +805,9 @@ def report(results: list[dict[str, Any]], k: int) -> str:
     return (tables(results, k) + "\n\nInteractions until a stable effect (3 checkpoints in a row ≥ 0.8):\n\n"
             + stability(results, k) + "\n\nThe judge's −1 votes against the preference (training turns):\n\n"
             + agreement(results) + "\n\nRewards of the training turns and their shadow siblings:\n\n"
-            + sibling_table(results) + "\n\nSeconds per job (wall, and its phases):\n\n" + phase_table(results))
+            + sibling_table(results) + "\n\nSeconds per job (wall, and its phases):\n\n" + phase_table(results)
+            + "\n\nPer training round (mean over seeds; held back: rounds whose candidate the gate refused):\n\n"
+            + drift_tables(results))
 
 
 def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, minutes: float,

@@ -78,3 +78,8 @@ def judge(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, Any]:
         return {"vote": 1, "rationale": why}
     said = " ".join(str(m.get("content") or "") for m in next_state.get("messages") or ())
     return {"vote": -1, "rationale": why, "hint": said or reaction(question, reply)}
+
+
+def topic_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
+    """Eval-gate topicality scorer (``OnlineConfig.topic_scorer``): 1 when the reply is on topic."""
+    return float(on_topic(_question(messages), reply))

@@ -100,10 +100,39 @@ def test_arm_options_top_k_and_the_kl_guard():
     assert arm_spec("rl+kl=0.1").objective.kl_coef == 0.1
     assert arm_slug("combined:batch+topk=8+kl=0.05") == "combined-batch-topk-8-kl-0_05"
     assert (arm_spec("rl+siblings=4").siblings, plain.siblings) == (4, 0)
-    for bad in ("rl+topk", "opd+topk=0", "opd+topk=21", "opd+kl", "opd+kl=-1", "opd+sft", "opd+topk=x",
-                "rl+siblings", "rl+siblings=0", "rl+siblings=17"):
+    for bad in ("rl+topk", "opd+topk=0", "opd+topk=21", "opd+kl=-1", "opd+sft", "opd+topk=x",
+                "rl+siblings=0", "rl+siblings=17", "opd+tau=2", "opd+topk+tau=0", "opd+topk+tail=-1", "opd+tau",
+                "opd+topic=x"):
         with pytest.raises(ValueError):
             arm_spec(bad)
+
+
+def test_arm_options_with_their_defaults_the_temperature_and_the_topicality_check():
+    """``+kl``, ``+siblings`` and ``+topic`` without a value take the defaults, so
+    ``opd+topk+kl``, ``combined+topk+kl`` and ``rl+siblings`` run beside ``opd+topk``, ``opd`` and ``rl``."""
+    anchored = arm_spec("opd+topk+kl")
+    assert (anchored.objective.kl_coef, anchored.top_k, anchored.topic_margin) == (bench.KL_DEFAULT, TOPK_DEFAULT, None)
+    assert arm_spec("combined+topk+kl").objective.kl_coef == bench.KL_DEFAULT
+    assert arm_spec("rl+siblings").siblings == bench.SIBLINGS_DEFAULT
+    tempered = arm_spec("opd+topk+tau=2+tail=0.5+topic")
+    assert (tempered.objective.opd_topk_temperature, tempered.objective.opd_topk_tail_weight) == (2.0, 0.5)
+    assert tempered.topic_margin == bench.TOPIC_DEFAULT and arm_spec("opd+topic=0.1").topic_margin == 0.1
+    assert arm_slug("opd+topk+tau=1.5") == "opd-topk-tau-1_5"
+
+
+def test_round_tables_mean_each_round_over_the_seeds_and_count_held_back_rounds():
+    def rounds(*kls: float, refused: tuple[int, ...] = ()) -> list[dict]:
+        return [{"after": 6 * (i + 1), "decision": "refuse" if i in refused else "promote", "drift_kl_k3": kl}
+                for i, kl in enumerate(kls)]
+
+    rows = [{"arm": "opd+topk", "seed": 0, "rounds": rounds(0.1, 0.3, refused=(1,))},
+            {"arm": "opd+topk", "seed": 1, "rounds": rounds(0.3, 0.5)},
+            {"arm": "none", "seed": 0}, {"arm": "rl", "seed": 0, "rounds": [{"after": 6, "decision": "promote"}]}]
+    lines = bench.round_table(rows, "drift_kl_k3").splitlines()
+    assert lines[0] == "| arm | after 6 | after 12 | held back |"
+    assert lines[2:] == ["| opd+topk | 0.200 | 0.400 | 1/4 |"]  # rl has no such metric: no row
+    text = bench.drift_tables(rows)
+    assert text.startswith("KL(candidate ‖ base), k3") and "entropy" not in text
 
 
 # --- jobs stopped early (a dead vLLM, --deadline-min): reported up to their last checkpoint ----------

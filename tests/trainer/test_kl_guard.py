@@ -1,4 +1,4 @@
-"""The topicality guard (issue #34): ``ObjectiveConfig.kl_coef`` adds kl_coef · agg(k3) to the
+"""The KL anchor (the topicality guard): ``ObjectiveConfig.kl_coef`` adds kl_coef · agg(k3) to the
 base policy, whose log-probs the local trainer takes from the same LoRA model with the adapter
 switched off (peft's ``disable_adapter()``). On a real (tiny) transformers + peft model: its
 gradient pulls the adapter toward the base, it adds linearly to the objective, and a

@@ -522,3 +522,26 @@ def test_tensor_metrics_equal_verl_vanilla(mode: str, weights: bool) -> None:
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
         assert value.item() == metrics_f[key], key
     assert 0 < metrics_f["pg_clipfrac"] < 1 and metrics_f["pg_clipfrac_lower"] > 0
+
+
+def test_loss_terms_are_a_registry_that_adds_linearly() -> None:
+    """The KL anchor and top-k OPD are registered loss terms; a term registered beside them is
+    aggregated like the surrogate, reported under its name, and added times its coefficient
+    (a coefficient of 0 reports it only)."""
+    assert list(obj.LOSS_TERMS)[:2] == ["kl_loss", "topk_kl"]
+    logp = torch.tensor([[-1.0, -2.0, -0.3]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    zeros = torch.zeros(1, 3)
+    base, base_metrics = compute_loss(ObjectiveConfig(), logp, logp.detach(), zeros, mask)
+    for coef in (0.0, 2.0):
+        @obj.register_loss_term("length_test")
+        def length(cfg: ObjectiveConfig, x: obj.LossInputs, c: float = coef) -> obj.LossTerm:
+            return obj.LossTerm(c, -x.log_prob, x.mask, {"length_test_tokens": x.mask.sum()})
+
+        try:
+            loss, metrics = compute_loss(ObjectiveConfig(), logp, logp.detach(), zeros, mask)
+        finally:
+            del obj.LOSS_TERMS["length_test"]
+        assert metrics["length_test"] == pytest.approx(1.5) and metrics["length_test_tokens"] == 2.0
+        assert loss.item() == pytest.approx(base.item() + coef * 1.5)
+    assert "length_test" not in base_metrics

@@ -1,4 +1,4 @@
-"""Top-k OPD (issue #34): the teacher's k most likely tokens per response position plus the tail
+"""Top-k OPD: the teacher's k most likely tokens per response position plus the tail
 mass, from the same hinted teacher pass (``prompt_logprobs=k``), stored with the judgement and
 distilled by the trainer as KL(student ‖ teacher) over the k+1-way distribution."""
 
@@ -56,6 +56,53 @@ def test_kl_equals_a_hand_computed_value() -> None:
     loss0, metrics0 = compute_loss(ObjectiveConfig(objective="combined"), zeros, zeros, zeros, torch.ones(1, 3),
                                    topk_log_prob=s, topk_teacher_log_prob=t, topk_mask=topk_mask)
     assert loss0.item() == 0.0 and "topk_kl" not in metrics0
+
+
+def test_the_teacher_tempered_and_the_tail_weighted() -> None:
+    """Temperature T tempers the teacher's k+1-way distribution (p_i ∝ p_i^(1/T), renormalised
+    over its outcomes, the tail one of them); the tail weight scales the tail's term alone; 1 and 1
+    are the plain KL."""
+    q, p = (0.4, 0.2, 0.4), (0.5, 0.3, 0.2)  # tokens 0, 2 and the tail, as above
+    student = torch.log(torch.tensor([[q[0], q[1]]]))
+    teacher = torch.log(torch.tensor([[p[0], p[1]]]))
+    assert topk_opd_kl(student, teacher, temperature=1.0, tail_weight=1.0).item() == topk_opd_kl(student, teacher).item()
+    z = sum(x ** 0.5 for x in p)
+    tempered = [x ** 0.5 / z for x in p]
+    by_hand = sum(a * math.log(a / b) for a, b in zip(q, tempered))
+    assert topk_opd_kl(student, teacher, temperature=2.0).item() == pytest.approx(by_hand, rel=1e-5)
+    weighted = q[0] * math.log(q[0] / p[0]) + q[1] * math.log(q[1] / p[1]) + 0.25 * q[2] * math.log(q[2] / p[2])
+    assert topk_opd_kl(student, teacher, tail_weight=0.25).item() == pytest.approx(weighted, rel=1e-5)
+    # without the tail the temperature tempers the k renormalised tokens
+    p2 = [x ** 0.5 for x in (5 / 8, 3 / 8)]
+    p2 = [x / sum(p2) for x in p2]
+    q2 = (2 / 3, 1 / 3)
+    by_hand = sum(a * math.log(a / b) for a, b in zip(q2, p2))
+    assert topk_opd_kl(student, teacher, tail=False, temperature=2.0).item() == pytest.approx(by_hand, rel=1e-5)
+    # a softer teacher is nearer a student that spreads its mass
+    assert topk_opd_kl(student, teacher, temperature=2.0).item() < topk_opd_kl(student, teacher).item()
+    # through the config
+    s, t = student[None], teacher[None]
+    cfg = ObjectiveConfig(objective="opd", opd_topk=True, opd_topk_temperature=2.0, opd_topk_tail_weight=0.5)
+    _, metrics = compute_loss(cfg, torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1),
+                              topk_log_prob=s, topk_teacher_log_prob=t, topk_mask=torch.ones(1, 1))
+    expected = topk_opd_kl(student, teacher, temperature=2.0, tail_weight=0.5).item()
+    assert metrics["topk_kl"] == pytest.approx(expected, rel=1e-6)
+    for bad in ({"opd_topk_temperature": 0.0}, {"opd_topk_tail_weight": -1.0}):
+        with pytest.raises(ValueError, match="opd_topk_temperature > 0"):
+            ObjectiveConfig(objective="opd", opd_topk=True, **bad)
+
+
+@given(st.integers(1, 6), st.integers(0, 3), st.integers(0, 10_000), st.floats(0.3, 4.0), st.booleans())
+@settings(max_examples=30, deadline=None)
+def test_tempered_padding_entries_do_not_count(k: int, pad: int, seed: int, temperature: float, tail: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    s = torch.log_softmax(torch.randn(k + 3, generator=g), -1)[:k]
+    t = torch.log_softmax(torch.randn(k + 3, generator=g), -1)[:k]
+    junk = torch.randn(pad, generator=g)
+    valid = torch.cat([torch.ones(k, dtype=torch.bool), torch.zeros(pad, dtype=torch.bool)])
+    padded = topk_opd_kl(torch.cat([s, junk]), torch.cat([t, junk]), valid, tail=tail, temperature=temperature)
+    assert padded.item() == pytest.approx(topk_opd_kl(s, t, tail=tail, temperature=temperature).item(), abs=1e-5)
+    assert padded.item() >= -1e-6
 
 
 def test_k1_without_tail_is_zero_and_with_tail_a_two_way_kl() -> None:

@@ -228,6 +228,22 @@ def test_each_version_shows_whether_the_server_serves_what_was_trained(client: t
     assert cell("v-older").strip() == "–"
 
 
+def test_a_held_back_candidate_shows_why(client: tuple[TestClient, Any]) -> None:
+    """The gate's reason for refusing a candidate (e.g. the topicality check) is on the page,
+    under the version's status."""
+    c, engine = client
+    _version(engine, "v-off", None, 1, None)
+    reason = "off topic: held-out on-topic share 0.700 < smollm2 0.950 - 0.05"
+    with OrmSession(engine) as db, db.begin():
+        v = db.query(PolicyVersion).filter_by(name="v-off").one()
+        v.status = "refused"
+        db.add(PolicyEvent(version_id=v.id, action="refuse", actor="trainer", reason=reason))
+    page = c.get("/admin/training").text
+    row = re.search(r'<tr data-version="v-off".*?</tr>', page, re.DOTALL).group(0)
+    held = re.search(r'data-testid="held-back">(.*?)</span>', row).group(1)
+    assert held == "held back: " + reason.replace("<", "&lt;")
+
+
 def test_reward_by_policy_version(client: tuple[TestClient, Any]) -> None:
     c, engine = client
     from datetime import datetime, timedelta

@@ -1,0 +1,71 @@
+"""The eval gate's topicality check: a candidate whose on-topic share on the held-out prompts
+falls more than the margin below the reference version's (the base model, evaluated once) is
+refused, with a reason that says so, whatever its score; the replies come from a stand-in for
+the vLLM (the refusal itself — marked refused, the event, the reason — is the real code)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session as OrmSession
+
+from benchmarks.learning import preference
+from datapool.models import PolicyEvent
+from trainer.eval_gate import EvalGate
+
+PROMPTS = [[{"role": "user", "content": q}] for q in ("What is a cloud?", "Why is the ocean salty?",
+                                                     "How do magnets work?", "What is friction?")]
+ON = {"What is a cloud?": "Water droplets in the sky form a cloud.", "Why is the ocean salty?": "Rivers carry salt.",
+      "How do magnets work?": "Magnets pull iron.", "What is friction?": "Friction resists sliding."}
+
+
+class Canned(EvalGate):
+    """Each version answers from a table; counts how often each version was asked."""
+
+    def __init__(self, *args: Any, replies: dict[str, dict[str, str]], **kw: Any):
+        super().__init__(*args, **kw)
+        self.replies = replies
+        self.asked: dict[str, int] = {}
+
+    def answer(self, model: str, prompts: list[list[dict[str, Any]]]) -> list[str]:
+        self.asked[model] = self.asked.get(model, 0) + 1
+        return [self.replies[model][m[0]["content"]] for m in prompts]
+
+
+def _gate(engine: Any, replies: dict[str, dict[str, str]], **kw: Any) -> Canned:
+    return Canned(engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0,
+                  scorer=kw.pop("scorer", None), threshold=0.05, max_tokens=16,
+                  topic_scorer=preference.topic_scorer, replies=replies, **kw)
+
+
+def test_an_off_topic_candidate_is_refused_and_says_why(sqlite_engine: Any) -> None:
+    drifted = dict(ON, **{"What is a cloud?": "Yes.", "How do magnets work?": "Bathroom scale."})
+    gate = _gate(sqlite_engine, {"smollm2": ON, "cand": drifted}, topic_margin=0.3)
+    assert gate.decide("cand", {}) == "refuse"
+    assert gate.last_reason is not None and gate.last_reason.startswith("off topic: held-out on-topic share 0.500")
+    with OrmSession(sqlite_engine) as db:
+        events = db.execute(select(PolicyEvent.action, PolicyEvent.reason, PolicyEvent.metrics)
+                            .order_by(PolicyEvent.id)).all()
+    assert [e[0] for e in events] == ["eval", "refuse"]
+    assert events[0][2]["on_topic"] == 0.5 and events[0][2]["reference_on_topic"] == 1.0
+    assert events[1][1] == gate.last_reason
+
+
+def test_within_the_margin_passes_and_the_reference_is_asked_once(sqlite_engine: Any) -> None:
+    one_off = dict(ON, **{"What is a cloud?": "Yes."})
+    gate = _gate(sqlite_engine, {"smollm2": ON, "a": one_off, "b": one_off}, topic_margin=0.3)
+    for name in ("a", "b"):
+        metrics, why = gate.off_topic(name, gate.evaluate(name))
+        assert why is None and metrics["on_topic"] == 0.75 and metrics["reference_on_topic"] == 1.0
+    assert gate.asked == {"a": 1, "smollm2": 1, "b": 1}
+    # a stricter margin holds the same candidate back, however well it scores
+    strict = _gate(sqlite_engine, {"smollm2": ON, "a": one_off}, topic_margin=0.2,
+                   scorer=lambda reply, messages: 1.0)
+    assert strict.decide("a", {}) == "refuse" and strict.last_reason.startswith("off topic")
+
+
+def test_the_reference_may_be_another_version(sqlite_engine: Any) -> None:
+    gate = _gate(sqlite_engine, {"init": ON, "cand": ON}, topic_reference="init")
+    metrics, why = gate.off_topic("cand", gate.evaluate("cand"))
+    assert why is None and metrics["topic_reference"] == "init" and "smollm2" not in gate.asked
