@@ -48,6 +48,12 @@ def optimisation_options() -> Any:
                           "batch of 8 turns × 768 tokens in one micro-batch (benchmarks/trainer/README.md). "
                           "Default: local backend 4 on the CPU, on a GPU the largest power of two up to 8 that its "
                           "free memory holds (8 on an H100); veRL backend 4 per GPU."),
+        click.option("--max-tokens-per-micro-batch", type=click.IntRange(min=0),
+                     default=opt.field_default(LocalConfig, "max_tokens_per_micro_batch"),
+                     help="Local backend: the most tokens (turns × the longest) one forward pass takes: a round of "
+                          "long agent turns is split into more micro-batches, a longer turn trains alone. A step's "
+                          "peak memory follows it, not the round. Default: 8192 on the CPU (SmolLM2-135M peaks "
+                          "at ~1.5 GB, benchmarks/trainer/README.md), on a GPU --micro-batch-size × 1024; 0: none."),
         click.option("--lr", type=float, default=opt.field_default(LocalConfig, "lr"), show_default=True),
         click.option("--full", is_flag=True,
                      help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
@@ -76,7 +82,7 @@ def optimisation_options() -> Any:
 
 
 def local_speed_options() -> Any:
-    """The local backend's speed settings (``LocalConfig``; issue #20)."""
+    """The local backend's speed and memory settings (``LocalConfig``)."""
     return opt.group(
         click.option("--compile/--no-compile", "compile_layers", default=opt.field_default(LocalConfig, "compile"),
                      help="Local backend: torch.compile each decoder layer (fused kernels; the first step compiles: "
@@ -176,8 +182,10 @@ def verl_options() -> Any:
                      help="verl: nodes of the Ray cluster."),
         click.option("--ray-address", metavar="ADDR",
                      help="verl: join this Ray cluster ('auto', or ray://head:10001); default: start a local one."),
-        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=vc("gradient_checkpointing"),
-                     show_default=True, help="verl: recompute activations in the backward pass."),
+        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
+                     help="Recompute each decoder layer's activations in the backward pass instead of keeping "
+                          "them (about a third more compute, a fraction of the memory for long turns). Default: "
+                          "verl on; local backend on on the CPU, off on a GPU."),
         click.option("--fsdp", "fsdp_strategy", type=click.Choice(["fsdp2", "fsdp"]), default=vc("strategy"),
                      show_default=True, help="verl: FSDP2 (per-parameter sharding) or FSDP1."),
         click.option("--verl-fused-kernels/--no-verl-fused-kernels", "verl_fused_kernels",
@@ -260,7 +268,8 @@ def local_config(p: dict[str, Any], model_dir: Path) -> LocalConfig:
                        compile=p["compile_layers"], compile_mode=p["compile_mode"], packing=p["packing"],
                        logprob_chunk=p["logprob_chunk"], fp32_master=p["fp32_master"],
                        activation_memory_budget=p["activation_memory_budget"],
-                       bf16=COMPUTE_DTYPES[p["compute_dtype"]])
+                       max_tokens_per_micro_batch=p["max_tokens_per_micro_batch"],
+                       gradient_checkpointing=p["gradient_checkpointing"], bf16=COMPUTE_DTYPES[p["compute_dtype"]])
 
 
 def _filters(p: dict[str, Any]) -> Filters:
@@ -375,7 +384,9 @@ def _train_verl(p: dict[str, Any], settings: Settings, engine: Any, cfg: Objecti
     verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not p["full"],
                       lora_rank=p["lora_rank"], lora_alpha=2 * p["lora_rank"], lr=p["lr"],
                       micro_batch_size=p["micro_batch_size"] or opt.field_default(VerlConfig, "micro_batch_size"),
-                      gradient_checkpointing=p["gradient_checkpointing"],
+                      gradient_checkpointing=(opt.field_default(VerlConfig, "gradient_checkpointing")
+                                              if p["gradient_checkpointing"] is None
+                                              else p["gradient_checkpointing"]),
                       strategy=p["fsdp_strategy"], param_offload=p["offload"], optimizer_offload=p["offload"],
                       fused_kernels=p["verl_fused_kernels"], ray_address=p["ray_address"], overrides=p["verl_overrides"])
     return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=p["steps"],
