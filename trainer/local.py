@@ -35,6 +35,7 @@ Full fine-tuning may keep fp32 master weights and AdamW states (``LocalConfig.fp
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,6 +90,25 @@ def gpu_micro_batch(free_bytes: int, layers: int, hidden: int, trainable: int, *
     return mb
 
 
+#: glibc malloc: blocks from this size up are mmapped, so freed ones go back to the system at once
+MALLOC_MMAP_THRESHOLD = 128 << 10
+
+
+def release_freed_memory() -> bool:
+    """Make glibc's malloc give freed tensor memory back to the system at once (False where the C
+    library is not glibc). By default its mmap threshold climbs to 32 MB as large blocks are
+    freed; past that, a layer's activations (tens of MB each on the CPU) come from the heap, whose
+    freed pages stay resident: a step over a turn of 8k tokens with 4 of SmolLM2's layers peaked
+    at 2.0 GB RSS, 1.1 GB with this (benchmarks/trainer/README.md, "Memory on the CPU")."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+                and libc.mallopt(m_trim_threshold, MALLOC_MMAP_THRESHOLD))
+
+
 @dataclass
 class _StepBatch:
     """A step's samples, its micro-batches and what the loss needs of them, the whole batch's."""
@@ -113,6 +133,8 @@ class LocalTrainer:
         self.cfg = cfg
         self.objective = objective
         self.device = _device(cfg)
+        if self.device.type == "cpu":
+            release_freed_memory()
         bf16 = cfg.bf16 if cfg.bf16 is not None else (self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
