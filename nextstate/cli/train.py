@@ -53,7 +53,7 @@ def optimisation_options() -> Any:
                      help="Local backend: the most tokens (turns × the longest) one forward pass takes: a round of "
                           "long agent turns is split into more micro-batches, a longer turn trains alone. A step's "
                           "peak memory follows it, not the round. Default: 8192 on the CPU (SmolLM2-135M peaks "
-                          "at ~1.5 GB, benchmarks/trainer/README.md), on a GPU --micro-batch-size × 1024; 0: none."),
+                          "at ~2 GB, benchmarks/trainer/README.md), on a GPU --micro-batch-size × 1024; 0: none."),
         click.option("--lr", type=float, default=opt.field_default(LocalConfig, "lr"), show_default=True),
         click.option("--full", is_flag=True,
                      help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
