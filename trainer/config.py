@@ -141,7 +141,7 @@ class LocalConfig:
     #: one forward pass takes: a step's peak memory grows with this, not with its round. Turns are
     #: added to a micro-batch while both this and ``micro_batch_size`` allow; a turn longer than
     #: the budget is a micro-batch of its own. None: 8,192 on the CPU (SmolLM2-135M's step peaks
-    #: at ~1.5 GB RSS, benchmarks/trainer/README.md), on a GPU ``micro_batch_size`` turns of
+    #: at ~2 GB RSS, benchmarks/trainer/README.md), on a GPU ``micro_batch_size`` turns of
     #: ``trainer.local.TURN_TOKENS`` (what that micro-batch was sized for); 0: no budget
     max_tokens_per_micro_batch: int | None = None
     #: recompute each decoder layer's activations in backward instead of keeping them (about a

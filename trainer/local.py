@@ -70,7 +70,7 @@ GPU_MICRO_BATCH_MAX = 8
 #: tokens a turn is assumed to hold when the micro-batch is sized
 TURN_TOKENS = 1024
 #: ``LocalConfig.max_tokens_per_micro_batch`` on the CPU when it is None: SmolLM2-135M's step peaks
-#: at about 2 GB RSS (a turn of 8k tokens) with it and gradient checkpointing (benchmarks/trainer/README.md, "Memory")
+#: at about 2 GB RSS for a turn of 8k tokens, with gradient checkpointing (benchmarks/trainer/README.md)
 CPU_MICRO_BATCH_TOKENS = 8192
 
 
