@@ -3,10 +3,15 @@
 Each child runs in its own process group (a vLLM server's engine and workers with it), watched
 by a thread of its own. A child that exits is reported (``echo`` and :meth:`Supervisor.report`,
 which the gateway shows in ``/readyz`` and ``/metrics``) and started again after a backoff that
-doubles from :attr:`RestartPolicy.backoff_s` up to :attr:`RestartPolicy.backoff_max_s`. After
-:attr:`RestartPolicy.limit` restarts in a row (a child that ran :attr:`RestartPolicy.healthy_s`
-seconds starts the count again) the supervisor gives up: :attr:`Supervisor.fatal` says why and
-``on_fatal`` is called, so the command stops everything and exits non-zero.
+doubles from :attr:`RestartPolicy.backoff_s` up to :attr:`RestartPolicy.backoff_max_s`. The
+supervisor gives up on a child after :attr:`RestartPolicy.limit` restarts in a row (a child that
+ran :attr:`RestartPolicy.healthy_s` seconds starts that count again), or once it exited the same
+way :attr:`RestartPolicy.same_exit_limit` times in a row however long each run lasted (a trainer
+the OOM killer ends each time it takes the same round would otherwise loop forever). Giving up
+on an essential child (the default) stops everything: :attr:`Supervisor.fatal` says why and
+``on_fatal`` is called, so the command exits non-zero. A child added with ``essential=False``
+(`up`'s trainer) is left stopped, the reason echoed and in :meth:`Supervisor.report`
+(``gave_up``, which ``/readyz`` shows), while the others keep running.
 
 :meth:`Supervisor.stop` stops every child: SIGTERM to its process group, SIGKILL to what is left
 after the grace period, and waits until no member of the group is alive.
@@ -144,6 +149,7 @@ class RestartPolicy:
     backoff_s: float = 1.0  # the first wait before a restart, doubling after each
     backoff_max_s: float = 30.0
     healthy_s: float = 120.0  # a child that ran this long starts the count of restarts again
+    same_exit_limit: int = 3  # exits the same way (code or signal, not exit 0) in a row before giving up
 
 
 def describe_exit(rc: int) -> str:
@@ -156,14 +162,24 @@ def describe_exit(rc: int) -> str:
     return f"exit {rc}"
 
 
+def same_exit_reason(name: str, reason: str, times: int) -> str:
+    """``trainer killed by SIGKILL 3 times in a row (out of memory?)``."""
+    what = reason.replace("exit ", "exited ", 1) if reason.startswith("exit ") else reason
+    hint = " (out of memory?)" if reason == "killed by SIGKILL" else ""
+    return f"{name} {what} {times} times in a row{hint}"
+
+
 @dataclass
 class _Slot:
     child: Child
     after_start: Callable[[], None] | None
     grace: float
+    essential: bool = True
     state: str = "starting"  # starting | running | restarting | failed | stopped
     restarts: int = 0  # in all
     in_a_row: int = 0
+    same_in_a_row: int = 0  # exits with last_exit's reason in a row, however long each run lasted
+    gave_up: str | None = None
     exits: Counter[str] = field(default_factory=Counter)  # reason -> count
     last_exit: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -183,11 +199,13 @@ class Supervisor:
         self._slots: dict[str, _Slot] = {}
         self._stopping = threading.Event()
 
-    def add(self, child: Child, *, after_start: Callable[[], None] | None = None, grace: float = 30) -> None:
+    def add(self, child: Child, *, after_start: Callable[[], None] | None = None, grace: float = 30,
+            essential: bool = True) -> None:
         """Supervise *child*; *after_start* runs once it is ready, every time (a vLLM's reload of
         the active version) and counts as part of its start. *grace*: seconds between SIGTERM
-        and SIGKILL when stopping it."""
-        self._slots[child.name] = _Slot(child, after_start, grace)
+        and SIGKILL when stopping it. Giving up on a child that is not *essential* leaves it
+        stopped and the others running."""
+        self._slots[child.name] = _Slot(child, after_start, grace, essential)
 
     def start(self, *names: str) -> bool:
         """Start these children (all not yet started without names) at once; block until each
@@ -198,7 +216,7 @@ class Supervisor:
                                            daemon=True)
             slot.thread.start()
         for slot in slots:
-            while not slot.ready.wait(0.2):
+            while not slot.ready.wait(0.2) and slot.state != "failed":
                 if self._stopping.is_set() or self.fatal:
                     return False
         return not (self._stopping.is_set() or self.fatal)
@@ -217,9 +235,11 @@ class Supervisor:
             pass
 
     def report(self) -> dict[str, dict[str, Any]]:
-        """Each child's state, pid, restarts and exits by reason (for /readyz and /metrics)."""
+        """Each child's state, pid, restarts, exits by reason and why it was given up on (for
+        /readyz and /metrics)."""
         return {name: {"state": s.state, "pid": getattr(s.child, "pid", None), "restarts": s.restarts,
-                       "last_exit": s.last_exit, "exits": dict(s.exits), "log": str(s.child.log_path)}
+                       "last_exit": s.last_exit, "exits": dict(s.exits), "gave_up": s.gave_up,
+                       "log": str(s.child.log_path)}
                 for name, s in self._slots.items()}
 
     def stop(self) -> None:
@@ -277,14 +297,17 @@ class Supervisor:
             if time.monotonic() - started >= policy.healthy_s:
                 slot.in_a_row = 0
             slot.in_a_row += 1
+            same = reason == slot.last_exit and reason != describe_exit(0)
+            slot.same_in_a_row = slot.same_in_a_row + 1 if same else 1
             slot.last_exit = reason
             slot.exits[reason.split(":")[0]] += 1
             with slot.lock:
                 child.stop(5)  # what is left of its process group (a vLLM's engine core)
             if slot.in_a_row > policy.limit:
-                slot.state = "failed"
-                self._give_up(f"{child.name}: {reason}; gave up after {policy.limit} restarts in a row "
-                              f"(log: {child.log_path})")
+                self._give_up(slot, f"{child.name}: {reason}; gave up after {policy.limit} restarts in a row")
+                return
+            if slot.same_in_a_row >= policy.same_exit_limit and reason != describe_exit(0):
+                self._give_up(slot, same_exit_reason(child.name, reason, slot.same_in_a_row))
                 return
             delay = min(policy.backoff_max_s, policy.backoff_s * 2 ** (slot.in_a_row - 1))
             slot.state = "restarting"
@@ -294,7 +317,13 @@ class Supervisor:
                 return
             slot.restarts += 1
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, slot: _Slot, why: str) -> None:
+        slot.state = "failed"
+        slot.gave_up = why
+        if not slot.essential:
+            self.echo(f"{why}; gave up on it, the other processes keep running (log: {slot.child.log_path})")
+            return
+        reason = f"{why} (log: {slot.child.log_path})"
         if self.fatal is None:
             self.fatal = reason
             self.echo(reason)

@@ -6,7 +6,9 @@ the gateway in this process. Its children share one environment, built once
 (:meth:`Up.child_env`). A child that exits is restarted by :class:`nextstate.supervisor.Supervisor`
 (a restarted vLLM gets the active version again before it counts as running); the gateway's
 ``/readyz`` and ``/metrics`` show each child's state. SIGINT, SIGTERM and SIGHUP stop the gateway
-and every child's process group; so does giving up on a child, and then `up` exits 1.
+and every child's process group; so does giving up on a vLLM or the worker, and then `up` exits 1.
+Giving up on the trainer (it keeps exiting the same way: the OOM killer on a round too big for
+the machine) stops only the trainer: the policy keeps serving, the console and ``/readyz`` say why.
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class Up:
             self.supervisor.add(Command(
                 "trainer", [sys.executable, "-m", "nextstate.cli", "train", "--online", "--objective",
                             self.train_objective, "--model-dir", str(self.model_dir), "--log-level", self.log_level,
-                            *self.train_args], env=env, log_path=self.logs / "trainer.log"))
+                            *self.train_args], env=env, log_path=self.logs / "trainer.log"),
+                essential=False)  # a trainer given up on leaves the policy serving; /readyz says why
             self.echo(f"trainer: online, {self.train_objective} (log: {self.logs / 'trainer.log'})")
         if not self.supervisor.start():
             return

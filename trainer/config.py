@@ -147,10 +147,17 @@ class LocalConfig:
     bf16: bool | None = None  # default: on CUDA with bf16 support; fp32 on the CPU
     seed: int = 0
     init_adapter: Path | None = None  # continue training this adapter (the active version)
-    #: the speed options (issue #20); ``legacy`` turns them all off: main's code path before them
-    #: (full-vocabulary log_softmax, padded micro-batches, fp32 LoRA adapters on a bf16 base,
-    #: the no-grad pass always), kept for benchmarks and equivalence tests
-    legacy: bool = False
+    #: the most tokens (prompt and response, counted as the micro-batch's turns times its longest)
+    #: one forward pass takes: a step's peak memory grows with this, not with its round. Turns are
+    #: added to a micro-batch while both this and ``micro_batch_size`` allow; a turn longer than
+    #: the budget is a micro-batch of its own. None: 8,192 on the CPU (SmolLM2-135M's step peaks
+    #: at ~2 GB RSS, benchmarks/trainer/README.md), on a GPU ``micro_batch_size`` turns of
+    #: ``trainer.local.TURN_TOKENS`` (what that micro-batch was sized for); 0: no budget
+    max_tokens_per_micro_batch: int | None = None
+    #: recompute each decoder layer's activations in backward instead of keeping them (about a
+    #: third more compute; a turn of 8k tokens keeps ~0.6 GB instead of ~15 GB for SmolLM2-135M in
+    #: fp32). None: on on the CPU (the trainer shares the machine's memory with vLLM), off on a GPU
+    gradient_checkpointing: bool | None = None
     #: pack each micro-batch into one row with position ids instead of padding: "auto" packs
     #: when padding would be at least a quarter of the micro-batch's tokens, "on" always, "off" never
     packing: str = "auto"
@@ -176,6 +183,9 @@ class LocalConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"max_tokens_per_micro_batch must be >= 0 (0: no budget), "
+                             f"got {self.max_tokens_per_micro_batch}")
         if self.packing not in ("auto", "on", "off"):
             raise ValueError(f"packing must be auto, on or off, got {self.packing!r}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
@@ -219,7 +229,7 @@ class VerlConfig:
     #: veRL's fused log-prob kernels (``model.use_fused_kernels``, torch backend): the log-probs (and
     #: the entropy veRL always computes in its log-prob pass) of the sampled tokens from the hidden
     #: states and the LM head in chunks of 512 tokens, fp32 log-sum-exp, as the local backend's
-    #: ``trainer.logprobs`` does (issue #20). Without it veRL materialises the logits of every token
+    #: ``trainer.logprobs`` does. Without it veRL materialises the logits of every token
     #: and, with neither flash-attn nor an NPU, takes ``logprobs_from_logits_v2``: a Python loop of
     #: one log_softmax per *token* (bf16), forward and backward — see benchmarks/trainer/README.md,
     #: "Where a veRL step's time goes". On by default since 2026-11-27: on one H100 the 1.7 B

@@ -5,7 +5,15 @@ accumulation over micro-batches. Each step: the current policy's logprobs of the
 response tokens, advantages and the clipped PPO loss from ``trainer.objectives`` (veRL's
 core_algos), one optimizer step.
 
-Speed (issue #20; ``LocalConfig.legacy`` turns it all off): the log-probs of the response
+Memory: a step's peak grows with its largest micro-batch, not with its round. Micro-batches
+are cut by turns (``LocalConfig.micro_batch_size``) and by tokens
+(``LocalConfig.max_tokens_per_micro_batch``, :meth:`LocalTrainer.micro_batches`): a round of
+long agent turns is split, never held in one forward; a turn longer than the budget goes alone.
+On the CPU the decoder layers recompute their activations in backward (gradient checkpointing,
+``LocalConfig.gradient_checkpointing``), so a turn keeps one hidden state per layer and token
+instead of every intermediate; attention is torch's SDPA (no seq × seq scores kept).
+
+Speed: the log-probs of the response
 tokens come from the decoder's last hidden states at the response positions and the LM head in
 chunks (``trainer.logprobs``), never the full-vocabulary logits; micro-batches with much
 padding are packed into one row with position ids (transformers' padding-free masks);
@@ -27,6 +35,7 @@ Full fine-tuning may keep fp32 master weights and AdamW states (``LocalConfig.fp
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +69,9 @@ CPU_MICRO_BATCH = 4
 GPU_MICRO_BATCH_MAX = 8
 #: tokens a turn is assumed to hold when the micro-batch is sized
 TURN_TOKENS = 1024
+#: ``LocalConfig.max_tokens_per_micro_batch`` on the CPU when it is None: SmolLM2-135M's step peaks
+#: at about 2 GB RSS for a turn of 8k tokens, with gradient checkpointing (benchmarks/trainer/README.md)
+CPU_MICRO_BATCH_TOKENS = 8192
 
 
 def gpu_micro_batch(free_bytes: int, layers: int, hidden: int, trainable: int, *, turn_tokens: int = TURN_TOKENS,
@@ -78,6 +90,41 @@ def gpu_micro_batch(free_bytes: int, layers: int, hidden: int, trainable: int, *
     return mb
 
 
+#: glibc malloc: blocks from this size up are mmapped, so freed ones go back to the system at once
+MALLOC_MMAP_THRESHOLD = 128 << 10
+
+
+def release_freed_memory() -> bool:
+    """Make glibc's malloc give freed tensor memory back to the system at once (False where the C
+    library is not glibc). By default its mmap threshold climbs to 32 MB as large blocks are
+    freed; past that, a layer's activations (tens of MB each on the CPU) come from the heap, whose
+    freed pages stay resident: a step over a turn of 8k tokens with 4 of SmolLM2's layers peaked
+    at 2.0 GB RSS, 1.1 GB with this (benchmarks/trainer/README.md, "Memory on the CPU")."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, MALLOC_MMAP_THRESHOLD)
+                and libc.mallopt(m_trim_threshold, MALLOC_MMAP_THRESHOLD))
+
+
+@dataclass
+class _StepBatch:
+    """A step's samples, its micro-batches and what the loss needs of them, the whole batch's."""
+
+    samples: list[Sample]
+    parts: list[slice]
+    student: torch.Tensor  # the current policy's log-probs before the step (zeros when not needed)
+    mask: torch.Tensor
+    old: torch.Tensor  # π_behaviour
+    fill_old: list[bool]  # samples whose π_behaviour is the step's own forward, detached
+    topk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    fused_out: tuple[torch.Tensor, ...] | None  # the whole batch's forward, when it is one micro-batch
+    adv: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+
+
 class LocalTrainer:
     def __init__(self, cfg: LocalConfig, objective: objectives.ObjectiveConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,14 +133,16 @@ class LocalTrainer:
         self.cfg = cfg
         self.objective = objective
         self.device = _device(cfg)
+        if self.device.type == "cpu":
+            release_freed_memory()
         bf16 = cfg.bf16 if cfg.bf16 is not None else (self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self.dtype = torch.bfloat16 if bf16 else torch.float32
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_dir)
         model = AutoModelForCausalLM.from_pretrained(cfg.model_dir, dtype=self.dtype)
         # peft's default upcasts adapters to fp32 on a bf16 base (fp32 GEMMs without tensor
-        # cores on every adapted projection); the fast path keeps them in the base dtype and
-        # gives the optimizer fp32 master copies instead (below)
-        autocast = cfg.legacy
+        # cores on every adapted projection); they stay in the base dtype and the optimizer gets
+        # fp32 master copies instead (below)
+        autocast = False
         if cfg.lora:
             from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -107,7 +156,12 @@ class LocalTrainer:
         self.model = model.to(self.device)
         self.model.train()
         #: whether the decoder layers are compiled: LocalConfig.compile, by default on with CUDA
-        self.compile = (cfg.compile if cfg.compile is not None else self.device.type == "cuda") and not cfg.legacy
+        self.compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        #: whether backward recomputes each decoder layer's activations: LocalConfig.gradient_checkpointing
+        self.gradient_checkpointing = (cfg.gradient_checkpointing if cfg.gradient_checkpointing is not None
+                                       else self.device.type == "cpu")
+        if self.gradient_checkpointing:  # non-reentrant: frozen embeddings need no grad-requiring input
+            self._causal_lm().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.compile:
             if cfg.activation_memory_budget is not None:
                 import torch._functorch.config as functorch_config
@@ -122,15 +176,20 @@ class LocalTrainer:
             lm = self._causal_lm().config
             self.micro_batch_size = gpu_micro_batch(torch.cuda.mem_get_info(self.device)[0], lm.num_hidden_layers,
                                                     lm.hidden_size, sum(p.numel() for p in params))
+        #: tokens per forward pass at most (0: no budget): LocalConfig.max_tokens_per_micro_batch
+        self.max_tokens_per_micro_batch = cfg.max_tokens_per_micro_batch
+        if self.max_tokens_per_micro_batch is None:
+            self.max_tokens_per_micro_batch = (CPU_MICRO_BATCH_TOKENS if self.device.type == "cpu"
+                                               else self.micro_batch_size * TURN_TOKENS)
         # fp32 master weights for LoRA adapters kept in a lower precision (a few MB); full
         # fine-tuning too unless ``fp32_master`` is off (then bf16 weights and AdamW states; a 1.7 B
         # model's fp32 masters and states add 20 GB)
         self._master: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
-        want_master = (cfg.lora or cfg.fp32_master) and not cfg.legacy
+        want_master = cfg.lora or cfg.fp32_master
         if want_master and any(p.dtype != torch.float32 for p in params):
             self._master = [(p, p.detach().float().clone().requires_grad_(True)) for p in params]
             params = [m for _, m in self._master]
-        fused = self.device.type == "cuda" and not cfg.legacy
+        fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if fused else {}))
         self.step_count = 0
         #: whether the last step ran the no-grad pass (for benchmarks' FLOP counts)
@@ -159,7 +218,7 @@ class LocalTrainer:
     def response_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """(log π(a_t | prefix) for each response token, response mask), both (batch, resp_len).
         ``adapter=False`` gives the base policy's (for the KL term), without gradients."""
-        if self.cfg.legacy or not self._chunked_ok():
+        if not self._chunked_ok():
             return self._full_logprobs(samples, adapter=adapter)[:2]
         if adapter:
             return self._chunked_logprobs(samples)[:2]
@@ -172,7 +231,7 @@ class LocalTrainer:
         the log-probs of *extra* token ids at each response position: ``extra`` is ``(batch, ≥
         resp_len, K)`` (the teacher's top-k tokens for top-k OPD); returns them ``(batch,
         resp_len, K)``, unmasked."""
-        if self.cfg.legacy or not self._chunked_ok():
+        if not self._chunked_ok():
             return self._full_logprobs(samples, extra=extra)  # type: ignore[return-value]
         return self._chunked_logprobs(samples, extra=extra)  # type: ignore[return-value]
 
@@ -240,7 +299,8 @@ class LocalTrainer:
 
     def _full_logprobs(self, samples: Sequence[Sample], *, adapter: bool = True, extra: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The full-vocabulary path (main's before issue #20): all logits, fp32 log_softmax."""
+        """For an LM head the chunked path cannot take (see :meth:`_chunked_ok`): the model's
+        logits at every position of the micro-batch and their fp32 log_softmax."""
         ids, attn, mask, resp_len = self._batch(samples)
         if adapter:
             logits = self.model(input_ids=ids, attention_mask=attn).logits
@@ -301,32 +361,50 @@ class LocalTrainer:
                 valid[i, t, : len(tok)] = True
         return ids, lps, valid, torch.tensor(rows)
 
-    def _no_grad_logprobs(self, samples: Sequence[Sample],
+    def _no_grad_logprobs(self, samples: Sequence[Sample], parts: Sequence[slice],
                           done: Callable[[Sequence[Sample]], None] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response log-probs of *samples* without a graph, a micro-batch at a time; *done* is
-        told each micro-batch as it finishes (the step's progress)."""
+        """Response log-probs of *samples* without a graph, a micro-batch (*parts*) at a time;
+        *done* is told each micro-batch as it finishes (the step's progress)."""
         width = max(len(s.response_ids) for s in samples)
-        parts, masks = [], []
+        logps, masks = [], []
         with torch.no_grad():
-            for lo in range(0, len(samples), self.micro_batch_size):
-                part = samples[lo: lo + self.micro_batch_size]
+            for where in parts:
+                part = samples[where]
                 lp, mask = self.response_logprobs(part)
-                parts.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
+                logps.append(torch.nn.functional.pad(lp, (0, width - lp.shape[1])))
                 masks.append(torch.nn.functional.pad(mask, (0, width - mask.shape[1])))
                 if done is not None:
                     done(part)
-        return torch.cat(parts), torch.cat(masks)
+        return torch.cat(logps), torch.cat(masks)
 
-    def _fuse_no_grad_pass(self, n: int) -> bool:
-        """Whether a step over *n* samples takes the current policy's log-probs before the step
-        from its own forward instead of a separate no-grad pass: when the batch is one
-        micro-batch (the whole graph is held anyway), off on the legacy path."""
-        return not self.cfg.legacy and n <= self.micro_batch_size
+    def micro_batches(self, samples: Sequence[Sample]) -> list[slice]:
+        """*samples* cut into consecutive micro-batches of at most ``micro_batch_size`` turns and
+        ``max_tokens_per_micro_batch`` tokens each (turns × the longest: padding counts); a turn
+        longer than the budget is a micro-batch of its own."""
+        budget = self.max_tokens_per_micro_batch
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        parts: list[slice] = []
+        lo = 0
+        for i in range(1, len(samples)):
+            turns, longest = i + 1 - lo, max(lengths[lo: i + 1])
+            if turns > self.micro_batch_size or (budget and turns * longest > budget):
+                parts.append(slice(lo, i))
+                lo = i
+        if samples:
+            parts.append(slice(lo, len(samples)))
+        return parts
+
+    def _fuse_no_grad_pass(self, parts: Sequence[slice]) -> bool:
+        """Whether a step takes the current policy's log-probs before the step from its own
+        forward instead of a separate no-grad pass: when the batch is one micro-batch (the whole
+        graph is held anyway)."""
+        return len(parts) == 1
 
     def step(self, samples: Sequence[Sample], *, correct: Sequence[bool] | None = None,
              ratio_cap: float = 2.0, progress: Callable[[StepProgress], None] | None = None) -> dict[str, float]:
-        """One optimizer step over ``samples`` (in micro-batches); returns its metrics.
+        """One optimizer step over ``samples`` (in micro-batches, :meth:`micro_batches`); returns
+        its metrics.
 
         Advantages are computed over the whole batch first (GRPO groups and per-step
         standardization span micro-batches), from a no-grad pass of the current policy where
@@ -344,19 +422,36 @@ class LocalTrainer:
         whole work."""
         started = time.perf_counter()
         samples = list(samples)
-        cfg = self.objective
         stale = correct is not None and any(correct)
         # the current policy's log-probs before the step are needed for OPD advantages and the
-        # stale-sample correction; otherwise (and always on the legacy path, as before) the
-        # no-grad pass is skipped and samples without captured log-probs take the step's own
-        # (detached) forward values, the same policy's
-        needs_student = self.cfg.legacy or cfg.objective != "rl" or stale
-        n, mb = len(samples), self.micro_batch_size
-        # a batch of one micro-batch: the step's own forward (with gradients) is that pass, its
-        # values detached are the no-grad pass's (same weights, same inputs), so it runs once
-        fused = needs_student and self._fuse_no_grad_pass(n)
+        # stale-sample correction; otherwise the no-grad pass is skipped and samples without
+        # captured log-probs take the step's own (detached) forward values, the same policy's
+        needs_student = self.objective.objective != "rl" or stale
+        parts = self.micro_batches(samples)
+        fused = needs_student and self._fuse_no_grad_pass(parts)
         self.last_step_no_grad_pass = needs_student and not fused
-        passes = 1 + self.last_step_no_grad_pass + (cfg.kl_coef > 0 and self.cfg.lora)
+        done = self._progress_counter(samples, progress)
+        batch = self._prepare(samples, parts, fused=fused, fill_old=not needs_student, done=done)
+        if stale:
+            batch.is_weights = self._correct_stale(samples, batch, correct or (), ratio_cap)
+        batch.adv = self._advantages(samples, batch)
+        totals = self._accumulate(batch, done)
+        self._optimizer_step()
+        self.step_count += 1
+        adv_mean = (batch.adv * batch.mask).sum() / batch.mask.sum()
+        keys = list(totals)
+        # the step's one wait for the GPU: all metrics in one transfer
+        values = torch.stack([totals[k].float() for k in keys] + [adv_mean.float()]).tolist()
+        elapsed = time.perf_counter() - started
+        tokens = float(sum(len(s.response_ids) for s in samples))
+        return dict(zip(keys, values[:-1], strict=True)) | {
+            "advantage_mean": values[-1], "tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "samples": float(len(samples)), "micro_batches": float(len(parts)), "seconds": elapsed}
+
+    def _progress_counter(self, samples: Sequence[Sample], progress: Callable[[StepProgress], None] | None
+                          ) -> Callable[[Sequence[Sample]], None]:
+        """What each pass calls with the samples it finished: counts their tokens, tells *progress*."""
+        passes = 1 + self.last_step_no_grad_pass + (self.objective.kl_coef > 0 and self.cfg.lora)
         work = StepProgress(tokens_total=passes * sum(len(s.prompt_ids) + len(s.response_ids) for s in samples))
 
         def done(part: Sequence[Sample]) -> None:
@@ -364,6 +459,13 @@ class LocalTrainer:
             if progress is not None:
                 progress(work)
 
+        return done
+
+    def _prepare(self, samples: list[Sample], parts: list[slice], *, fused: bool, fill_old: bool,
+                 done: Callable[[Sequence[Sample]], None]) -> _StepBatch:
+        """The step's inputs before advantages: the current policy's log-probs where needed (the
+        no-grad pass, or the fused forward), the response mask, π_behaviour, the teacher's top-k."""
+        cfg = self.objective
         # top-k OPD: per response position the teacher's top-k token ids and log-probs, whose
         # student log-probs the step's forward gathers beside the sampled token's
         topk = self._topk(samples) if cfg.opd_topk and cfg.objective != "rl" else None
@@ -373,26 +475,36 @@ class LocalTrainer:
                          else self.response_logprobs(samples))
             student, mask = fused_out[0].detach(), fused_out[1]
         elif self.last_step_no_grad_pass:
-            student, mask = self._no_grad_logprobs(samples, done)
+            student, mask = self._no_grad_logprobs(samples, parts, done)
             student, mask = student.to(self.device), mask.to(self.device)
         else:
             # nothing here needs the GPU yet: mask, behaviour log-probs and advantages are built
-            # on the CPU and sent over once (below), so the step does not wait on the GPU
+            # on the CPU and sent over once, so the step does not wait on the GPU
             width = max(len(s.response_ids) for s in samples)
             mask = torch.zeros((len(samples), width))
             for i, s in enumerate(samples):
                 mask[i, : len(s.response_ids)] = torch.tensor(s.loss_weights())
             student = torch.zeros_like(mask)
-        on_policy = [s.behaviour_logprobs is None for s in samples]
         # π_behaviour: vLLM's captured logprobs (exact importance ratio); black-box: on-policy
         old = self._padded([s.behaviour_logprobs for s in samples], student)
-        is_weights = None
-        if stale:
-            is_weights = torch.ones_like(student)
-            for i, is_stale in enumerate(correct):
-                if is_stale and samples[i].behaviour_logprobs is not None:
-                    is_weights[i] = torch.exp(student[i] - old[i]).clamp(max=ratio_cap)
-                    old[i] = student[i]
+        fill = [fill_old and s.behaviour_logprobs is None for s in samples]
+        return _StepBatch(samples, parts, student, mask, old, fill, topk, fused_out)
+
+    @staticmethod
+    def _correct_stale(samples: Sequence[Sample], batch: _StepBatch, correct: Sequence[bool],
+                       ratio_cap: float) -> torch.Tensor:
+        """Stale samples' ratio against the current policy, and their capped importance weights."""
+        student, old = batch.student, batch.old
+        is_weights = torch.ones_like(student)
+        for i, is_stale in enumerate(correct):
+            if is_stale and samples[i].behaviour_logprobs is not None:
+                is_weights[i] = torch.exp(student[i] - old[i]).clamp(max=ratio_cap)
+                old[i] = student[i]
+        return is_weights
+
+    def _advantages(self, samples: Sequence[Sample], batch: _StepBatch) -> torch.Tensor:
+        """The whole batch's advantages (GRPO groups and standardization span micro-batches)."""
+        cfg, mask, student, topk = self.objective, batch.mask, batch.student, batch.topk
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
@@ -407,47 +519,60 @@ class LocalTrainer:
             cfg, response_mask=mask, token_level_rewards=token_rewards,
             index=groups if cfg.grpo and any(g is not None for g in groups) else None,
             teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
-        old, adv, mask = (chunked.to_device(t, self.device) for t in (old, adv, mask))
+        batch.old, adv, batch.mask = (chunked.to_device(t, self.device) for t in (batch.old, adv, mask))
+        return adv
 
+    def _accumulate(self, batch: _StepBatch, done: Callable[[Sequence[Sample]], None]) -> dict[str, torch.Tensor]:
+        """Forward and backward over each micro-batch, gradients summed; the loss metrics,
+        weighted by the micro-batches' shares of the samples (on the device until the step's sync)."""
         self.optimizer.zero_grad(set_to_none=True)
         for p, _ in self._master:
             p.grad = None
-        totals: dict[str, torch.Tensor] = {}  # on the device until the step's one sync
+        n = len(batch.samples)
+        totals: dict[str, torch.Tensor] = {}
         topk_on_device = None
-        if topk is not None:
-            ids, lps, valid, rows = topk
+        if batch.topk is not None:
+            _, lps, valid, rows = batch.topk
             topk_on_device = (chunked.to_device(lps, self.device), chunked.to_device(valid, self.device),
-                              chunked.to_device(rows[:, None].float(), self.device) * mask)
-        for lo in range(0, n, mb):
-            part = samples[lo: lo + mb]
-            extra_logp = None
-            if fused_out is not None:
-                log_prob, part_mask = fused_out[0], fused_out[1]
-                extra_logp = fused_out[2] if len(fused_out) > 2 else None
-            elif topk is not None:
-                log_prob, part_mask, extra_logp = self.response_and_extra_logprobs(part, topk[0][lo: lo + mb])
-            else:
-                log_prob, part_mask = self.response_logprobs(part)
-            w = part_mask.shape[1]
-            topk_args: dict[str, torch.Tensor] = {}
-            if topk_on_device is not None and extra_logp is not None:
-                t_lps, t_valid, t_mask = topk_on_device
-                topk_args = {"topk_log_prob": extra_logp, "topk_teacher_log_prob": t_lps[lo: lo + mb, :w],
-                             "topk_valid": t_valid[lo: lo + mb, :w], "topk_mask": t_mask[lo: lo + mb, :w] * part_mask}
-            if not needs_student and any(on_policy[lo: lo + mb]):
-                for j in range(len(part)):
-                    if on_policy[lo + j]:
-                        old[lo + j, :w] = log_prob[j].detach()
-            ref = (self.response_logprobs(part, adapter=False)[0]
-                   if cfg.kl_coef > 0 and self.cfg.lora else None)
-            loss, metrics = objectives.compute_loss(
-                cfg, log_prob, old[lo: lo + mb, :w], adv[lo: lo + mb, :w], part_mask, ref_log_prob=ref,
-                rollout_is_weights=is_weights[lo: lo + mb, :w] if is_weights is not None else None,
-                tensor_metrics=True, **topk_args)
-            (loss * len(part) / n).backward()
+                              chunked.to_device(rows[:, None].float(), self.device) * batch.mask)
+        for part in batch.parts:
+            loss, metrics, ran = self._micro_batch_loss(batch, part, topk_on_device)
+            share = (part.stop - part.start) / n
+            (loss * share).backward()
             for key, value in metrics.items():
-                totals[key] = totals.get(key, 0.0) + value * (len(part) / n)
-            done(part if ref is None else [*part, *part])
+                totals[key] = totals.get(key, 0.0) + value * share
+            done(ran)
+        return totals
+
+    def _micro_batch_loss(self, batch: _StepBatch, part: slice, topk_on_device: tuple[torch.Tensor, ...] | None
+                          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[Sample]]:
+        """One micro-batch's loss and metrics (with its graph), and the samples its passes ran."""
+        cfg, samples = self.objective, batch.samples[part]
+        extra_logp = None
+        if batch.fused_out is not None:
+            log_prob, part_mask = batch.fused_out[0], batch.fused_out[1]
+            extra_logp = batch.fused_out[2] if len(batch.fused_out) > 2 else None
+        elif batch.topk is not None:
+            log_prob, part_mask, extra_logp = self.response_and_extra_logprobs(samples, batch.topk[0][part])
+        else:
+            log_prob, part_mask = self.response_logprobs(samples)
+        w = part_mask.shape[1]
+        topk_args: dict[str, torch.Tensor] = {}
+        if topk_on_device is not None and extra_logp is not None:
+            t_lps, t_valid, t_mask = topk_on_device
+            topk_args = {"topk_log_prob": extra_logp, "topk_teacher_log_prob": t_lps[part, :w],
+                         "topk_valid": t_valid[part, :w], "topk_mask": t_mask[part, :w] * part_mask}
+        for j, i in enumerate(range(part.start, part.stop)):
+            if batch.fill_old[i]:
+                batch.old[i, :w] = log_prob[j].detach()
+        ref = self.response_logprobs(samples, adapter=False)[0] if cfg.kl_coef > 0 and self.cfg.lora else None
+        loss, metrics = objectives.compute_loss(
+            cfg, log_prob, batch.old[part, :w], batch.adv[part, :w], part_mask, ref_log_prob=ref,
+            rollout_is_weights=batch.is_weights[part, :w] if batch.is_weights is not None else None,
+            tensor_metrics=True, **topk_args)
+        return loss, metrics, samples if ref is None else [*samples, *samples]
+
+    def _optimizer_step(self) -> None:
         if self._master:
             for p, master in self._master:
                 master.grad = None if p.grad is None else p.grad.float()
@@ -456,16 +581,6 @@ class LocalTrainer:
         if self._master:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])
-        self.step_count += 1
-        keys = list(totals)
-        adv_mean = (adv * mask).sum() / mask.sum()
-        # the step's one wait for the GPU: all metrics in one transfer
-        values = torch.stack([totals[k].float() for k in keys] + [adv_mean.float()]).tolist()
-        elapsed = time.perf_counter() - started
-        tokens = float(sum(len(s.response_ids) for s in samples))
-        return dict(zip(keys, values[:-1], strict=True)) | {
-            "advantage_mean": values[-1], "tokens": tokens, "tokens_per_s": tokens / elapsed, "samples": float(n),
-            "seconds": elapsed}
 
     def save(self, out_dir: Path) -> Path:
         """The adapter (LoRA) or the full model, with the tokenizer, in ``out_dir``."""

@@ -289,7 +289,7 @@ def run_worker(args: argparse.Namespace, mode: str) -> dict:
     bf16 = {"auto": None, "on": True, "off": False}[args.bf16]
     cfg = LocalConfig(model_dir=Path(args.model_dir), lora=(mode == "lora"), lora_rank=args.lora_rank,
                       micro_batch_size=None if args.path == "default" else args.micro_batch_size,
-                      device=args.device, bf16=bf16, seed=args.seed, legacy=args.path == "main",
+                      device=args.device, bf16=bf16, seed=args.seed,
                       compile=None if args.path == "default" else args.path.startswith("compile"),
                       compile_mode="reduce-overhead" if args.path == "compile-cg" else None,
                       fp32_master=args.fp32_master if mode == "full" else True,
@@ -455,8 +455,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paths", default="new",
                    help="comma-separated code paths, each mode run once per path: default (LocalConfig's own "
                         "choices: torch.compile on CUDA, the micro-batch sized to the device; --micro-batch-size "
-                        "ignored), new (the fast path without compile), main (LocalConfig.legacy: main's path before issue #20 — full-vocabulary "
-                        "log_softmax, padding, fp32 adapters, the no-grad pass), compile (new + torch.compile "
+                        "ignored), new (without compile), compile (new + torch.compile "
                         "of each decoder layer), compile-cg (the same with CUDA graphs: mode "
                         "reduce-overhead) (default: %(default)s)")
     p.add_argument("--path", default="new", help=argparse.SUPPRESS)
@@ -519,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(m not in ("lora", "full") for m in modes):
         raise SystemExit(f"--modes takes lora and/or full, got {args.modes!r}")
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if any(x not in ("default", "new", "main", "compile", "compile-cg") for x in paths):
-        raise SystemExit(f"--paths takes default, new, main, compile and/or compile-cg, got {args.paths!r}")
+    if any(x not in ("default", "new", "compile", "compile-cg") for x in paths):
+        raise SystemExit(f"--paths takes default, new, compile and/or compile-cg, got {args.paths!r}")
     with tempfile.TemporaryDirectory(prefix="nextstate-bench-") as tmp:
         if args.random_config:
             model_dir = Path(args.keep_dir) if args.keep_dir else Path(tmp) / "model"

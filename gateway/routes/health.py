@@ -55,6 +55,8 @@ def _process_check(state: Mapping[str, Any]) -> str:
     """"ok", or what the process is doing and why: "restarting (killed by SIGKILL; 2 restarts)"."""
     if state.get("state") == "running":
         return "ok"
+    if state.get("gave_up"):  # `up` stopped restarting it: "failed: trainer killed by SIGKILL 3 times in a row ..."
+        return f"{state.get('state')}: {state['gave_up']}"
     why = [state["last_exit"]] if state.get("last_exit") else []
     if state.get("restarts"):
         why.append(f"{state['restarts']} restarts")

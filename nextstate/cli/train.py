@@ -50,6 +50,12 @@ def optimisation_options() -> Any:
                           "batch of 8 turns × 768 tokens in one micro-batch (benchmarks/trainer/README.md). "
                           "Default: local backend 4 on the CPU, on a GPU the largest power of two up to 8 that its "
                           "free memory holds (8 on an H100); veRL backend 4 per GPU."),
+        click.option("--max-tokens-per-micro-batch", type=click.IntRange(min=0),
+                     default=opt.field_default(LocalConfig, "max_tokens_per_micro_batch"),
+                     help="Local backend: the most tokens (turns × the longest) one forward pass takes: a round of "
+                          "long agent turns is split into more micro-batches, a longer turn trains alone. A step's "
+                          "peak memory follows it, not the round. Default: 8192 on the CPU (SmolLM2-135M peaks "
+                          "at ~2 GB, benchmarks/trainer/README.md), on a GPU --micro-batch-size × 1024; 0: none."),
         click.option("--lr", type=float, default=opt.field_default(LocalConfig, "lr"), show_default=True),
         click.option("--full", is_flag=True,
                      help="Full fine-tuning instead of LoRA. Publishing it reloads the weights in place: the vLLM "
@@ -78,8 +84,8 @@ def optimisation_options() -> Any:
 
 
 def local_speed_options() -> Any:
-    """The local backend's speed settings (``LocalConfig``): compiling, packing, chunking, precision
-    and activation memory."""
+    """The local backend's speed and memory settings (``LocalConfig``): compiling, packing,
+    chunking, precision, activation memory and tokens per micro-batch."""
     return opt.group(
         click.option("--compile/--no-compile", "compile_layers", default=opt.field_default(LocalConfig, "compile"),
                      help="Local backend: torch.compile each decoder layer (fused kernels; the first step compiles: "
@@ -179,8 +185,10 @@ def verl_options() -> Any:
                      help="verl: nodes of the Ray cluster."),
         click.option("--ray-address", metavar="ADDR",
                      help="verl: join this Ray cluster ('auto', or ray://head:10001); default: start a local one."),
-        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=vc("gradient_checkpointing"),
-                     show_default=True, help="verl: recompute activations in the backward pass."),
+        click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=None,
+                     help="Recompute each decoder layer's activations in the backward pass instead of keeping "
+                          "them (about a third more compute, a fraction of the memory for long turns). Default: "
+                          "verl on; local backend on on the CPU, off on a GPU."),
         click.option("--fsdp", "fsdp_strategy", type=click.Choice(["fsdp2", "fsdp"]), default=vc("strategy"),
                      show_default=True, help="verl: FSDP2 (per-parameter sharding) or FSDP1."),
         click.option("--verl-fused-kernels/--no-verl-fused-kernels", "verl_fused_kernels",
@@ -227,6 +235,7 @@ class TrainOptions:
     compute_dtype: str
     fp32_master: bool
     activation_memory_budget: float | None
+    max_tokens_per_micro_batch: int
     # opt.turn_filters
     since: datetime | None
     until: datetime | None
@@ -265,7 +274,7 @@ class TrainOptions:
     gpus: int
     nnodes: int
     ray_address: str | None
-    gradient_checkpointing: bool
+    gradient_checkpointing: bool | None  # None: the backend's default
     fsdp_strategy: str
     verl_fused_kernels: bool
     offload: bool
@@ -339,7 +348,8 @@ def local_config(o: TrainOptions, model_dir: Path) -> LocalConfig:
                        compile=o.compile_layers, compile_mode=o.compile_mode, packing=o.packing,
                        logprob_chunk=o.logprob_chunk, fp32_master=o.fp32_master,
                        activation_memory_budget=o.activation_memory_budget,
-                       bf16=COMPUTE_DTYPES[o.compute_dtype])
+                       max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+                       gradient_checkpointing=o.gradient_checkpointing, bf16=COMPUTE_DTYPES[o.compute_dtype])
 
 
 def _filters(o: TrainOptions) -> Filters:
@@ -455,7 +465,8 @@ def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: Objective
     verl = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, nnodes=nnodes, lora=not o.full,
                       lora_rank=o.lora_rank, lora_alpha=2 * o.lora_rank, lr=o.lr,
                       micro_batch_size=o.micro_batch_size or opt.field_default(VerlConfig, "micro_batch_size"),
-                      gradient_checkpointing=o.gradient_checkpointing,
+                      gradient_checkpointing=(opt.field_default(VerlConfig, "gradient_checkpointing")
+                                              if o.gradient_checkpointing is None else o.gradient_checkpointing),
                       strategy=o.fsdp_strategy, param_offload=o.offload, optimizer_offload=o.offload,
                       fused_kernels=o.verl_fused_kernels, ray_address=o.ray_address, overrides=o.verl_overrides)
     return train_verl(engine, objective=cfg, verl=verl, filters=filters, batch_size=batch_size, max_steps=o.steps,

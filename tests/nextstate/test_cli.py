@@ -106,19 +106,22 @@ def test_train_speed_flags_reach_the_local_config(monkeypatch: pytest.MonkeyPatc
 
     local, _ = _captured_local_config(monkeypatch, tmp_path, [
         "--full", "--micro-batch-size", "8", "--compile", "--compile-mode", "reduce-overhead", "--packing", "on",
-        "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5", "--compute-dtype", "fp32"])
+        "--logprob-chunk", "512", "--bf16-master", "--activation-memory-budget", "0.5", "--compute-dtype", "fp32",
+        "--max-tokens-per-micro-batch", "4096", "--no-gradient-checkpointing"])
     assert (local.lora, local.micro_batch_size, local.compile, local.compile_mode, local.packing,
-            local.logprob_chunk, local.fp32_master, local.activation_memory_budget, local.bf16) == (
-        False, 8, True, "reduce-overhead", "on", 512, False, 0.5, False)
+            local.logprob_chunk, local.fp32_master, local.activation_memory_budget, local.bf16,
+            local.max_tokens_per_micro_batch, local.gradient_checkpointing) == (
+        False, 8, True, "reduce-overhead", "on", 512, False, 0.5, False, 4096, False)
     assert _captured_local_config(monkeypatch, tmp_path, ["--compute-dtype", "bf16"])[0].bf16 is True
     defaults, _ = _captured_local_config(monkeypatch, tmp_path, [])
     reference = LocalConfig(model_dir=tmp_path)
     for name in ("lora", "micro_batch_size", "compile", "compile_mode", "packing", "logprob_chunk", "fp32_master",
-                 "activation_memory_budget", "bf16"):
+                 "activation_memory_budget", "bf16", "max_tokens_per_micro_batch", "gradient_checkpointing"):
         assert getattr(defaults, name) == getattr(reference, name), name
     help_text = CliRunner().invoke(main, ["train", "--help"]).output
     for flag in ("--compile / --no-compile", "--compile-mode", "--micro-batch-size", "--packing", "--logprob-chunk",
-                 "--fp32-master / --bf16-master", "--activation-memory-budget", "--compute-dtype"):
+                 "--fp32-master / --bf16-master", "--activation-memory-budget", "--compute-dtype",
+                 "--max-tokens-per-micro-batch", "--gradient-checkpointing / --no-gradient-checkpointing"):
         assert flag in help_text, flag
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--micro-batch-size", "0"])
     assert bad.exit_code == 2 and "micro-batch-size" in bad.output

@@ -59,6 +59,75 @@ def test_a_killed_child_is_reported_and_restarted(tmp_path: Path) -> None:
     assert sup.fatal is None
 
 
+# runs past the reset window (healthy_s), then dies as the OOM killer would end it
+OUTLIVES_THE_WINDOW = "import os, signal, time; time.sleep(0.6); os.kill(os.getpid(), signal.SIGKILL)"
+SLOW_FAILURES = RestartPolicy(limit=2, backoff_s=0.05, backoff_max_s=0.1, healthy_s=0.3, same_exit_limit=3)
+
+
+def test_a_child_killed_the_same_way_each_time_is_given_up_on_though_each_run_outlives_the_window(
+        tmp_path: Path) -> None:
+    lines: list[str] = []
+    fatal = threading.Event()
+    sup = Supervisor(echo=lines.append, policy=SLOW_FAILURES, on_fatal=lambda reason: fatal.set())
+    sup.add(_command("trainer", OUTLIVES_THE_WINDOW, tmp_path))
+    try:
+        assert sup.start()
+        wait_for(fatal.is_set, timeout=60, interval=0.05)
+    finally:
+        sup.stop()
+    report = sup.report()["trainer"]
+    # the restart count alone (limit 2) never trips: each run outlived the 0.3 s window
+    assert report["state"] == "failed" and report["exits"] == {"killed by SIGKILL": 3}, report
+    assert report["gave_up"] == "trainer killed by SIGKILL 3 times in a row (out of memory?)"
+    assert sup.fatal and sup.fatal.startswith("trainer killed by SIGKILL 3 times in a row (out of memory?)")
+    assert any(line.startswith("trainer killed by SIGKILL 3 times in a row") for line in lines), lines
+
+
+def test_a_child_that_is_not_essential_is_given_up_on_alone_and_readyz_says_why(tmp_path: Path) -> None:
+    from gateway.routes.health import _process_check
+
+    lines: list[str] = []
+    sup = Supervisor(echo=lines.append, policy=SLOW_FAILURES, on_fatal=lambda reason: None)
+    sup.add(_command("worker", "import time; time.sleep(600)", tmp_path))
+    sup.add(_command("trainer", OUTLIVES_THE_WINDOW, tmp_path), essential=False)
+    try:
+        assert sup.start()
+        wait_for(lambda: sup.report()["trainer"]["state"] == "failed", timeout=60, interval=0.05)
+        report = sup.report()
+        assert sup.fatal is None and report["worker"]["state"] == "running"
+        assert _process_check(report["trainer"]) == \
+            "failed: trainer killed by SIGKILL 3 times in a row (out of memory?)"
+        assert _process_check(report["worker"]) == "ok"
+        assert any(line.startswith("trainer killed by SIGKILL 3 times in a row (out of memory?); gave up on it")
+                   for line in lines), lines
+    finally:
+        sup.stop()
+    assert sup.report()["trainer"]["state"] == "failed"
+
+
+def test_different_exits_do_not_add_up(tmp_path: Path) -> None:
+    # exit 1, killed, exit 1, killed, ...: never the same way twice in a row
+    flip = tmp_path / "flip"
+    code = ("import os, pathlib, signal, sys, time; p = pathlib.Path(%r); time.sleep(0.4); "
+            "n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1)); "
+            "sys.exit(1) if n %% 2 else os.kill(os.getpid(), signal.SIGKILL)") % str(flip)
+    sup = Supervisor(echo=lambda line: None, policy=SLOW_FAILURES)
+    sup.add(_command("flaky", code, tmp_path))
+    try:
+        assert sup.start()
+        wait_for(lambda: sup.report()["flaky"]["restarts"] >= 4, timeout=60, interval=0.05)
+        assert sup.fatal is None and sup.report()["flaky"]["gave_up"] is None
+    finally:
+        sup.stop()
+
+
+def test_same_exit_reason() -> None:
+    from nextstate.supervisor import same_exit_reason
+
+    assert same_exit_reason("trainer", "exit 1", 3) == "trainer exited 1 3 times in a row"
+    assert same_exit_reason("vllm", "killed by SIGKILL", 4) == "vllm killed by SIGKILL 4 times in a row (out of memory?)"
+
+
 def test_stop_leaves_no_process_of_any_group(tmp_path: Path) -> None:
     # each child starts a grandchild that ignores SIGTERM: only the group's SIGKILL ends it
     stubborn = ("import signal, subprocess, sys, time; "

@@ -331,8 +331,9 @@ def _step(model: Path, cfg: ObjectiveConfig, samples: list[Sample], **local: Any
     return metrics, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("local", [{"micro_batch_size": 8}, {"micro_batch_size": 2}, {"legacy": True}],
-                         ids=["fused", "micro-batches", "legacy"])
+@pytest.mark.parametrize("local", [{"micro_batch_size": 8}, {"micro_batch_size": 2},
+                                   {"micro_batch_size": 8, "gradient_checkpointing": False}],
+                         ids=["fused", "micro-batches", "no-checkpointing"])
 def test_trainer_distils_the_top_k(tiny_model: Path, local: dict[str, Any]) -> None:
     """The step's loss carries the top-k term (the samples with top-k data; the one without keeps
     the sampled-token advantage), and it equals the KL recomputed from a plain log_softmax."""

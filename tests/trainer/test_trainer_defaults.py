@@ -1,5 +1,5 @@
 """LocalTrainer's defaults (``LocalConfig.compile`` and ``micro_batch_size`` left at None): on the
-CPU no torch.compile and 4 turns a micro-batch, as before; on a GPU torch.compile and the
+CPU no torch.compile, 4 turns a micro-batch of at most 8,192 tokens, gradient checkpointing; on a GPU torch.compile and the
 micro-batch sized to the free memory (``gpu_micro_batch``, checked here with an H100's numbers:
 the measured fastest configuration, compile and 8 turns, for the 1.7 B shape)."""
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from trainer.config import LocalConfig  # noqa: E402
-from trainer.local import CPU_MICRO_BATCH, GPU_MICRO_BATCH_MAX, LocalTrainer, gpu_micro_batch  # noqa: E402
+from trainer.local import CPU_MICRO_BATCH, CPU_MICRO_BATCH_TOKENS, GPU_MICRO_BATCH_MAX, LocalTrainer, gpu_micro_batch  # noqa: E402
 from trainer.objectives import ObjectiveConfig  # noqa: E402
 
 GB = 10**9
@@ -25,15 +25,17 @@ H100_FREE = 81 * GB  # 81,559 MiB less the 1.7 B model's 3.5 GB and the CUDA con
 def test_cpu_defaults_unchanged(model_dir: Path) -> None:
     trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu"), ObjectiveConfig())
     assert trainer.compile is False and trainer.micro_batch_size == CPU_MICRO_BATCH == 4
+    # memory on the CPU: a token budget per forward and recomputed activations
+    assert trainer.max_tokens_per_micro_batch == CPU_MICRO_BATCH_TOKENS and trainer.gradient_checkpointing
 
 
 def test_explicit_settings_win(model_dir: Path) -> None:
     trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", micro_batch_size=2, compile=False),
                            ObjectiveConfig())
     assert trainer.compile is False and trainer.micro_batch_size == 2
-    # legacy (main's code path before the speed work) never compiles, whatever the device
-    legacy = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", legacy=True, compile=True), ObjectiveConfig())
-    assert legacy.compile is False
+    off = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", max_tokens_per_micro_batch=0,
+                                   gradient_checkpointing=False), ObjectiveConfig())
+    assert off.max_tokens_per_micro_batch == 0 and not off.gradient_checkpointing
 
 
 def test_h100_gets_the_measured_micro_batch() -> None:
