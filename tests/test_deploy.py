@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tomllib
 import shutil
 import subprocess
 import sys
@@ -85,7 +86,8 @@ _READS = re.compile(r"""(?:environ\.get|getenv|environ\.setdefault)\(\s*["'](NEX
 
 def test_every_nextstate_variable_the_code_reads_is_a_documented_setting() -> None:
     read: dict[str, str] = {}
-    for package in ("nextstate", "gateway", "datapool", "trainer", "migrations"):
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    for package in (*packages, "migrations"):
         for path in (ROOT / package).rglob("*.py"):
             for groups in _READS.findall(path.read_text()):
                 read.setdefault(next(g for g in groups if g), str(path.relative_to(ROOT)))

@@ -21,7 +21,7 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
     args = argparse.Namespace(
         upstream=vllm_server.base_url, teacher=None, model=vllm_server.model, model_dir=str(model_dir),
         iterations=1, tasks=2, n=2, heldout=2,
-        concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0)
+        concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0, temperature=1.0)
     job = bench.Job(args, tmp_path, "toolcall", "integrated", seed=0)
     row = job.run(base=0.25)
 
@@ -31,6 +31,12 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
     assert it["episodes"] == 4 and it["sent"] == it["captured"] > 0  # every model call is in the pool
     assert it["steps"] >= 1 and it["trained_turns"] == it["captured"]
     assert sum(it["scoring"]["votes"].values()) == it["scoring"]["turns"] == it["captured"]
+    assert it["groups_with_signal"] is None or 0.0 <= it["groups_with_signal"] <= 1.0
+    # the published version was checked against the trainer's policy (trainer.agreement): on vLLM-CPU
+    # (bf16) against the fp32 trainer a healthy adapter is a few hundredths of a nat off
+    agreement = it["train_serve"]
+    assert "train_serve_error" not in agreement and agreement["train_serve_tokens"] > 0
+    assert 0.0 <= agreement["train_serve_mean_abs"] < 0.15
     # the held-out answers came from the version this iteration published, tagged eval
     assert list(it["heldout"]["by_version"]) == [f"{job.prefix}-v1"]
     assert it["heldout"]["sent"] == it["heldout"]["captured"] > 0

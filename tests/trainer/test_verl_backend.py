@@ -164,7 +164,7 @@ def test_registered_objectives_give_local_advantages_and_losses(samples: list[Sa
     assert core_algos.get_adv_estimator_fn(objectives.ADV_ESTIMATOR_FOR_OBJECTIVE[objective]).__module__ == \
         "trainer.objectives"
     # -- the local backend's step, up to the loss (trainer/local.py LocalTrainer.step)
-    student, mask = local._no_grad_logprobs(samples)
+    student, mask = local._no_grad_logprobs(samples, local.micro_batches(samples))
     old = local._padded([s.behaviour_logprobs for s in samples], student)
     teacher = teacher_mask = None
     if objective != "rl":
