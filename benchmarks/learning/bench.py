@@ -304,7 +304,7 @@ class Job:
         with self.phases("trainer_setup"):
             trainer = OnlineTrainer(
                 self.engine, objective=self.objective,
-                local=LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.k,
+                local=LocalConfig(model_dir=Path(a.model_dir), lr=self.spec.lr or a.lr, seed=self.seed, micro_batch_size=a.k,
                                   bf16=trainer_bf16(getattr(a, "trainer_dtype", "auto"))),
                 filters=Filters(since=now(), needs_teacher=self.objective.objective == "opd"),
                 config=self.online_config(f"b-{arm_slug(self.arm)}-{self.seed}-{uuid.uuid4().hex[:6]}"),
@@ -320,7 +320,7 @@ class Job:
         gate: dict[str, Any] = {} if margin is None else {
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
-        return OnlineConfig(k=a.k, updates_per_round=a.updates, rollback_window=0, version_prefix=prefix,
+        return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
                             drift_metrics=True, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
@@ -346,6 +346,7 @@ class Job:
                     "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
+                    "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
                     **curves,
                     "latencies_s": latencies,
                     "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns,
@@ -449,6 +450,9 @@ class Arm:
     top_k: int = 0
     siblings: int = 0
     topic_margin: float | None = None
+    #: the arm's own learning rate and optimizer steps per round (None: the preset's)
+    lr: float | None = None
+    updates: int | None = None
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -467,7 +471,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
     margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
-    and trained as its group, default :data:`SIBLINGS_DEFAULT`). Raises ValueError for an
+    and trained as its group, default :data:`SIBLINGS_DEFAULT`), ``lr=X`` and ``steps=N`` (the arm's
+    learning rate and optimizer steps per round instead of the preset's). Raises ValueError for an
     unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
@@ -478,7 +483,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     if len(rest) == 2:
         kw["w_rl"] = float(rest[1])
     top_k = n_siblings = 0
-    margin = None
+    margin = lr = steps = None
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -496,12 +501,20 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             n_siblings = int(value) if eq else SIBLINGS_DEFAULT
             if not 1 <= n_siblings <= 16:
                 raise ValueError(f"siblings is 1 to 16, not {value!r}")
+        elif name == "lr" and eq:
+            lr = float(value)
+            if not 0 < lr < 1:
+                raise ValueError(f"lr is a learning rate in (0, 1), not {value!r}")
+        elif name == "steps" and eq:
+            steps = int(value)
+            if not 1 <= steps <= 64:
+                raise ValueError(f"steps is 1 to 64 optimizer steps per round, not {value!r}")
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M] or "
-                             "siblings[=N]")
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M], "
+                             "siblings[=N], lr=X or steps=N")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
-    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin)
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -610,7 +623,8 @@ def main() -> None:
                         f"the teacher tempered / its tail's weight), kl[=C] (the KL anchor to the base policy, C "
                         f"{KL_DEFAULT} by default: opd+topk+kl), topic[=M] (hold back a candidate whose on-topic share "
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
-                        f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings)")
+                        f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
+                        "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")

@@ -120,6 +120,19 @@ def test_arm_options_with_their_defaults_the_temperature_and_the_topicality_chec
     assert arm_slug("opd+topk+tau=1.5") == "opd-topk-tau-1_5"
 
 
+def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
+    """``lr=X`` and ``steps=N`` run a faster (or slower) arm beside the preset's; without them
+    the arm takes the preset's (None here)."""
+    fast = arm_spec("combined+topk+kl=0.2+lr=2e-3+steps=4")
+    assert (fast.lr, fast.updates, fast.objective.kl_coef, fast.top_k) == (2e-3, 4, 0.2, TOPK_DEFAULT)
+    assert (arm_spec("combined").lr, arm_spec("combined").updates) == (None, None)
+    assert arm_slug("combined+lr=2e-3+steps=4") == "combined-lr-2e-3-steps-4"
+    for bad in ("combined+lr=0", "combined+lr=1.5", "combined+steps=0", "combined+steps=65", "combined+lr",
+                "combined+steps=x"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
+
+
 def test_round_tables_mean_each_round_over_the_seeds_and_count_held_back_rounds():
     def rounds(*kls: float, refused: tuple[int, ...] = ()) -> list[dict]:
         return [{"after": 6 * (i + 1), "decision": "refuse" if i in refused else "promote", "drift_kl_k3": kl}
