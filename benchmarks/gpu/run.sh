@@ -116,8 +116,24 @@ fi
 if [ "$what" = learn ] || [ "$what" = all ]; then
   log "learning benchmark $*"
   # one vLLM is policy and teacher: the GPU build serves prompt_logprobs beside live chats
+  # engine deaths during the run: the supervisor's restarts of this vLLM, written into the run's JSON
+  deaths0=$(grep -c '^\[supervisor\] vLLM exited' $vlog); mark=$(mktemp); sleep 1
   python3 benchmarks/learning/bench.py --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
     2>&1 | tee "$out/learn${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model" | tail -80
+  deaths=$(( $(grep -c '^\[supervisor\] vLLM exited' $vlog) - deaths0 ))
+  find "$out" -maxdepth 1 -name '*.json' -newer "$mark" -print0 | xargs -0 -r python3 -c '
+import json, sys
+deaths = int(sys.argv[1])
+for path in sys.argv[2:]:
+    with open(path) as f:
+        doc = json.load(f)
+    if "results" not in doc:
+        continue
+    doc["engine_deaths"], doc["jobs"] = deaths, doc.get("config", {}).get("jobs")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(path, "engine_deaths", deaths, "jobs", doc["jobs"])' "$deaths"
+  log "vLLM engine deaths during the learning run: $deaths"
 fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 exit ${rc:-0}
