@@ -221,3 +221,75 @@ def test_warmup_and_clip_are_validated(tiny_model: Path) -> None:
         LocalConfig(model_dir=tiny_model, max_grad_norm=0.0)
     with pytest.raises(ValueError, match="integrated_norm"):
         ObjectiveConfig(integrated_norm="episode")
+
+
+class _RecordingTrainer:
+    """What run_epochs drives, recording each step's samples and the advantages its objective gives."""
+
+    tokenizer = None
+
+    def __init__(self, objective: ObjectiveConfig) -> None:
+        self.objective = objective
+        self.step_count = 0
+        self.steps: list[list[tuple[str, float]]] = []
+
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        self.steps.append(list(zip([s.turn_id for s in samples], _step_advantages(samples, self.objective))))
+        self.step_count += 1
+        return {"loss": 0.0}
+
+
+def test_run_epochs_mini_batches_take_advantages_over_the_leased_batch(tmp_path: Path) -> None:
+    """Through a pool: 2 tasks x 4 episodes of 2 turns, task 0 all failed, task 1 half passed; the
+    whole batch leased at once, 4 optimizer steps of 4 turns, every turn acked once, task 0's turns
+    at A = 0 and task 1's signed by their outcome, however the mini-batches cut the groups."""
+    from datetime import datetime, timedelta
+
+    from sqlalchemy import func, select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool import leases
+    from datapool.db import make_engine, upgrade
+    from datapool.models import Judgement, Session, TrainingLease, Turn
+    from trainer.offline import run_epochs
+
+    url = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    at = datetime(2026, 1, 1)
+    outcome = {}
+    judgements = []
+    with OrmSession(engine) as db, db.begin():
+        for task in range(2):
+            for e in range(4):
+                sid = f"s{task}-{e}"
+                o = float(task == 1 and e % 2 == 0)
+                db.add(Session(id=sid, source="rollout", task_id=f"task{task}", group_id=f"task{task}",
+                               mode="offline", outcome=o))
+                for k in range(2):
+                    tid = f"t{task}-{e}-{k}"
+                    outcome[tid] = o
+                    db.add(Turn(id=tid, session_id=sid, turn_type="main", endpoint="chat", status="ok",
+                                created_at=at + timedelta(seconds=k * 10 + e + task), model="m", capture="white-box",
+                                request={"messages": []}, response={}, prompt_token_ids=[1, 2],
+                                token_ids=[3, 4], logprobs=[-1.0, -1.0]))
+                    judgements.append(Judgement(turn_id=tid, status="scored", reward=0.0, prm_reward=0.0,
+                                                vote_mean=0.0, integrated_reward=o, attempts=1))
+        db.flush()
+        db.add_all(judgements)
+    trainer = _RecordingTrainer(ObjectiveConfig(integrated_norm="group"))
+    _, metrics, turns = run_epochs(engine, trainer, backend="local", config={}, objective="rl", parent_name=None,
+                                   filters=leases.Filters(modes=("offline",)), batch_size=1000, max_steps=None,
+                                   epochs=1, lease_s=60, resume=None, mini_batch_size=4)
+    assert len(metrics) == 4 and turns == 16 and [len(s) for s in trainer.steps] == [4, 4, 4, 4]
+    seen = [pair for step in trainer.steps for pair in step]
+    assert sorted(t for t, _ in seen) == sorted(outcome)
+    for tid, a in seen:
+        if tid.startswith("t0-"):
+            assert a == 0.0
+        else:
+            assert (a > 0) == (outcome[tid] == 1.0) and a != 0.0
+    with OrmSession(engine) as db:
+        assert db.scalar(select(func.count()).select_from(TrainingLease)
+                         .where(TrainingLease.acked_at.is_not(None))) == 16
+    engine.dispose()
