@@ -25,6 +25,13 @@ Arms (the reward each turn is trained on; the trainer standardizes it within the
 - ``integrated-llm``: R_t = O plus the LLM judge's votes (prompt prm-v1, 3 votes, the base model
   on --teacher, else --upstream), beside the rules.
 
+Training (``--advantage-scope``, the presets' ``iteration``): an iteration's turns are leased at
+once and their advantages taken over all of them — each task's group whole, R_t standardized only
+within it (``--integrated-norm group``) — then one optimizer step per ``--batch-size`` turns; a
+group whose episodes all failed gets A = 0 (``benchmarks/agents/advantages.py`` shows what the
+per-step path, ``step``, gave instead). ``--kl-coef``, ``--warmup-steps`` and ``--max-grad-norm``
+reach the trainer.
+
 Any arm with the suffix ``@async`` (``integrated@async``) runs its iterations pipelined: iteration
 k+1's rollouts run on the version serving when they start while iteration k's turns are scored,
 trained on, published and evaluated (one version off-policy; each step trains on one iteration's
