@@ -30,6 +30,12 @@ ADV_COMBINED = "nextstate_combined"
 #: ``"batch"`` standardizes r within the batch (the batch is one GRPO group), ``"none"`` keeps A = r.
 RL_BASELINES: tuple[str, ...] = ("batch", "none")
 
+#: How the integrated reward R_t = O + mean votes is normalized before the advantage
+#: (``ObjectiveConfig.integrated_norm``): ``"step"`` per step index across the batch, then the
+#: group's baseline; ``"group"`` only the group's baseline for samples in a group (per step across
+#: the batch for the others).
+INTEGRATED_NORMS: tuple[str, ...] = ("step", "group")
+
 #: Which registered advantage estimator each objective uses.
 ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
     "rl": ADV_BINARY,
@@ -65,6 +71,12 @@ class ObjectiveConfig:
             are all equal gives A = 0, a lone sample keeps A = r; ``"none"``: A = r (online, where
             turns have no groups, every token of a failed reply then gets −1).
         grpo_eps: ε added to the group std.
+        integrated_norm: one of :data:`INTEGRATED_NORMS`. ``"step"`` (the design's) standardizes
+            R_t per step index across the batch before the group's baseline: where the batch's
+            step indices differ in their mix of successes, the turns of a group that all failed
+            get different values, which the group's standardization turns into advantages of
+            about ±1 (``trainer.rewards``). ``"group"`` leaves R_t of a grouped sample as it is,
+            so such a group gets A = 0.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
         opd_topk: top-k OPD (``"opd"``, ``"combined"``): samples whose teacher pass kept its
@@ -95,6 +107,7 @@ class ObjectiveConfig:
     grpo_norm_by_std: bool = True
     grpo_eps: float = 1e-6
     rl_baseline: str = "batch"
+    integrated_norm: str = "step"
     policy_loss: str = "vanilla"
     opd_topk: bool = False
     opd_topk_tail: bool = True
@@ -107,6 +120,8 @@ class ObjectiveConfig:
                              f"got {self.objective!r}")
         if self.rl_baseline not in RL_BASELINES:
             raise ValueError(f"rl_baseline must be one of {RL_BASELINES}, got {self.rl_baseline!r}")
+        if self.integrated_norm not in INTEGRATED_NORMS:
+            raise ValueError(f"integrated_norm must be one of {INTEGRATED_NORMS}, got {self.integrated_norm!r}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
         if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
@@ -140,6 +155,11 @@ class LocalConfig:
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lr: float = 5e-5
+    #: the learning rate rises linearly over this many optimizer steps of a trainer (lr/N, 2·lr/N,
+    #: … lr): AdamW's first steps move every weight by about lr whatever the gradient's size
+    warmup_steps: int = 0
+    #: clip the gradient's global norm to this before each step (None: no clipping)
+    max_grad_norm: float | None = None
     #: turns per forward pass; None: 4 on the CPU, on a GPU sized to its free memory
     #: (``trainer.local.gpu_micro_batch``: the largest power of two up to 8 whose activations fit)
     micro_batch_size: int | None = None
@@ -181,6 +201,9 @@ class LocalConfig:
     activation_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
+        if self.warmup_steps < 0 or (self.max_grad_norm is not None and self.max_grad_norm <= 0):
+            raise ValueError(f"need warmup_steps >= 0 and max_grad_norm > 0, got {self.warmup_steps}, "
+                             f"{self.max_grad_norm}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 0:

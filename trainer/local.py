@@ -191,6 +191,11 @@ class LocalTrainer:
             params = [m for _, m in self._master]
         fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, **({"fused": True} if fused else {}))
+        self._params = params
+        # Adam's first steps move every weight by about lr whatever the gradient's size: warmup
+        # (LocalConfig.warmup_steps) makes a fresh optimizer's first steps smaller
+        self.scheduler = (torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda k: min(1.0, (k + 1) / cfg.warmup_steps)) if cfg.warmup_steps else None)
         self.step_count = 0
         #: whether the last step ran the no-grad pass (for benchmarks' FLOP counts)
         self.last_step_no_grad_pass = True
@@ -513,7 +518,8 @@ class LocalTrainer:
                             for i, s in enumerate(samples)]
             teacher_mask = chunked.to_device(torch.tensor(
                 [[1.0] if x else [0.0] for x in sampled_only]), mask.device) * mask
-        token_rewards = objectives.scores_to_token_rewards(objectives.sample_rewards(samples).to(mask.device), mask)
+        token_rewards = objectives.scores_to_token_rewards(
+            objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group").to(mask.device), mask)
         groups = [s.group_id for s in samples]
         adv = objectives.compute_advantages(
             cfg, response_mask=mask, token_level_rewards=token_rewards,
@@ -577,7 +583,11 @@ class LocalTrainer:
             for p, master in self._master:
                 master.grad = None if p.grad is None else p.grad.float()
                 p.grad = None
+        if self.cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self._params, self.cfg.max_grad_norm)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         if self._master:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])

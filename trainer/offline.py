@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable
+import math
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -58,9 +62,15 @@ def train_offline(
     output_root: Path,
     resume: str | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    mini_batch_size: int | None = None,
 ) -> RunResult:
     """Train until ``max_steps`` or the pool has no untrained scored turn left (``epochs``
-    passes: each pass is a run of its own, so a turn is trained once per pass)."""
+    passes: each pass is a run of its own, so a turn is trained once per pass).
+
+    *mini_batch_size*: each leased batch (``batch_size`` turns) gets its advantages as a whole,
+    then one optimizer step per mini-batch of about this many of its turns
+    (:func:`mini_batches`): lease every turn of an iteration's rollouts at once and a task's
+    GRPO group is whole when its baseline is taken, however the turns' order cuts it."""
     with OrmSession(engine) as db:  # a new run continues from the version being served
         parent = active_policy_version(db)
         parent_name = parent.name if parent else None
@@ -73,12 +83,13 @@ def train_offline(
     if not local.lora and parent_full:
         local.model_dir = Path(parent_full)
     trainer = LocalTrainer(local, objective)
-    config = {"objective": asdict(objective), "batch_size": batch_size, "lr": local.lr, "lora": local.lora,
+    config = {"objective": asdict(objective), "batch_size": batch_size, "mini_batch_size": mini_batch_size,
+              "lr": local.lr, "warmup_steps": local.warmup_steps, "lora": local.lora,
               "lora_rank": local.lora_rank, "filters": {k: str(v) for k, v in asdict(filters).items() if v}}
     run_id, metrics, turns = run_epochs(
         engine, trainer, backend="local", config=config, objective=objective.objective, parent_name=parent_name,
         filters=filters, batch_size=batch_size, max_steps=max_steps, epochs=epochs, lease_s=lease_s,
-        resume=resume, on_step=on_step)
+        resume=resume, on_step=on_step, mini_batch_size=mini_batch_size)
     if not metrics:
         return RunResult(run_id, 0, 0, None, None, [], parent_name)
     out = trainer.save(output_root / f"run-{run_id}")
@@ -101,14 +112,16 @@ def run_epochs(
     resume: str | None,
     after_step: Callable[[dict[str, float]], dict[str, Any]] | None = None,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
+    mini_batch_size: int | None = None,
 ) -> tuple[str, list[dict[str, float]], int]:
     """The offline loop both backends share: per epoch one training run (the first one resumed
     when *resume* names a run); in it lease a batch of scored turns, one optimizer step, record
     the step and ack its turns (``datapool.leases``), until *max_steps* in all or nothing is left.
 
     *after_step* runs after each step, before it is recorded (the veRL backend pushes weights
-    there); what it returns is recorded with the step. Returns (last run id, step metrics,
-    turns trained)."""
+    there); what it returns is recorded with the step. *mini_batch_size*: see
+    :func:`train_offline` (a trainer with an ``objective``: the local one). Returns (last run id,
+    step metrics, turns trained)."""
     metrics: list[dict[str, float]] = []
     turns = 0
     run_id = ""
@@ -124,13 +137,75 @@ def run_epochs(
                 break
             with OrmSession(engine) as db:
                 samples = load_samples(db, ids, trainer.tokenizer)
-            step = trainer.step(samples)
-            step["epoch"] = float(epoch)
-            extra = after_step(step) if after_step else {}
-            leases.record_step(engine, run_id, trainer.step_count, ids, step | {"turn_ids": ids, **extra})
-            metrics.append(step)
-            turns += len(ids)
-            if on_step:
-                on_step(trainer.step_count, step)
+            parts = ([samples] if not mini_batch_size
+                     else mini_batches(samples, trainer.objective, mini_batch_size, seed=len(metrics)))
+            for part in parts:
+                if max_steps is not None and len(metrics) >= max_steps:
+                    break  # the rest of the batch stays leased until it expires: trained by a later run
+                with fixed_advantages(trainer, bool(mini_batch_size)):
+                    step = trainer.step(part)
+                step["epoch"] = float(epoch)
+                extra = after_step(step) if after_step else {}
+                part_ids = [s.turn_id for s in part if s.sibling_of is None]
+                leases.record_step(engine, run_id, trainer.step_count, part_ids,
+                                   step | {"turn_ids": part_ids, **extra})
+                metrics.append(step)
+                turns += len(part_ids)
+                if on_step:
+                    on_step(trainer.step_count, step)
         leases.finish_run(engine, run_id, status="done")
     return run_id, metrics, turns
+
+
+def batch_advantages(samples: Sequence[Sample], cfg: ObjectiveConfig) -> list[float]:
+    """Each sample's binary-RL advantage (one scalar: the same on each of its tokens) over the
+    whole of *samples*, as the local trainer's step takes it (``trainer.objectives``)."""
+    import torch
+
+    from trainer import objectives
+
+    if not samples:
+        return []
+    mask = torch.ones((len(samples), 1))
+    rewards = objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group")
+    groups = [s.group_id for s in samples]
+    adv, _ = objectives.compute_binary_advantage(
+        objectives.scores_to_token_rewards(rewards, mask), mask,
+        index=groups if cfg.grpo and any(g is not None for g in groups) else None, config=cfg)
+    return adv[:, 0].tolist()
+
+
+def mini_batches(samples: Sequence[Sample], cfg: ObjectiveConfig, size: int, *, seed: int = 0) -> list[list[Sample]]:
+    """*samples* with their advantages taken over all of them (:func:`batch_advantages`), each
+    then carried as the sample's reward (no group, no outcome: under :func:`fixed_advantages` the
+    step's advantage is that reward as it is), shuffled (*seed*) into ⌈n / size⌉ mini-batches of
+    near-equal size. A shadow sibling goes with its original."""
+    if size < 1:
+        raise ValueError(f"mini_batch_size must be >= 1, got {size}")
+    adv = batch_advantages(samples, cfg)
+    fixed = [dataclasses.replace(s, reward=a, integrated_reward=None, group_id=None)
+             for s, a in zip(samples, adv, strict=True)]
+    units: dict[str, list[Sample]] = {}
+    for s in fixed:
+        units.setdefault(s.sibling_of or s.turn_id, []).append(s)
+    order = list(units.values())
+    random.Random(seed).shuffle(order)
+    k = max(1, math.ceil(len(order) / size))
+    return [[s for unit in order[i::k] for s in unit] for i in range(k)]
+
+
+@contextlib.contextmanager
+def fixed_advantages(trainer: Any, on: bool) -> Iterator[None]:
+    """While *on*, the trainer's objective takes each sample's reward as its binary-RL advantage
+    (no group, no baseline: what :func:`mini_batches` computed over the whole batch)."""
+    if not on:
+        yield
+        return
+    if not hasattr(trainer, "objective"):
+        raise ValueError("mini-batches with whole-batch advantages need the local trainer")
+    objective = trainer.objective
+    trainer.objective = dataclasses.replace(objective, grpo=False, rl_baseline="none", integrated_norm="step")
+    try:
+        yield
+    finally:
+        trainer.objective = objective

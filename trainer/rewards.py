@@ -4,6 +4,15 @@ that scalar placed on a response's last token (veRL's ``token_level_rewards``).
 A sample's reward is the turn's process reward r, or — for sessions with an outcome O — the
 integrated reward R_t = O + (1/m) Σ_i r_t^(i), standardized per step index across the batch
 (:func:`standardize_per_step`). Both backends use :func:`sample_rewards`.
+
+With ``by_group`` (``ObjectiveConfig.integrated_norm="group"``) a sample of a GRPO group keeps its
+R_t as it is: the group's baseline is then the only one (``objectives.compute_binary_advantage``),
+so a group whose episodes all failed (or all passed) gets A = 0 on every turn whatever step the
+turns are at. Standardizing per step across the batch first gives the turns of such a group
+different values wherever the batch's step indices differ in their mix of successes (episodes of
+different lengths, or a batch holding turn 1 of some episodes and turn 2 of others), and the group's
+standardization then blows those differences up to advantages of about ±1: noise on turns that
+carry no signal.
 """
 
 from __future__ import annotations
@@ -95,15 +104,23 @@ def rewards_for_batch(
     return rewards
 
 
-def sample_rewards(samples: Sequence[Any]) -> torch.Tensor:
+def sample_rewards(samples: Sequence[Any], *, by_group: bool = False) -> torch.Tensor:
     """:func:`rewards_for_batch` for pool samples (``trainer.samples.Sample``): the turn's r,
     or for sessions with an outcome the integrated reward R_t = O + mean votes (already summed
-    in the pool as ``integrated_reward``) standardized per step index. Both backends use it."""
+    in the pool as ``integrated_reward``) standardized per step index. Both backends use it.
+
+    *by_group*: samples with a ``group_id`` keep their integrated reward unstandardized (their
+    group's GRPO baseline standardizes it); only those without one are standardized per step."""
     r = torch.tensor([s.reward if s.reward is not None else 0.0 for s in samples])
     integrated = [s.integrated_reward for s in samples]
     if all(x is None for x in integrated):
         return rewards_for_batch(r)
-    return rewards_for_batch(
+    raw = [by_group and x is not None and s.group_id is not None for s, x in zip(samples, integrated, strict=True)]
+    out = rewards_for_batch(
         r, outcome=torch.tensor([x if x is not None else 0.0 for x in integrated]),
-        has_outcome=torch.tensor([x is not None for x in integrated]), vote_mean=torch.zeros_like(r),
-        step_index=[s.step_index for s in samples])
+        has_outcome=torch.tensor([x is not None and not w for x, w in zip(integrated, raw, strict=True)]),
+        vote_mean=torch.zeros_like(r), step_index=[s.step_index for s in samples])
+    for i, w in enumerate(raw):
+        if w:
+            out[i] = float(integrated[i])
+    return out

@@ -25,6 +25,13 @@ Arms (the reward each turn is trained on; the trainer standardizes it within the
 - ``integrated-llm``: R_t = O plus the LLM judge's votes (prompt prm-v1, 3 votes, the base model
   on --teacher, else --upstream), beside the rules.
 
+Training (``--advantage-scope``, the presets' ``iteration``): an iteration's turns are leased at
+once and their advantages taken over all of them — each task's group whole, R_t standardized only
+within it (``--integrated-norm group``) — then one optimizer step per ``--batch-size`` turns; a
+group whose episodes all failed gets A = 0 (``benchmarks/agents/advantages.py`` shows what the
+per-step path, ``step``, gave instead). ``--kl-coef``, ``--warmup-steps`` and ``--max-grad-norm``
+reach the trainer.
+
 Any arm with the suffix ``@async`` (``integrated@async``) runs its iterations pipelined: iteration
 k+1's rollouts run on the version serving when they start while iteration k's turns are scored,
 trained on, published and evaluated (one version off-policy; each step trains on one iteration's
@@ -108,6 +115,14 @@ PRESETS: dict[str, dict[str, Any]] = {
             "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
             "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0, "escapes": True, "temperature": 1.0},
 }
+#: how the trainer takes advantages (``--advantage-scope``, ``--integrated-norm``): an iteration's turns
+#: leased at once, each task's group whole, R_t normalized only within its group
+TRAINING = {"advantage_scope": "iteration", "integrated_norm": "group", "kl_coef": 0.0, "warmup_steps": 0,
+            "max_grad_norm": None}
+for _preset in PRESETS.values():
+    _preset.update(TRAINING)
+#: an iteration's turns leased at once under ``--advantage-scope iteration`` (more than any iteration has)
+ITERATION_TURNS = 1_000_000
 log = logging.getLogger("bench.agents")
 _MIGRATING = threading.Lock()
 
@@ -115,6 +130,24 @@ _MIGRATING = threading.Lock()
 def abstain(turn: dict[str, Any], next_state: dict[str, Any]) -> int:
     """The outcome-only arm's judge: no vote on any turn, so R_t = O + 0."""
     return 0
+
+
+def suite_value(value: Any, suite: str) -> float:
+    """A number, or per suite (``terminal=0.6,toolcall=1.0``; a bare number is every other suite's)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    default, per = None, {}
+    for part in str(value).split(","):
+        name, eq, number = part.rpartition("=")
+        if eq:
+            per[name.strip()] = float(number)
+        else:
+            default = float(number)
+    if suite in per:
+        return per[suite]
+    if default is None:
+        raise ValueError(f"no value for suite {suite!r} in {value!r}")
+    return default
 
 
 def now_naive() -> datetime:
@@ -197,12 +230,14 @@ class Job:
         # compile off: the jobs are threads of one process, and torch.compile (dynamo) is not made
         # to compile in several threads at once; a 135M policy's steps are short without it
         return LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.micro_batch_size,
-                           compile=False)
+                           compile=False, warmup_steps=getattr(a, "warmup_steps", None) or 0,
+                           max_grad_norm=getattr(a, "max_grad_norm", None))
 
     def objective(self) -> Any:
         from trainer.config import ObjectiveConfig
 
-        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1])
+        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1], kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
+                               integrated_norm=getattr(self.args, "integrated_norm", None) or "step")
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
         from base.vocab import VersionKind
@@ -262,9 +297,11 @@ class Job:
         from datapool.leases import Filters
         from trainer.offline import train_offline
 
+        whole = getattr(self.args, "advantage_scope", "step") == "iteration"
         return train_offline(self.engine, objective=self.objective(), local=self.local_config(),
                              filters=Filters(since=since, until=until, modes=("offline",)),
-                             batch_size=self.args.batch_size,
+                             batch_size=ITERATION_TURNS if whole else self.args.batch_size,
+                             mini_batch_size=self.args.batch_size if whole else None,
                              epochs=1, output_root=self.work / "runs")
 
     def start_gateway(self) -> Any:
@@ -339,7 +376,7 @@ class Job:
         started = time.monotonic()
         run = f"{self.prefix}-i{it}"
         before = gateway_seconds(gw_url)
-        sampled = [t | {"temperature": a.temperature} for t in tasks]
+        sampled = [t | {"temperature": suite_value(a.temperature, self.suite)} for t in tasks]
         summary = asyncio.run(rollout(gw_url, run, self.suite, sampled, n=a.n, mode="offline",
                                       concurrency=a.concurrency, timeout=a.timeout, workdir=self.work, tally=tally))
         wall = time.monotonic() - started
@@ -693,8 +730,22 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--timeout", type=float, help="seconds per rollout")
-    p.add_argument("--temperature", type=float,
-                   help="sampling temperature of the training rollouts (held-out evaluation is greedy)")
+    p.add_argument("--temperature",
+                   help="sampling temperature of the training rollouts (held-out evaluation is greedy): a number, "
+                        "or per suite, e.g. terminal=0.6,toolcall=1.0 (a bare number: the other suites')")
+    p.add_argument("--advantage-scope", choices=("iteration", "step"),
+                   help="iteration: every turn of an iteration is leased at once and its advantages taken over all "
+                        "of it (each task's GRPO group whole), then one optimizer step per --batch-size turns; "
+                        "step: each step's --batch-size turns alone, in the pool's order, which cuts groups "
+                        "(default: the preset's, iteration)")
+    p.add_argument("--integrated-norm", choices=("group", "step"),
+                   help="group: R_t = O + votes of a grouped turn normalized only within its task's group (a group "
+                        "that all failed gets A = 0); step: first standardized per step index across the batch "
+                        "(trainer.config.ObjectiveConfig.integrated_norm; default: the preset's, group)")
+    p.add_argument("--kl-coef", type=float, help="coefficient of the k3 KL to the base policy (0: none)")
+    p.add_argument("--warmup-steps", type=int,
+                   help="each iteration's optimizer steps warm the learning rate up over this many (0: none)")
+    p.add_argument("--max-grad-norm", type=float, help="clip each step's gradient to this global norm")
     p.add_argument("--deadline-min", type=float,
                    help="minutes after which no job starts another iteration; the report then covers the "
                         "iterations done (rows marked partial): for a machine lent for a limited time")
@@ -719,6 +770,11 @@ def main() -> None:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.tag = args.tag or ("calibration" if args.calibrate else args.preset)
+    for s in args.suites.split(","):
+        try:
+            suite_value(args.temperature, s)
+        except ValueError as exc:
+            p.error(f"--temperature: {exc}")
     suites, arms = args.suites.split(","), args.arms.split(",")
     for s in suites:
         if s not in SUITES:

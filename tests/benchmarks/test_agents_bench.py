@@ -21,7 +21,8 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
     args = argparse.Namespace(
         upstream=vllm_server.base_url, teacher=None, model=vllm_server.model, model_dir=str(model_dir),
         iterations=1, tasks=2, n=2, heldout=2,
-        concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0, temperature=1.0)
+        concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0, temperature=1.0,
+        **bench.TRAINING)  # the presets' training: the iteration's turns at once, advantages over whole groups
     job = bench.Job(args, tmp_path, "toolcall", "integrated", seed=0)
     row = job.run(base=0.25)
 
