@@ -9,7 +9,12 @@ requests a second (the gateway benchmark) and fail on cue (the fault tests). A r
 with extra body fields, which the gateway passes through untouched:
 
 - ``fake_chunks`` (int): reply tokens (default 8), one stream chunk each;
-- ``fake_chunk_delay_s`` (float): pause before each chunk;
+- ``fake_chunk_delay_s`` (float): pause before each chunk (before each write, with
+  ``fake_together``);
+- ``fake_together`` (int): send the stream's events that many at a time, each group in one
+  socket write, so that they reach the gateway in one read;
+- ``fake_split`` (bool): send each write in two halves, cut inside an event, with a pause
+  between them, so that an event reaches the gateway across two reads;
 - ``fake_die_after_chunks`` (int): the process exits (``os._exit``) after sending that many
   chunks, like a vLLM server that crashes mid-stream;
 - ``fake_tag`` (str): remembered in ``GET /stats`` as completed or aborted (the client hung
@@ -208,18 +213,25 @@ async def _stream(writer: asyncio.StreamWriter, endpoint: str, payload: dict[str
     tag = payload.get("fake_tag")
     delay = float(payload.get("fake_chunk_delay_s") or 0)
     die_after = payload.get("fake_die_after_chunks")
+    together = max(1, int(payload.get("fake_together") or 1))
+    split = bool(payload.get("fake_split"))
     writer.write(_head(200, [("content-type", "text/event-stream; charset=utf-8"),
                              ("transfer-encoding", "chunked")]))
+    events = stream_events(endpoint, payload)
     try:
-        for k, event in enumerate(stream_events(endpoint, payload)):
+        for k in range(0, len(events), together):
             if die_after is not None and k >= int(die_after):
                 os._exit(3)  # a crash: no [DONE], no closing chunk, the socket just drops
             if delay:
                 await asyncio.sleep(delay)
-            writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
-            await writer.drain()
-            if writer.transport.is_closing():
-                raise ConnectionResetError
+            data = b"".join(events[k:k + together])
+            for part in (data[:len(data) // 2], data[len(data) // 2:]) if split else (data,):
+                writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                await writer.drain()
+                if writer.transport.is_closing():
+                    raise ConnectionResetError
+                if split:
+                    await asyncio.sleep(0.05)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
     except ConnectionError:
