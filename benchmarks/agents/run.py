@@ -10,8 +10,8 @@ process in front of the --upstream vLLM with its own SQLite pool; the suite's ag
 (examples/agents) driven by ``rollout.runner.Runner`` — the code of `nextstate rollout` —
 over n samples of each training task (one GRPO group per task, at --temperature: the cpu preset 1,
 the gpu preset 0.6 on terminal and 1 elsewhere), each terminal and SWE episode in its own
-sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
-iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
+sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (what a worker
+runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
 adapter published and served; then the held-out tasks answered greedily by the new version
 (`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
 
