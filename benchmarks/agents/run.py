@@ -11,9 +11,9 @@ process in front of the --upstream vLLM with its own SQLite pool; the suite's ag
 over n samples of each training task (one GRPO group per task, at --temperature: the cpu preset 1,
 the gpu preset 0.6 on terminal and 1 elsewhere), each terminal and SWE episode in its own
 sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (what a worker
-runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
-adapter published and served; then the held-out tasks answered greedily by the new version
-(`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
+runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline``
+(what `nextstate train` runs), the adapter published and served; then the held-out tasks
+answered greedily by the new version (`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
 
 Arms (the reward each turn is trained on; the trainer standardizes it within the task's group):
 
@@ -240,7 +240,8 @@ class Job:
     def objective(self) -> Any:
         from trainer.config import ObjectiveConfig
 
-        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1], kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
+        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1],
+                               kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
                                integrated_norm=getattr(self.args, "integrated_norm", None) or "step")
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
