@@ -13,7 +13,8 @@ the gpu preset 0.6 on terminal and 1 elsewhere), each terminal and SWE episode i
 sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (what a worker
 runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline``
 (what `nextstate train` runs), the adapter published and served; then the held-out tasks
-answered greedily by the new version (`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
+answered greedily by the new version (`nextstate rollout --eval`: mode eval, never trained
+on) — its pass@1 is the curve's next point.
 
 Arms (the reward each turn is trained on; the trainer standardizes it within the task's group):
 
