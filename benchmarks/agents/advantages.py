@@ -86,7 +86,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     args = p.parse_args()
     turns = [int(x) for x in args.turns.split(",")]
-    print("| arm | path | turns of | turns | A ≠ 0 | mean A | mean abs A | share of Σ abs A |\n|---|---|---|---|---|---|---|---|")
+    print("| arm | path | turns of | turns | A ≠ 0 | mean A | mean abs A | share of Σ abs A |")
+    print("|---|---|---|---|---|---|---|---|")
     for arm in ("outcome", "integrated"):
         for name, path in (("step", step_path), ("iteration", iteration_path)):
             cats: dict[str, list[float]] = defaultdict(list)

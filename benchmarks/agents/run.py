@@ -8,12 +8,13 @@
 Per suite, arm and seed, everything is real and goes through the pool: a `nextstate gateway`
 process in front of the --upstream vLLM with its own SQLite pool; the suite's agent
 (examples/agents) driven by ``rollout.runner.Runner`` — the code of `nextstate rollout` —
-over n samples of each training task (one GRPO group per task, at --temperature, 1 by default), each terminal
-and SWE episode in its own sandbox; every turn scored from its next state by
-``scoring.score.score_turn`` (what a worker runs); the local trainer trained on the
-iteration's turns by ``trainer.offline.train_offline`` (what `nextstate train` runs), the
-adapter published and served; then the held-out tasks answered greedily by the new version
-(`nextstate rollout --eval`: mode eval, never trained on) — its pass@1 is the curve's next point.
+over n samples of each training task (one GRPO group per task, at --temperature: the cpu preset 1,
+the gpu preset 0.6 on terminal and 1 elsewhere), each terminal and SWE episode in its own
+sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (what a worker
+runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline``
+(what `nextstate train` runs), the adapter published and served; then the held-out tasks
+answered greedily by the new version (`nextstate rollout --eval`: mode eval, never trained
+on) — its pass@1 is the curve's next point.
 
 Arms (the reward each turn is trained on; the trainer standardizes it within the task's group):
 
@@ -113,7 +114,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # one H100: 16 tasks x 8 samples = 128 environments at once per job
     "gpu": {"suites": "toolcall,terminal,swe", "arms": "outcome,integrated,integrated+opd", "seeds": 3,
             "iterations": 4, "tasks": 16, "n": 8, "heldout": 64, "concurrency": 128, "batch_size": 64,
-            "micro_batch_size": 16, "lr": 1e-3, "jobs": 3, "timeout": 600.0, "escapes": True, "temperature": 1.0},
+            "micro_batch_size": 16, "lr": 5e-4, "jobs": 3, "timeout": 600.0, "escapes": True,
+            # terminal at 0.6: 12-50 % of its groups carry signal there, 6-25 % at 1 (results/README.md)
+            "temperature": "terminal=0.6,1.0"},
 }
 #: how the trainer takes advantages (``--advantage-scope``, ``--integrated-norm``): an iteration's turns
 #: leased at once, each task's group whole, R_t normalized only within its group
@@ -121,6 +124,8 @@ TRAINING = {"advantage_scope": "iteration", "integrated_norm": "group", "kl_coef
             "max_grad_norm": None}
 for _preset in PRESETS.values():
     _preset.update(TRAINING)
+# each iteration's trainer starts a fresh AdamW, whose first step moves every weight by lr (sign-like)
+PRESETS["gpu"]["warmup_steps"] = 2
 #: an iteration's turns leased at once under ``--advantage-scope iteration`` (more than any iteration has)
 ITERATION_TURNS = 1_000_000
 log = logging.getLogger("bench.agents")
@@ -236,7 +241,8 @@ class Job:
     def objective(self) -> Any:
         from trainer.config import ObjectiveConfig
 
-        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1], kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
+        return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1],
+                               kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
                                integrated_norm=getattr(self.args, "integrated_norm", None) or "step")
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
