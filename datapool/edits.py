@@ -51,6 +51,19 @@ def is_system_free_index(choice_index: int) -> bool:
 # -- the loose form: one message compared on its own ------------------------------------------------
 
 
+def _digest(canon: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
+
+
+def _call_of(messages: Sequence[Message], call_id: Any) -> list[Any]:
+    """The call a tool result answers, as loose_forms names it: the latest call with that id."""
+    for m in reversed(messages):
+        for k, call in enumerate(m.get("tool_calls") or () if isinstance(m, dict) else ()):
+            if isinstance(call, dict) and call.get("id") == call_id:
+                return [k, *canonical_message({"role": "assistant", "tool_calls": [call]})["tool_calls"][0]]
+    return ["unknown", call_id]
+
+
 def loose_forms(messages: Sequence[Message]) -> list[str | None]:
     """Each message's canonical form (datapool.canonical) made independent of what precedes it, as
     a short digest; None for a system or developer message. A tool result's ``tool_call_id`` is
@@ -69,9 +82,20 @@ def loose_forms(messages: Sequence[Message]) -> list[str | None]:
                 calls[call["id"]] = [k, *canon["tool_calls"][k]]
         if "tool_call_id" in canon:
             canon["tool_call_id"] = calls.get(str(m.get("tool_call_id")), ["unknown", canon["tool_call_id"]])
-        text = json.dumps(canon, sort_keys=True, ensure_ascii=False)
-        out.append(hashlib.sha256(text.encode()).hexdigest()[:32])
+        out.append(_digest(canon))
     return out
+
+
+def loose_form_at(messages: Sequence[Message], i: int) -> str | None:
+    """``loose_forms(messages)[i]``, reading only what that message needs of the ones before it."""
+    m = messages[i]
+    if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
+        return None
+    canon = canonical_message(m)
+    if "tool_call_id" in canon:
+        found = _call_of(messages[:i], m.get("tool_call_id"))
+        canon["tool_call_id"] = found if found[0] != "unknown" else ["unknown", canon["tool_call_id"]]
+    return _digest(canon)
 
 
 def system_of(messages: Sequence[Message]) -> str | None:
@@ -90,15 +114,13 @@ def pair_key(prompt: str, reply: str) -> str:
 def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list[str]:
     """For each choice, the pair key of the turn's last non-system message and that reply (none
     when the turn sent no other message)."""
-    forms = [f for f in loose_forms([*messages]) if f is not None]
-    if not forms:
+    last = next((i for i in range(len(messages) - 1, -1, -1)
+                 if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES), None)
+    if last is None:
         return []
-    out = []
-    for reply in replies:
-        reply_form = loose_forms([*messages, reply])[-1]
-        if reply_form is not None:
-            out.append(pair_key(forms[-1], reply_form))
-    return out
+    prompt = loose_form_at(messages, last)
+    return [pair_key(prompt, _digest(canonical_message(reply))) for reply in replies  # type: ignore[arg-type]
+            if isinstance(reply, dict)]
 
 
 def request_pairs(messages: Sequence[Message]) -> list[tuple[int, str]]:
@@ -126,6 +148,8 @@ _ROLE_LINE = re.compile(
     r"(?im)^[ \t]*(?:\[|<|\*\*|#{1,4}[ \t]*)?(user|human|person|assistant|ai|model|agent|tool(?:[ _]result)?)"
     r"(?:\]|>|\*\*|:|[ \t]*\()")
 _ASSISTANT_ROLES = {"assistant", "ai", "model", "agent"}
+# an instruction to summarise the messages before it is an agent's (a side turn) from this length on
+APPENDED_MIN_CHARS = 200
 
 
 def text_of(message: Any) -> str:
@@ -161,8 +185,8 @@ def summary_shape(messages: Any, has_tools: bool) -> str | None:
       embeds a transcript (lines labelled with a person's and an assistant's role), no
       assistant message;
     - ``appended``: the conversation as messages (at least one assistant reply), then a last user
-      message asking for a summary of it, and no tools declared (an agent's own calls declare
-      its tools).
+      message of at least APPENDED_MIN_CHARS that speaks of a summary of the conversation, and no
+      tools declared (an agent's own calls declare its tools).
     None for anything else."""
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         return None
@@ -171,7 +195,8 @@ def summary_shape(messages: Any, has_tools: bool) -> str | None:
         last = messages[-1]
         if has_tools or last.get("role") != "user":
             return None
-        return "appended" if is_summary_message(last) else None
+        # an agent's instruction, not a person's question ("summarise what we said")
+        return "appended" if len(text_of(last)) >= APPENDED_MIN_CHARS and is_summary_message(last) else None
     if len(users) != 1 or has_tools:
         return None
     instruction = " ".join(text_of(m) for m in messages)
@@ -243,22 +268,24 @@ def align(request: Sequence[Message], request_forms: Sequence[str | None], reply
 
 def transcript_overlap(transcript: str, history: Sequence[Message], reply: Message | None) -> int:
     """How many of a turn's non-system messages (and its reply) with text appear in *transcript*
-    in order, their whitespace collapsed; 0 unless the last of them with text is among them."""
-    flat = " ".join(transcript.split())
-    texts = [" ".join(text_of(m).split()) for m in [*history, *([reply] if reply else [])]
-             if m.get("role") not in _SYSTEM_ROLES]
-    texts = [t for t in texts if t]
-    if not texts:
+    in order, compared without whitespace (a transcript wraps lines and joins text parts its own way); 0 unless the last of them with text and the last user
+    message (the person's latest words, which a summary of the session holds) are among them."""
+    flat = "".join(transcript.split())
+    said = [(m.get("role"), "".join(text_of(m).split())) for m in [*history, *([reply] if reply else [])]
+            if m.get("role") not in _SYSTEM_ROLES]
+    said = [(role, t) for role, t in said if t]
+    if not said:
         return 0
+    last_user = max((n for n, (role, _) in enumerate(said) if role == "user"), default=None)
     found, at = 0, 0
-    last_found = False
-    for n, t in enumerate(texts):
+    needed = {len(said) - 1} | ({last_user} if last_user is not None else set())
+    for n, (_, t) in enumerate(said):
         where = flat.find(t, at)
         if where >= 0:
             found += 1
             at = where + len(t)
-            last_found = n == len(texts) - 1
-    return found if last_found else 0
+            needed.discard(n)
+    return 0 if needed else found
 
 
 # -- what a turn stores for this -----------------------------------------------------------------------
