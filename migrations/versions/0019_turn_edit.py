@@ -1,6 +1,6 @@
 """turns.edit: how a turn continues its parent when the agent edited its history (a recovery pass,
 a summary inserted or in place of earlier messages, a fork, a retry, a summarisation side turn);
-and every stored turn's reply pairs, by which such a request finds the turn it continues
+and every stored turn's reply pairs and request tail, by which such a request finds the turn it continues
 
 Revision ID: 0019
 Revises: 0018
@@ -26,4 +26,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("ALTER TABLE turns DROP COLUMN edit")
-    op.execute("DELETE FROM turn_continuations WHERE choice_index <= -1000")
+    # the reply pairs and request tails (datapool.edits.is_pair_index)
+    op.execute("DELETE FROM turn_continuations WHERE choice_index <= -999")
