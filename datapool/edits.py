@@ -54,7 +54,7 @@ def is_system_free_index(choice_index: int) -> bool:
 # what an agent adds to a person's message on the way out and leaves out when it replays its
 # transcript in another shape: OpenClaw stamps each user message with its arrival time and ends
 # the first one with its `Runtime: … sessionId=…` line, neither of which its recovery pass carries
-# (docs/sessions.md#edited-histories)
+# (docs/openclaw.md, "What nextstate infers")
 _USER_ADDITIONS = (
     re.compile(r"\A\[[A-Z][a-z]{2} \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})? [A-Za-z+\-0-9:]+\]\s*"),
     re.compile(r"(?m)\n*^Runtime: .*\bsessionId=.*$"),
