@@ -49,6 +49,8 @@ EMPTY_REPLY = " "
 # the fixed start of the instruction OpenClaw appends to the transcript in its recovery pass
 RECOVERY_MARK = "The previous assistant turn completed its tool calls but did not produce a user-visible answer."
 AFTER_COMPACTION = "Thanks, that is all."
+# one `openclaw agent --local` run: 15-40 s on a quiet machine, minutes on two cores shared with other jobs
+RUN_TIMEOUT_S = 540
 
 
 def _steer(messages: list[dict[str, Any]]) -> str | None:
@@ -183,12 +185,12 @@ def conversation(openclaw: OpenClawInstall, vllm_server: RunningVLLM,
             "models": {f"nextstate/{vllm_server.model}": {"params": {"extra_body": {"tool_choice": "required"}}}}}}})
         compacting = lean_config(gw.base_url, api_key, vllm_server.model, extra={"agents": {"defaults": {
             "compaction": {"maxActiveTranscriptBytes": 1000, "qualityGuard": {"enabled": False}}}}})
-        runs = [agent.run(m, session_id=session, config=plain) for m in PLAIN]
+        runs = [agent.run(m, session_id=session, config=plain, timeout_s=RUN_TIMEOUT_S) for m in PLAIN]
         for run in runs:
             assert run.returncode == 0, f"openclaw failed on {run.message!r}:\n{run.stderr[-3000:]}"
-        runs.append(agent.run(TOOL_MESSAGE, session_id=session, config=forced))
-        runs.append(agent.run(LOOP_MESSAGE, session_id=session, config=plain))
-        runs.append(agent.run(AFTER_COMPACTION, session_id=session, config=compacting))
+        runs.append(agent.run(TOOL_MESSAGE, session_id=session, config=forced, timeout_s=RUN_TIMEOUT_S))
+        runs.append(agent.run(LOOP_MESSAGE, session_id=session, config=plain, timeout_s=RUN_TIMEOUT_S))
+        runs.append(agent.run(AFTER_COMPACTION, session_id=session, config=compacting, timeout_s=RUN_TIMEOUT_S))
         wait_for(lambda: any(AFTER_COMPACTION in t.last_user for t in _turns(db)), timeout=60)
         turns = _turns(db)
         for run in runs:
