@@ -51,34 +51,6 @@ def is_system_free_index(choice_index: int) -> bool:
 # -- the loose form: one message compared on its own ------------------------------------------------
 
 
-# what an agent adds to a person's message on the way out and leaves out when it replays its
-# transcript in another shape: OpenClaw stamps each user message with its arrival time and ends
-# the first one with its `Runtime: … sessionId=…` line, neither of which its recovery pass carries
-# (docs/openclaw.md, "What nextstate infers")
-_USER_ADDITIONS = (
-    re.compile(r"\A\[[A-Z][a-z]{2} \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})? [A-Za-z+\-0-9:]+\]\s*"),
-    re.compile(r"(?m)\n*^Runtime: .*\bsessionId=.*$"),
-)
-
-
-def _words(text: str) -> str:
-    for pattern in _USER_ADDITIONS:
-        text = pattern.sub("", text)
-    return text.strip()
-
-
-def _loose_message(message: Message) -> dict[str, Any]:
-    """A message's canonical form, a user message's text without what the agent added to it."""
-    canon = canonical_message(message)
-    if canon.get("role") == "user":
-        content = canon.get("content")
-        if isinstance(content, str):
-            canon["content"] = _words(content)
-        elif isinstance(content, list):
-            canon["content"] = [_words(part) if isinstance(part, str) else part for part in content]
-    return canon
-
-
 def _digest(canon: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
 
@@ -104,7 +76,7 @@ def loose_forms(messages: Sequence[Message]) -> list[str | None]:
         if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
             out.append(None)
             continue
-        canon = _loose_message(m)
+        canon = canonical_message(m)
         for k, call in enumerate(m.get("tool_calls") or ()):
             if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]:
                 calls[call["id"]] = [k, *canon["tool_calls"][k]]
@@ -119,7 +91,7 @@ def loose_form_at(messages: Sequence[Message], i: int) -> str | None:
     m = messages[i]
     if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
         return None
-    canon = _loose_message(m)
+    canon = canonical_message(m)
     if "tool_call_id" in canon:
         found = _call_of(messages[:i], m.get("tool_call_id"))
         canon["tool_call_id"] = found if found[0] != "unknown" else ["unknown", canon["tool_call_id"]]

@@ -44,39 +44,3 @@ def openclaw_tool_loop() -> list[TurnRecord]:
     at = datetime(2026, 11, 26, tzinfo=timezone.utc)
     return [turn_record([system, user], call, at=at),
             turn_record([system, user, replayed, result], answer, at=at + timedelta(seconds=1))]
-
-
-def openclaw_recovery_pass() -> list[TurnRecord]:
-    """OpenClaw's recovery pass as the real client sent it (openclaw 2026.9.6): a tool call, an
-    empty reply once its result is back, then the transcript once more without the system prompt,
-    tools, arrival stamp or `Runtime:` line (its session key), and the instruction to answer."""
-    session = f"oc-{uuid.uuid4().hex[:10]}"
-    system = {"role": "system", "content": "<!-- openclaw:attempt:STABLE -->\nYou are a personal assistant "
-                                           "running inside OpenClaw.\n## Tooling\n…"}
-    words = "Check the session status with the session_status tool."
-    user = {"role": "user", "content": f"[Sun 2026-11-29 02:59 UTC] {words}\n\nRuntime: agent=main | session="
-                                       f"agent:main:explicit:{session} | sessionId={session} | host=vm | shell=bash"}
-    call = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "chatcmpl-tool-9600bb112f78f71a", "type": "function",
-         "function": {"name": "session_status", "arguments": "{}"}}]}
-    replayed = {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "chatcmpltool9600bb112f78f71a", "type": "function",
-         "function": {"name": "session_status", "arguments": "{}"}}]}
-    result = {"role": "tool", "tool_call_id": "chatcmpltool9600bb112f78f71a",
-              "content": "OpenClaw 2026.9.6\nCurrent time: Sunday, November 29th, 2026 - 3:00 AM (UTC)"}
-    instruction = {"role": "user", "content": (
-        "The previous assistant turn completed its tool calls but did not produce a user-visible answer. "
-        "Continue from the current transcript and produce the final user-visible answer now. Do not repeat "
-        "completed tool calls or restart from scratch. Tools are unavailable in this step: it is a text-only "
-        "pass, so reply with plain text and do not attempt any tool call.")}
-    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
-             for n in ("gateway", "session_status")]
-    at = datetime(2026, 11, 29, 3, tzinfo=timezone.utc)
-    loop = [turn_record([system, user], call, at=at, client="openclaw", session_id=session, session_source="key"),
-            turn_record([system, user, replayed, result], " ", at=at + timedelta(seconds=1), client="openclaw",
-                        session_id=session, session_source="key")]
-    for record in loop:
-        record.request["tools"] = tools
-    recovery = turn_record([{"role": "user", "content": words}, replayed, result, instruction],
-                           "The session is fine.", at=at + timedelta(seconds=2))
-    return [*loop, recovery]
