@@ -31,24 +31,58 @@ RETRY = "retry"  # the same messages as a turn that failed
 SUMMARY = "summary"  # a side turn summarising the session's history
 EDIT_KINDS = (RECOVERY, COMPACTION_INSERT, COMPACTION_REPLACE, FORK, RETRY, SUMMARY)
 
-# the choice_index under which a turn's reply pairs are stored in turn_continuations
+# the choice_index under which a turn's reply pairs (-1000, -1001, ...) and its request tail are
+# stored in turn_continuations
 REPLY_PAIR_BASE = -1000
+TAIL_INDEX = -999
+NO_REPLY = -1  # the "choice" of a request tail: the turn's request without its reply
 
 
 def reply_pair_index(choice: int) -> int:
     return REPLY_PAIR_BASE - choice
 
 
+def choice_of(choice_index: int) -> int:
+    """The choice a reply pair's choice_index names; NO_REPLY for a request tail."""
+    return NO_REPLY if choice_index == TAIL_INDEX else REPLY_PAIR_BASE - choice_index
+
+
 def is_pair_index(choice_index: int) -> bool:
-    return choice_index <= REPLY_PAIR_BASE
+    """Whether a continuation row is a reply pair or a request tail (this module's keys)."""
+    return choice_index <= TAIL_INDEX
 
 
 def is_system_free_index(choice_index: int) -> bool:
     """Whether a continuation's choice_index is one of a system-free continuation (-2, -3, ...)."""
-    return REPLY_PAIR_BASE < choice_index <= -2
+    return TAIL_INDEX < choice_index <= -2
 
 
 # -- the loose form: one message compared on its own ------------------------------------------------
+
+
+# what agents add around a person's words and leave out when they replay them in an edited history:
+# an arrival stamp before them, a line of session facts after them (OpenClaw's recovery pass sends
+# the bare words of a first message whose every other replay carries both)
+_ARRIVAL_STAMP = re.compile(r"\A\[[A-Z][a-z]{2} \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})? [A-Za-z+\-0-9:]+\]\s*")
+_RUNTIME_LINE = re.compile(r"(?m)^Runtime: .*\bsessionId=.*$")
+
+
+def _words(text: str) -> str:
+    if text.startswith("["):
+        text = _ARRIVAL_STAMP.sub("", text)
+    if "Runtime: " in text:
+        text = _RUNTIME_LINE.sub("", text)
+    return text.strip()
+
+
+def _loose(m: Message) -> dict[str, Any]:
+    """canonical_message, with a user message's text reduced to the person's words (_words)."""
+    canon = canonical_message(m)
+    if m.get("role") == "user":
+        content = canon["content"]
+        canon["content"] = _words(content) if isinstance(content, str) else [
+            _words(c) if isinstance(c, str) else c for c in content]
+    return canon
 
 
 def _digest(canon: dict[str, Any]) -> str:
@@ -76,7 +110,7 @@ def loose_forms(messages: Sequence[Message]) -> list[str | None]:
         if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
             out.append(None)
             continue
-        canon = canonical_message(m)
+        canon = _loose(m)
         for k, call in enumerate(m.get("tool_calls") or ()):
             if isinstance(call, dict) and isinstance(call.get("id"), str) and call["id"]:
                 calls[call["id"]] = [k, *canon["tool_calls"][k]]
@@ -91,7 +125,7 @@ def loose_form_at(messages: Sequence[Message], i: int) -> str | None:
     m = messages[i]
     if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
         return None
-    canon = canonical_message(m)
+    canon = _loose(m)
     if "tool_call_id" in canon:
         found = _call_of(messages[:i], m.get("tool_call_id"))
         canon["tool_call_id"] = found if found[0] != "unknown" else ["unknown", canon["tool_call_id"]]
@@ -111,6 +145,38 @@ def pair_key(prompt: str, reply: str) -> str:
     return hashlib.sha256(f"reply-pair\x1e{prompt}\x1e{reply}".encode()).hexdigest()
 
 
+def tail_key(before: str, last: str) -> str:
+    """The key a turn's request is found by without its reply: its last two non-system messages."""
+    return hashlib.sha256(f"request-tail\x1e{before}\x1e{last}".encode()).hexdigest()
+
+
+def request_tail(messages: Sequence[Message]) -> str | None:
+    """The tail key of a turn's request (None with fewer than two non-system messages)."""
+    found = [i for i in range(len(messages) - 1, -1, -1)
+             if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES][:2]
+    if len(found) < 2:
+        return None
+    return tail_key(loose_form_at(messages, found[1]), loose_form_at(messages, found[0]))  # type: ignore[arg-type]
+
+
+def request_tails(messages: Sequence[Message], forms: Sequence[str | None]) -> list[tuple[int, str]]:
+    """(j, tail key of the non-system messages before and at j) for every j from the last assistant
+    message on: where the history of a turn that the request goes on from without its reply may end."""
+    last_assistant = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+    if last_assistant is None:
+        return []
+    out: list[tuple[int, str]] = []
+    prev: str | None = None
+    for j, f in enumerate(forms):
+        if f is None:
+            continue
+        if prev is not None and j >= last_assistant:
+            out.append((j, tail_key(prev, f)))
+        prev = f
+    out.reverse()
+    return out
+
+
 def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list[str]:
     """For each choice, the pair key of the turn's last non-system message and that reply (none
     when the turn sent no other message)."""
@@ -119,7 +185,7 @@ def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list
     if last is None:
         return []
     prompt = loose_form_at(messages, last)
-    return [pair_key(prompt, _digest(canonical_message(reply))) for reply in replies  # type: ignore[arg-type]
+    return [pair_key(prompt, _digest(_loose(reply))) for reply in replies  # type: ignore[arg-type]
             if isinstance(reply, dict)]
 
 
@@ -292,11 +358,16 @@ def transcript_overlap(transcript: str, history: Sequence[Message], reply: Messa
 
 
 def pair_continuations(r: Any) -> list[Continuation]:
-    """The reply pairs a main chat turn that answered is found by (turn_continuations rows with
-    choice_index :func:`reply_pair_index`)."""
-    if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT or r.status != TurnStatus.OK:
+    """The keys a main chat turn is found by here (turn_continuations rows): its request tail
+    (choice_index TAIL_INDEX), and if it answered, its reply pairs (:func:`reply_pair_index`)."""
+    if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
-    return [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(reply_pairs(r.messages, r.replies))]
+    messages = r.messages
+    tail = request_tail(messages)
+    out = [Continuation(tail, TAIL_INDEX, len(messages))] if tail else []
+    if r.status == TurnStatus.OK:
+        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(reply_pairs(messages, r.replies))]
+    return out
 
 
 def stored_continuations(r: Any) -> list[Continuation]:

@@ -15,11 +15,14 @@ from sqlalchemy import select
 from datapool.canonical import Message, Prepared, tenant_hash
 from datapool.edits import (
     COMPACTION_REPLACE,
-    REPLY_PAIR_BASE,
+    RETRY,
+    TAIL_INDEX,
     Alignment,
     align,
+    choice_of,
     loose_forms,
     request_pairs,
+    request_tails,
     text_of,
     transcript_overlap,
 )
@@ -54,8 +57,8 @@ class EditedTurns:
     def remember(self, turn: StitchTurn, p: Prepared) -> None:
         """A turn of this batch, findable by its reply pairs."""
         for c in p.continuations:
-            if c.choice_index <= REPLY_PAIR_BASE:
-                self.by_pair.setdefault(c.hash, {})[turn.id] = (turn, REPLY_PAIR_BASE - c.choice_index)
+            if c.choice_index <= TAIL_INDEX:
+                self.by_pair.setdefault(c.hash, {})[turn.id] = (turn, choice_of(c.choice_index))
 
     def _loaded(self, row: Any) -> StitchTurn:
         turn = self.known.known(row)
@@ -75,44 +78,58 @@ class EditedTurns:
                    Session.client)
             .join(Turn, Turn.id == TurnContinuation.turn_id)
             .join(Session, Session.id == Turn.session_id)
-            .where(TurnContinuation.hash.in_(sorted(todo)), TurnContinuation.choice_index <= REPLY_PAIR_BASE)
+            .where(TurnContinuation.hash.in_(sorted(todo)), TurnContinuation.choice_index <= TAIL_INDEX)
             .order_by(Turn.created_at.desc(), Turn.id.desc())
             .limit(CANDIDATES)
         )
         for row in rows:
             turn = self._loaded(row)
-            self.by_pair.setdefault(row.hash, {})[turn.id] = (turn, REPLY_PAIR_BASE - row.choice_index)
+            self.by_pair.setdefault(row.hash, {})[turn.id] = (turn, choice_of(row.choice_index))
 
     def find(self, p: Prepared, session_id: str | None, after: int) -> Edited | None:
-        """The turn whose history and reply the record's messages hold, with the reply later than
-        *after* (where prefix matching's parent ended): the latest reply, then the whole history
-        before a tail of it, then the longest tail, the record's client, the latest turn."""
+        """The turn whose history (and reply) the record's messages hold, ending later than *after*
+        (where prefix matching's parent ended): the latest end, then the whole history before a
+        tail of it, then the longest tail, the record's client, the latest turn. A turn found by its
+        request tail is one the record goes on from without its reply (only user and tool messages
+        after it), or retries if it failed."""
         r = p.record
         messages = r.messages
-        pairs = [(i, tenant_hash(r.tenant, h)) for i, h in request_pairs(messages) if i + 1 > after]
-        if not pairs:
-            return None
-        self._load({h for _, h in pairs})
         forms = loose_forms(messages)
-        for reply_at, h in pairs:
+        keys = [(i + 1, tenant_hash(r.tenant, h), False) for i, h in request_pairs(messages)]
+        keys += [(j + 1, tenant_hash(r.tenant, h), True) for j, h in request_tails(messages, forms)]
+        keys = sorted((k for k in keys if k[0] > after), key=lambda k: -k[0])
+        if not keys:
+            return None
+        self._load({h for _, h, _ in keys})
+        for end, h, tail in keys:
             best: tuple[tuple[Any, ...], Edited] | None = None
             for turn, choice in self.by_pair.get(h, {}).values():
-                if turn.id == r.id or (session_id is not None and turn.session_id != session_id):
+                if not self._eligible(turn, r.id, session_id, tail):
                     continue
-                if turn.turn_type != TurnKind.MAIN or turn.status != TurnStatus.OK or turn.messages is None:
+                if tail and end == len(messages) and turn.status == TurnStatus.OK:
+                    continue  # the same messages again: a second sample, not a retry
+                found = align(messages, forms, end if tail else end - 1, turn.messages or [],
+                              loose_forms(turn.messages or []))
+                if found is None or (tail and not found.whole):
                     continue
-                found = align(messages, forms, reply_at, turn.messages, loose_forms(turn.messages))
-                if found is None:
-                    continue
+                if tail and turn.status != TurnStatus.OK and end == len(messages):
+                    found = found._replace(edit=RETRY)
                 client = self.clients.get(turn.session_id)
                 if found.edit == COMPACTION_REPLACE and r.client and client and client != r.client:
                     continue
                 score = (found.whole, found.tail, bool(r.client) and client == r.client, turn.order)
                 if best is None or score > best[0]:
-                    best = (score, Edited(turn, reply_at + 1, found))
+                    best = (score, Edited(turn, end, found))
             if best is not None:
                 return best[1]
         return None
+
+    @staticmethod
+    def _eligible(turn: StitchTurn, record_id: str, session_id: str | None, tail: bool) -> bool:
+        if turn.id == record_id or (session_id is not None and turn.session_id != session_id):
+            return False
+        return turn.turn_type == TurnKind.MAIN and turn.messages is not None and (
+            tail or turn.status == TurnStatus.OK)
 
     def summarised(self, p: Prepared, session_id: str | None, batch: Sequence[StitchTurn]) -> StitchTurn | None:
         """The turn whose history a summarisation call's embedded transcript holds the most of

@@ -33,6 +33,7 @@ from datapool.edits import (
 from datapool.models import Turn
 from datapool.sessions import Stitcher
 from tests.support.edits import KINDS, Clock, outcome, plan_session
+from tests.support.records import turn_record
 
 SEEN: dict[str, int] = {}
 CLOCK = Clock()  # one clock for the module's pool: each example's calls come after the last one's
@@ -146,3 +147,40 @@ def test_a_persons_request_for_a_summary_stays_main() -> None:
     assert summary_shape(short, has_tools=False) is None
     long = [*history, {"role": "user", "content": "Write a detailed summary of the conversation so far. " * 5}]
     assert summary_shape(long, has_tools=False) == "appended"
+
+
+def test_openclaws_recovery_pass_as_captured_joins_the_loop(engine: Engine) -> None:
+    """The real client's recovery pass (openclaw 2026.9.6, captured through a gateway): the loop's
+    calls carry the session key in the first user message's Runtime line, after an arrival stamp;
+    the pass after the empty reply of call 2 drops the system prompt, the tools, the stamp, the
+    Runtime line and that empty reply, and asks for the answer. It goes on from call 2."""
+    sid = f"oc-{uuid.uuid4().hex[:10]}"
+    system = {"role": "system", "content": "<!-- openclaw:attempt:STABLE -->\nYou are a personal assistant running "
+                                           "inside OpenClaw.\n## Tooling"}
+    words = f"Check the session status with the session_status tool. {uuid.uuid4().hex[:6]}"
+    user = {"role": "user", "content": f"[Sun 2026-11-29 02:59 UTC] {words}\n\nRuntime: agent=main | "
+                                       f"session=agent:main:explicit:{sid} | sessionId={sid} | host=vm"}
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "chatcmpl-tool-9600bb112f78f71a", "type": "function", "function": {"name": "session_status",
+                                                                                  "arguments": "{}"}}]}
+    replayed = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "chatcmpltool9600bb112f78f71a", "type": "function", "function": {"name": "session_status",
+                                                                                "arguments": "{}"}}]}
+    result = {"role": "tool", "tool_call_id": "chatcmpltool9600bb112f78f71a", "content": "OpenClaw 2026.9.6 status"}
+    instruction = {"role": "user", "content": "The previous assistant turn completed its tool calls but did not "
+                                              "produce a user-visible answer. Continue from the current transcript "
+                                              "and produce the final user-visible answer now."}
+    tools = {"tools": [{"type": "function", "function": {"name": "session_status"}}], "tool_choice": "auto"}
+    one = turn_record([system, user], call, params=tools, session_id=sid, session_source="key", client="openclaw")
+    two = turn_record([system, user, replayed, result], " ", params=tools, session_id=sid, session_source="key",
+                      client="openclaw")
+    three = turn_record([{"role": "user", "content": words}, replayed, result, instruction], "The status is ok.")
+    for record in (one, two, three):
+        with OrmSession(engine) as db, db.begin():
+            Stitcher(db).write([record])
+    with OrmSession(engine) as db:
+        turns = {t.id: t for t in db.scalars(select(Turn).where(Turn.id.in_([one.id, two.id, three.id])))}
+        assert {t.session_id for t in turns.values()} == {sid}
+        assert turns[one.id].next_state == {"turn_id": two.id, "messages": [result]}  # the tool result
+        assert turns[three.id].parent_turn_id == two.id and turns[three.id].edit == "recovery"
+        assert turns[two.id].next_state == {"turn_id": three.id, "messages": [instruction]}

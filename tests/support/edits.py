@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from datapool.records import TurnRecord
-from tests.support.conversations import Step, draw_steps, requests, rewrite
+from tests.support.conversations import STAMPS, Step, draw_steps, requests, rewrite
 from tests.support.records import turn_record
 
 T0 = datetime(2026, 11, 29, tzinfo=timezone.utc)
@@ -114,9 +114,22 @@ class Sender:
         return rec
 
 
+def _openclaw_first_message(r: random.Random, steps: list[Step]) -> str:
+    """Decorate the first user message as OpenClaw does (an arrival stamp before the words, its
+    `Runtime:` line after them); returns the bare words its recovery pass sends instead."""
+    first = next(s for s in steps if s.role == "user")
+    words = first.text
+    for stamp in STAMPS:  # one stamp, OpenClaw's own
+        words = words.removeprefix(stamp)
+    first.text = f"[Sun 2026-11-29 02:59 UTC] {words}\n\nRuntime: agent=main | sessionId=oc-{uuid.uuid4().hex[:10]} | host=vm"
+    return words
+
+
 def plan_session(r: random.Random, n: int, kind: str, clock: Clock, system: str) -> list[Planned]:
     """Session number *n*: its requests sent in order with the edit *kind* at a random request."""
-    reqs = requests(r, own_steps(r, system))
+    steps = own_steps(r, system)
+    words = _openclaw_first_message(r, steps) if kind == "recovery" else ""
+    reqs = requests(r, steps)
     cut = r.randrange(1, len(reqs))  # the request the edit happens at (never the first)
     sender = Sender(n, clock)
     send, out = sender.send, sender.planned
@@ -128,12 +141,19 @@ def plan_session(r: random.Random, n: int, kind: str, clock: Clock, system: str)
     before = len(reqs[cut - 1].messages)  # the index of prev's reply in q.messages
     systems = sum(m.get("role") == "system" for m in q.messages[:before])
     if kind == "recovery":
-        # the history once more without system prompt and tools, its ids and arguments re-serialised,
-        # and an instruction asking for the answer
+        # OpenClaw's: the history once more without system prompt and tools, the first user message
+        # reduced to the person's words, and an instruction asking for the answer; half the time
+        # after a call whose reply was empty, which the pass leaves out (it goes on from that call)
+        empty = r.random() < 0.5
+        if empty:
+            prev = send(q.messages, {"role": "assistant", "content": " "}, prev, appended_from=before + 1)
         messages = [m for m in rewrite(r, q.messages) if m.get("role") != "system"]
-        messages.append({"role": "user", "content": "Tool loop ended without a final answer. Reply now."})
+        first = next(i for i, m in enumerate(messages) if m.get("role") == "user")
+        messages[first] = {"role": "user", "content": words}
+        messages.append({"role": "user", "content": "The previous assistant turn completed its tool calls but did "
+                                                    "not produce a user-visible answer. Produce it now."})
         send(messages, {"role": "assistant", "content": f"done {uuid.uuid4().hex[:6]}"}, prev, edit="recovery",
-             appended_from=before - systems + 1, tools=False)
+             appended_from=len(messages) - 1 if empty else before - systems + 1, tools=False)
         return out
     if kind in ("summary-embedded", "summary-appended"):
         history = [*q.messages[:before], reqs[cut - 1].reply]
