@@ -273,14 +273,15 @@ def test_the_recovery_pass_after_a_tool_loop_is_the_loop_s_last_turn_in_the_sess
         results = [m for m in call.next_messages if m.get("role") == "tool"]
         assert results, f"the tool-call turn has no tool result as next state: {call.next_state}"
         assert {"".join(ch for ch in str(m.get("tool_call_id")) if ch.isalnum()) for m in results} <= _call_ids(call)
-    # ... and the recovery answer is the loop's last turn: its parent is a turn of the loop, the
-    # edit is recorded, and no turn of the loop comes after it
-    ids = {t.id for t in loop}
-    assert recovery.parent_turn_id in ids, (recovery.parent_turn_id, ids)
+    # ... and the recovery answer is the loop's last turn: it goes on from the empty reply (the
+    # pass drops that reply and asks again), recorded as a recovery, and nothing of the loop follows
+    empty = loop[-1]
+    assert not empty.tool_calls
+    assert recovery.parent_turn_id == empty.id, (recovery.parent_turn_id, [t.id for t in loop])
     assert recovery.edit == "recovery"
+    assert [_text(m.get("content")) for m in empty.next_messages][-1:] == [_text(recovery.messages[-1]["content"])]
     order = [t.id for t in conversation.turns]
-    assert max(order.index(i) for i in ids) < order.index(recovery.id)
-    assert not [t for t in conversation.turns if t.parent_turn_id == recovery.id and t.is_recovery_pass]
+    assert max(order.index(t.id) for t in loop) < order.index(recovery.id)
 
 
 def test_compaction_calls_are_side_turns_and_the_session_goes_on(conversation: Conversation) -> None:
