@@ -18,7 +18,7 @@ import random
 import uuid
 from datetime import timedelta
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session as OrmSession
@@ -32,7 +32,10 @@ from tests.support.trajectories import T0, plan
 SEEN: dict[str, int] = {}  # what the property generated, checked by the last test
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized (generate only: no database of examples, no shrinking): the same 40 draws every run,
+# so the last test's check that every case was generated cannot fail by chance
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.generate])
 @given(r=st.randoms(use_true_random=False), batches=st.integers(1, 3),
        ending=st.sampled_from(["none", "fork", "cancelled and resumed", "reply dropped"]), named=st.booleans())
 def test_forks_retries_and_dropped_system_prompts_stay_in_one_session(
