@@ -1,0 +1,41 @@
+"""JSON on the hot paths (the proxy's events, the capture spool, the pool's JSON columns): orjson,
+about ten times the standard library's speed, and the standard library for what orjson refuses.
+
+Both write and read the same JSON: compact, UTF-8 as is (``ensure_ascii=False``). What orjson
+refuses goes to the standard library, so nothing is accepted or refused that was not before: an
+integer past 64 bits, a key that is not a string, NaN or Infinity in a body (which
+:func:`loads` then hands to *parse_constant*), an unpaired surrogate escape, nesting past
+orjson's depth limit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+
+def dumps(value: Any) -> bytes:
+    """*value* as compact UTF-8 JSON bytes."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError: what it cannot write, the standard library may
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def dumps_str(value: Any) -> str:
+    """:func:`dumps` as text (SQLAlchemy's ``json_serializer``)."""
+    return dumps(value).decode()
+
+
+def loads(data: bytes | str, *, parse_constant: Callable[[str], Any] | None = None) -> Any:
+    """JSON text as Python values; raises ValueError (json.JSONDecodeError) for invalid JSON,
+    as the standard library does."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        if parse_constant is None:
+            return json.loads(data)
+        return json.loads(data, parse_constant=parse_constant)
