@@ -19,6 +19,7 @@ import functools
 import gc
 import json
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -50,11 +51,19 @@ def _litellm() -> SimpleNamespace:
     return SimpleNamespace(anthropic=LiteLLMAnthropicMessagesAdapter(), responses=LiteLLMCompletionResponsesConfig,
                            BadRequestError=litellm.BadRequestError)
 
+_LOADING = threading.Lock()
+
+
+def _load_once() -> None:
+    with _LOADING:  # one thread imports; the others wait for it, then find it done
+        _litellm()
+
+
 async def load_translators() -> None:
     """Import LiteLLM's request translators, if not yet, in a worker thread: the import takes
     seconds of CPU, through which the event loop goes on serving the other requests."""
-    if _litellm.cache_info().currsize == 0:
-        await asyncio.to_thread(_litellm)
+    if not _litellm.cache_info().currsize:
+        await asyncio.to_thread(_load_once)
 
 
 # Responses request fields that are not sampling parameters: the gateway handles them itself.
