@@ -113,7 +113,7 @@ def main() -> None:
                 r = load(gw.base_url, stream=stream, rate=args.rate, duration=args.duration, fmt=fmt, warmup=0)
                 spy.wait(60)
                 text = summarise(raw.read_text() if raw.exists() else "", args.top)
-                sections.append(f"## {name}: {r['ok']} ok, {sum(r['errors'].values())} errors at "
+                sections.append(f"## {name}: {r['ok']} ok, errors {r['errors'] or 0} at "
                                 f"{args.rate:.0f} RPS\n{text}\n")
                 print(sections[-1], flush=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
