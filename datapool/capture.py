@@ -439,6 +439,7 @@ class CaptureWriter:
             # while anything waits in the spool, new turns queue up behind it: order is kept
             if batch:
                 self.spool.append(batch)
+                self.in_flight = []  # on disk now: the spool counts them
             if time.monotonic() - self._last_failure >= self.retry_interval_s:
                 self._replay()
             return
@@ -449,6 +450,7 @@ class CaptureWriter:
         except SQLAlchemyError as exc:
             self._failed(exc)
             self.spool.append(batch)
+            self.in_flight = []
 
     def _write(self, batch: Sequence[TurnRecord]) -> None:
         """Write a batch; raises only when the database is unreachable. A batch the database
