@@ -2,10 +2,11 @@
 about ten times the standard library's speed, and the standard library for what orjson refuses.
 
 Both write and read the same JSON: compact, UTF-8 as is (``ensure_ascii=False``). What orjson
-refuses goes to the standard library, so nothing is accepted or refused that was not before: an
-integer past 64 bits, a key that is not a string, NaN or Infinity in a body (which
-:func:`loads` then hands to *parse_constant*), an unpaired surrogate escape, nesting past
-orjson's depth limit.
+refuses goes to the standard library, as before: writing, a key that is not a string or an
+integer past 64 bits; reading, NaN or Infinity (which :func:`loads` hands to *parse_constant*),
+an unpaired surrogate escape, nesting past orjson's depth limit. Two differences remain: orjson
+writes a float NaN or infinity as ``null`` (the standard library writes ``NaN``, which is not
+JSON), and reads an integer past 64 bits as a float.
 """
 
 from __future__ import annotations
