@@ -253,6 +253,23 @@ def _pool_turns(database_url: str) -> dict[str, int]:
         engine.dispose()
 
 
+def _settle(database_url: str, sent: dict[str, int], timeout: float) -> dict[str, Any]:
+    """Wait until every request *sent* (by wire format) is a turn in the pool, up to *timeout*
+    seconds: the counts, and how long after the load the last turn was stored (None: not all were)."""
+    load_ended = time.monotonic()
+
+    def settled() -> tuple[dict[str, int]] | None:  # a tuple: true even when the pool is empty
+        n = _pool_turns(database_url)
+        return (n,) if all(n.get(fmt, 0) >= k for fmt, k in sent.items()) else None
+
+    try:
+        (by_format,), settle_s = wait_for(settled, timeout=timeout, interval=0.5), time.monotonic() - load_ended
+    except AssertionError:
+        by_format, settle_s = _pool_turns(database_url), None
+    return {"requests_sent": sum(sent.values()), "turns_stored": sum(by_format.values()), "sent_by_format": sent,
+            "stored_by_format": by_format, "settle_s": settle_s, "waited_s": time.monotonic() - load_ended}
+
+
 def _pg_and_redis(stack: ExitStack, pool: str = "postgresql", work: Path | None = None) -> tuple[str, str]:
     """The pool's URL (a fresh PostgreSQL database, or with *pool* ``sqlite`` a file in *work*)
     and a Redis broker's."""
@@ -435,20 +452,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for fmt, n in soak(gw.base_url, args.soak, args.concurrency).items():
                 sent[fmt] = sent.get(fmt, 0) + n
 
-        # every answered request of the gateway is a turn in the pool
-        load_ended = time.monotonic()
-
-        def settled() -> dict[str, int] | None:
-            n = _pool_turns(database_url)
-            return n if all(n.get(fmt, 0) >= k for fmt, k in sent.items()) else None
-
-        try:
-            by_format, settle_s = wait_for(settled, timeout=args.settle_timeout, interval=0.5), time.monotonic() - load_ended
-        except AssertionError:
-            by_format, settle_s = _pool_turns(database_url), None
-        results["capture"] = {"requests_sent": sum(sent.values()), "turns_stored": sum(by_format.values()),
-                              "sent_by_format": sent, "stored_by_format": by_format, "settle_s": settle_s,
-                              "waited_s": time.monotonic() - load_ended, "pool": args.pool}
+        results["capture"] = _settle(database_url, sent, args.settle_timeout) | {"pool": args.pool}
         if args.redaction:
             results["redactions"] = {
                 name: {line.split('"')[1]: float(line.split()[-1])
