@@ -296,12 +296,17 @@ class CaptureWriter:
     def oldest_unstored_s(self) -> float:
         """Seconds since the oldest turn not yet in the pool (in memory or in the spool) was
         answered; 0 when every turn is stored."""
-        times = [as_utc(self.in_flight[0].created_at)] if self.in_flight else []
-        head = self.queue._queue[0] if self.queue.qsize() else None  # type: ignore[attr-defined]
-        if head is not None:
-            times.append(as_utc(head.created_at))
-        if self.spool.oldest is not None:
-            times.append(self.spool.oldest)
+        # /metrics reads this from a worker thread while the loop changes the queue: local
+        # references, and a head that went between two reads is simply not counted
+        in_flight, queued, spooled = self.in_flight, self.queue._queue, self.spool.oldest  # type: ignore[attr-defined]
+        times = [spooled] if spooled is not None else []
+        for records in (in_flight, queued):
+            try:
+                head = records[0]
+            except IndexError:
+                continue
+            if head is not None:  # the stop sentinel
+                times.append(as_utc(head.created_at))
         return max(0.0, (utcnow() - min(times)).total_seconds()) if times else 0.0
 
     def start(self) -> None:
