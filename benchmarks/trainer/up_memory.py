@@ -8,9 +8,10 @@ and ports, the shared cache dir with vLLM and the converted SmolLM2):
 
 1. **traffic**: `up` (vLLM, its teacher replica, the scoring worker, the gateway), then a real coding
    agent (tests/support/agents.py installs it: Qwen Code by default) pointed at the gateway with
-   nothing but its base URL and a key, run once per task in a scratch project (a few of this
-   repository's source files); each task names files with the agent's ``@file`` syntax, which inlines
-   them, so a turn's prompt (the agent's own system prompt and tools, plus the files) is 4–8k tokens.
+   nothing but its base URL and a key, run once per task (`qwen -p TASK`: one conversation each) in a
+   scratch project (a few of this repository's source files, which the tasks name). Qwen Code's own
+   system prompt is ~5.6k tokens in SmolLM2's template, so a turn's prompt is 5–8k tokens (inlining a
+   file with its ``@file`` syntax overflows the 8,192-token context).
    `up` stops once every main turn is scored (or ``--score-timeout-s``).
 2. **train**: ``up --train combined`` on the same pool, until the online trainer's round 1 is
    decided (a ``promote`` or ``refuse`` event in ``/api/policy/events``), the trainer is given up on,
@@ -20,8 +21,9 @@ All along, every second: the RSS of each of `up`'s process trees (``trainer``: `
 --online`; ``vllm`` and ``vllm-teacher``: each vLLM's API server and engine processes together;
 ``worker``; ``gateway``: the `up` process itself, which serves the gateway), the machine's
 MemAvailable, and whether the gateway's ``/healthz`` and each vLLM's ``/v1/models`` answered within
-2 s (a check counts as unanswered only after its target first answered, and while that process is
-not restarting). The trainer's round (turns, tokens, seconds) is read from its log.
+2 s (``check_s``: the seconds, negative where the answer came later than 2 s; ``unanswered``: the
+checks with no answer within 2 s, counted only once that target had answered a first time, and not
+while `up` is stopping). The trainer's round (turns, tokens, seconds) is read from its log.
 
 Writes results/up-memory.json (every sample, the phases, the round, the events) and
 results/up-memory.md (the table in benchmarks/trainer/README.md).
@@ -35,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import shlex
 import signal
 import sqlite3
 import subprocess
@@ -65,22 +68,22 @@ GIB = 1024 ** 3
 PROJECT_FILES = ("datapool/leases.py", "trainer/online.py", "nextstate/supervisor.py", "trainer/eval_gate.py",
                  "gateway/budget.py", "scoring/score.py", "datapool/versions.py", "trainer/samples.py")
 TASKS = (
-    "Explain how a lease expires in @leases.py and what happens to its turn.",
-    "Review @online.py: what does run_round do when the eval gate refuses a candidate?",
-    "In @supervisor.py, how does the restart backoff work? Suggest a test for it.",
-    "Find a possible bug in @eval_gate.py and propose a fix.",
-    "Summarize @budget.py and say how the output budget is fitted to the context.",
-    "What does @score.py do with a turn that has no next state? Refactor it to be clearer.",
-    "Write docstrings for the functions of @versions.py that have none.",
-    "How are samples built in @samples.py? List the fields of a sample.",
-    "Compare @leases.py and @versions.py: which functions open a transaction?",
-    "Add type hints where they are missing in @supervisor.py.",
-    "Explain the staleness correction in @online.py step by step.",
-    "Is there dead code in @budget.py? Show what you would delete.",
-    "Write a unit test for the lease expiry in @leases.py.",
-    "Explain how @eval_gate.py decides between promote and refuse.",
-    "Which errors can @score.py raise, and who catches them?",
-    "Rename the private helpers of @samples.py to clearer names and show the diff.",
+    "Explain how a lease expires in leases.py and what happens to its turn.",
+    "Review online.py: what does run_round do when the eval gate refuses a candidate?",
+    "In supervisor.py, how does the restart backoff work? Suggest a test for it.",
+    "Find a possible bug in eval_gate.py and propose a fix.",
+    "Summarize budget.py and say how the output budget is fitted to the context.",
+    "What does score.py do with a turn that has no next state? Refactor it to be clearer.",
+    "Write docstrings for the functions of versions.py that have none.",
+    "How are samples built in samples.py? List the fields of a sample.",
+    "Compare leases.py and versions.py: which functions open a transaction?",
+    "Add type hints where they are missing in supervisor.py.",
+    "Explain the staleness correction in online.py step by step.",
+    "Is there dead code in budget.py? Show what you would delete.",
+    "Write a unit test for the lease expiry in leases.py.",
+    "Explain how eval_gate.py decides between promote and refuse.",
+    "Which errors can score.py raise, and who catches them?",
+    "Rename the private helpers of samples.py to clearer names and show the diff.",
 )
 
 
@@ -107,6 +110,9 @@ class Watch:
         self.answered: set[str] = set()  # targets that answered once (checks count from then on)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=3)
+        # one client per target: a new client per check builds an SSL context each time (CPU)
+        self._clients = {n: httpx.Client(timeout=CHECK_TIMEOUT_S) for n in ("gateway", "vllm", "vllm-teacher")}
+        self._kinds: dict[int, str] = {}  # pid -> classify(); a pid's command line does not change
         self._thread = threading.Thread(target=self._run, daemon=True)
         self.urls = {"gateway": f"http://127.0.0.1:{ports['gateway']}/healthz",
                      "vllm": f"http://127.0.0.1:{ports['vllm']}/v1/models",
@@ -119,6 +125,8 @@ class Watch:
         self._stop.set()
         self._thread.join()
         self._pool.shutdown()
+        for client in self._clients.values():
+            client.close()
 
     def _rss(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -127,7 +135,9 @@ class Watch:
         try:
             out["gateway"] = self.up.memory_info().rss / GIB
             for child in self.up.children():
-                name = classify(child, self.ports)
+                if child.pid not in self._kinds:
+                    self._kinds[child.pid] = classify(child, self.ports)
+                name = self._kinds[child.pid]
                 tree = [child, *child.children(recursive=True)]
                 out[name] = out.get(name, 0.0) + sum(_rss_of(p) for p in tree) / GIB
         except psutil.Error:
@@ -137,10 +147,11 @@ class Watch:
     def _check(self, name: str) -> float | None:
         started = time.monotonic()
         try:
-            r = httpx.get(self.urls[name], timeout=CHECK_TIMEOUT_S)
+            r = self._clients[name].get(self.urls[name])
+            seconds = time.monotonic() - started
             if r.status_code == 200:
                 self.answered.add(name)
-                return time.monotonic() - started
+                return seconds if seconds <= CHECK_TIMEOUT_S else -seconds  # negative: answered too late
         except httpx.HTTPError:
             pass
         return None
@@ -155,7 +166,7 @@ class Watch:
                                       "mem_available_gib": round(psutil.virtual_memory().available / GIB, 2)}
             was = set(self.answered)
             sample["check_s"] = {n: (None if (s := f.result()) is None else round(s, 3)) for n, f in checks.items()}
-            sample["unanswered"] = [n for n, s in sample["check_s"].items() if s is None and n in was]
+            sample["unanswered"] = [n for n, s in sample["check_s"].items() if (s is None or s < 0) and n in was]
             self.samples.append(sample)
             self._stop.wait(max(0.0, 1.0 - (time.monotonic() - tick)))
 
@@ -234,7 +245,9 @@ def agent_env(agent: str, home: Path, url: str, key: str) -> dict[str, str]:
             f'model = "{MODEL}"\nmodel_provider = "nextstate"\n\n[model_providers.nextstate]\nname = "nextstate"\n'
             f'base_url = "{url}/v1"\nwire_api = "responses"\nenv_key = "NEXTSTATE_KEY"\n')
         return {"NEXTSTATE_KEY": key}
-    return {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key, "OPENAI_MODEL": MODEL}
+    # Qwen Code gives up on a stream silent for 240 s: a 7k-token prefill on two busy cores takes longer
+    return {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key, "OPENAI_MODEL": MODEL,
+            "QWEN_STREAM_IDLE_TIMEOUT_MS": "0"}
 
 
 def agent_args(agent: str, task: str, more: bool) -> list[str]:
@@ -307,7 +320,7 @@ def events(db: Path) -> list[dict[str, Any]]:
 
 def train(args: argparse.Namespace, env: dict[str, str], watch: Watch) -> dict[str, Any]:
     """Phase 2: `up --train OBJECTIVE` until round 1 is decided."""
-    up = UpRun(args, env, ["--train", args.objective, *(["--", *args.train_args] if args.train_args else [])],
+    up = UpRun(args, env, ["--train", args.objective, *(["--", *shlex.split(args.train_args)] if args.train_args else [])],
                args.data_dir / "up-train.log")
     watch.up, watch.phase = psutil.Process(up.proc.pid), "train"
     started = time.monotonic()
@@ -339,7 +352,7 @@ def summarize(samples: list[dict[str, Any]], phase: str) -> dict[str, Any]:
     peak = {p: max((s["rss_gib"].get(p, 0.0) for s in mine), default=0.0) for p in PROCS}
     unanswered = {n: sum(n in s["unanswered"] for s in mine if not s["phase"].endswith("stop"))
                   for n in ("gateway", "vllm", "vllm-teacher")}
-    slowest = {n: max((s["check_s"][n] or 0.0 for s in mine if s["check_s"].get(n) is not None), default=None)
+    slowest = {n: max((abs(s["check_s"][n]) for s in mine if s["check_s"].get(n) is not None), default=None)
                for n in ("gateway", "vllm", "vllm-teacher")}
     return {"samples": len(mine), "peak_rss_gib": {k: round(v, 2) for k, v in peak.items()},
             "min_mem_available_gib": min((s["mem_available_gib"] for s in mine), default=None),
@@ -375,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--agent", default="qwen-code", choices=("qwen-code", "codex"), help="the coding agent")
     ap.add_argument("--tasks", type=int, default=16, help="agent runs in the traffic phase (at most %d)" % len(TASKS))
-    ap.add_argument("--per-session", type=int, default=2, help="tasks per conversation (the later ones continue it)")
+    ap.add_argument("--per-session", type=int, default=1, help="tasks per conversation (the later ones continue it)")
     ap.add_argument("--phases", default="traffic,train", help="traffic, train or both (train reuses the data dir)")
     ap.add_argument("--objective", default="combined", choices=("rl", "opd", "combined"))
-    ap.add_argument("--train-args", nargs="*", default=[], help="options after `--` of `up --train`")
+    ap.add_argument("--train-args", default="", help="options after `--` of `up --train`, one string: '--k 8'")
     ap.add_argument("--port", type=int, default=8500, help="gateway; vLLM +1, its teacher +2")
     ap.add_argument("--data-dir", type=Path, default=Path("/tmp/nextstate-up-memory"))
     ap.add_argument("--fresh", action="store_true", help="empty the data dir first")
@@ -386,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--session-idle-timeout-s", type=float, default=60.0,
                     help="NEXTSTATE_SESSION_IDLE_TIMEOUT_S: when a conversation's last turn is scored")
     ap.add_argument("--start-timeout-s", type=float, default=900.0)
-    ap.add_argument("--task-timeout-s", type=int, default=600)
+    ap.add_argument("--task-timeout-s", type=int, default=1200)
     ap.add_argument("--score-timeout-s", type=float, default=900.0)
     ap.add_argument("--train-timeout-s", type=float, default=2400.0)
     ap.add_argument("--out", default="up-memory", help="results/OUT.json and results/OUT.md")
