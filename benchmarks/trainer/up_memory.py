@@ -337,7 +337,7 @@ def train(args: argparse.Namespace, env: dict[str, str], watch: Watch) -> dict[s
         watch.phase = "train-stop"
         rc = up.stop()
     evs = events(args.db)
-    return {"argv": up.argv, "decided": decided, "seconds": round(time.monotonic() - started, 1), "up_rc": rc,
+    return {"argv": up.argv, "turns": pool_turns(args.db), "decided": decided, "seconds": round(time.monotonic() - started, 1), "up_rc": rc,
             "round": trainer_round(args.data_dir / "logs" / "trainer.log"), "events": evs,
             "console_tail": up.console()[-4000:]}
 
@@ -373,7 +373,7 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"| {phase} ({s['samples']} s) | {rss} | {s['min_mem_available_gib']} GiB | {miss} | {slow} |")
     tr = result.get("train", {})
     rnd, decided = tr.get("round", {}), tr.get("decided") or {}
-    turns = result.get("traffic", {}).get("turns", [])
+    turns = tr.get("turns") or result.get("traffic", {}).get("turns", [])
     prompts = sorted(t["prompt_tokens"] or 0 for t in turns)
     lines += ["", "| main turns captured | prompt tokens (min / median / max) | round 1 turns | round 1 tokens | "
               "trained in | decision | `up --train` until decided |", "| --- | --- | --- | --- | --- | --- | --- |",
@@ -382,6 +382,10 @@ def table(result: dict[str, Any]) -> str:
               f"{rnd.get('trained_in', '–')} | {decided.get('action', 'none')} {decided.get('version') or ''} | "
               f"{tr.get('seconds', '–')} s |"]
     return "\n".join(lines) + "\n"
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -411,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "NEXTSTATE_DATA_DIR": str(args.data_dir),
            "NEXTSTATE_PORT": str(args.port), "NEXTSTATE_TEACHER_VLLM_PORT": str(args.port + 2),
            "NEXTSTATE_SESSION_IDLE_TIMEOUT_S": str(args.session_idle_timeout_s)}
+    # SIGTERM ends a phase as Ctrl-C does: `up` is stopped and what was measured is written
+    signal.signal(signal.SIGTERM, _interrupt)
     watch = Watch({"gateway": args.port, "vllm": args.port + 1, "vllm-teacher": args.port + 2})
     watch.start()
     result: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "mem_gib": round(psutil.virtual_memory().total / GIB, 1),
@@ -427,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         result["summary"] = {p: summarize(watch.samples, p) for p in ("traffic", "train")
                              if any(s["phase"].startswith(p) for s in watch.samples)}
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (RESULTS / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
         (RESULTS / f"{args.out}.md").write_text(table(result))
         print(table(result))
     decided = (result.get("train") or {}).get("decided") or {}
