@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from base.errors import RequestError
-from base.jsonfast import dumps
 from gateway.errors import anthropic_error
 from gateway.formats import SENT_ARGUMENTS, arguments_object, new_id
 
@@ -141,7 +140,7 @@ class Reply:
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return (b"event: " + name.encode() + b"\ndata: "
-            + dumps(data) + b"\n\n")
+            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
 
 
 # --- OpenAI Responses -----------------------------------------------------------------------------
