@@ -192,7 +192,8 @@ class Accumulator:
         )
 
 
-SSEvent = tuple[bytes, bytes | None]  # raw event bytes, its data payload or None
+# raw event bytes and its data payload or None (a stream LiteLLM parsed already: empty bytes and the object)
+SSEvent = tuple[bytes, bytes | dict[str, Any] | None]
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEvent]]:
