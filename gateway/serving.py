@@ -402,8 +402,9 @@ class _Call:
             error = openai_error(err)
             yield events.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
-            # a client that hangs up after the reply's end ([DONE]) got the whole reply
-            if not events.done:
+            # a client that hangs up once every choice has its finish reason got the whole reply,
+            # though not the usage or [DONE] behind it (an agent that acts on a tool call at once)
+            if not events.done and not self.acc.finished(int(self.body.get("n") or 1)):
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
