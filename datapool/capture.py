@@ -6,11 +6,14 @@ once the database answers again the spool is replayed in order, a bounded chunk 
 because the pool skips turn ids it already holds, a batch that was written but not yet cleared
 from the spool is never stored twice.
 
-The queue is bounded: when the database is reachable but slower than the traffic, the writer
-moves the whole backlog to the spool in one append (it "sheds") and writes it to the pool from
-there. Memory stays flat under any load, and what a SIGKILL can lose is what sits in memory:
-at most ``max_queue`` turns plus those answered during one writer cycle, and, while the writer
-keeps up, only the turns of the last flush interval.
+A writer behind the traffic first takes bigger batches (everything queued, up to ``max_batch``):
+a batch costs about as many statements for a thousand turns as for ten, so the writer's
+throughput grows with its backlog. The queue is bounded: when the database is reachable but
+slower than that, the writer moves the whole backlog to the spool in one append (it "sheds") and
+writes it to the pool from there. Memory stays flat under any load, and what a SIGKILL can lose is what sits in memory:
+at most ``max_queue`` turns queued, the batch being written and those answered during one writer
+cycle, and, while the writer keeps up, only the turns of the last flush interval. How far behind
+it is shows as ``depth`` (in memory), the spool's ``waiting`` and ``oldest_unstored_s()``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO
 
@@ -32,8 +36,9 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import chunked
+from datapool.db import as_utc, chunked, utcnow
 from datapool.records import TurnRecord
+from base.jsonfast import dumps, loads
 from base.redact import Found, Redactor
 from datapool.token_mask import DecoderFor, blank, mask_ids, redact_text
 from datapool.sessions import Stitcher
@@ -71,6 +76,8 @@ class Spool:
         self.offset = 0
         # records that could not even be spooled (disk full, read-only) wait here, in order
         self.memory: list[TurnRecord] = []
+        # when the oldest turn waiting here was answered (None: nothing waits)
+        self.oldest: datetime | None = None
         self.error: str | None = None
         try:
             self._claim()
@@ -99,6 +106,7 @@ class Spool:
                             # starts a line of its own instead of being glued to the torn one
                             f.write(b"\n")
                 self.bytes = self.path.stat().st_size
+                self.oldest = self._peek()
             return
         raise OSError("no free spool slot (256 gateways on one data directory?)")
 
@@ -111,14 +119,26 @@ class Spool:
         """Turns waiting here for the pool: in the file and, when it cannot be written, in memory."""
         return self.records + len(self.memory)
 
+    def _peek(self) -> datetime | None:
+        """When the first turn after the replay cursor was answered; None when none is readable."""
+        if self.path is None or not self.path.exists():
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            for line in f:
+                try:
+                    return as_utc(TurnRecord.from_json(loads(line)).created_at)
+                except (ValueError, TypeError):
+                    continue
+        return None
+
     def append(self, batch: Sequence[TurnRecord]) -> None:
+        if batch and not self.pending:
+            self.oldest = as_utc(batch[0].created_at)
         if self.memory or self.path is None:
             self.memory.extend(batch)  # keep order: nothing may overtake what waits in memory
             return
-        data = b"".join(
-            json.dumps(r.to_json(), ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-            for r in batch
-        )
+        data = b"".join(dumps(r.to_json()) + b"\n" for r in batch)
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
@@ -152,7 +172,7 @@ class Spool:
                     chunk.offset += len(line)
                     chunk.lines += 1
                     try:
-                        chunk.records.append(TurnRecord.from_json(json.loads(line)))
+                        chunk.records.append(TurnRecord.from_json(loads(line)))
                     except (ValueError, TypeError) as exc:
                         # only a crash mid-append leaves a torn line, and only as the last one
                         log.warning("spool %s at byte %d unreadable, skipped: %s",
@@ -170,6 +190,12 @@ class Spool:
         if self.path is not None and self.path.exists() and self.offset >= self.path.stat().st_size:
             self.path.unlink()
             self.records = self.bytes = self.offset = 0
+        if not self.pending:
+            self.oldest = None
+        elif self.records:
+            self.oldest = self._peek()
+        else:
+            self.oldest = as_utc(self.memory[0].created_at)
         if self.path is not None and not self.memory:
             self.error = None  # nothing waits in memory; the next write tries the disk again
 
@@ -201,6 +227,7 @@ class CaptureWriter:
         spool: Spool,
         *,
         batch_size: int = 256,
+        max_batch: int | None = None,
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
         max_queue: int = 1024,
@@ -216,6 +243,9 @@ class CaptureWriter:
         self.engine = engine
         self.spool = spool
         self.batch_size = batch_size
+        # a writer behind the traffic takes up to this many queued turns in one batch: a batch's
+        # statements are about as many for 1,000 turns as for 10, so a bigger one catches up
+        self.max_batch = max(batch_size, max_batch if max_batch is not None else max_queue // 2)
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
         self.max_queue = max_queue
@@ -233,6 +263,10 @@ class CaptureWriter:
         # trace exporter (datapool.traces). What it raises is logged, never in capture's way.
         self.on_stored = on_stored
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
+        self.in_flight: list[TurnRecord] = []  # the batch being written
+        # the batch being collected wakes once when this many more records are queued (0: none waits)
+        self._want = 0
+        self._filled = asyncio.Event()
         self.last_db_error: str | None = None
         self._last_failure = 0.0
         self._task: asyncio.Task[None] | None = None
@@ -244,6 +278,8 @@ class CaptureWriter:
         """Hand a record over. Never blocks and never raises."""
         self.submitted += 1
         self.queue.put_nowait(record)
+        if self._want and self.queue.qsize() >= self._want:
+            self._filled.set()  # the batch being collected is full
 
     async def flushed(self) -> None:
         """Return once every record submitted before the call is in the pool (or, while the
@@ -254,7 +290,24 @@ class CaptureWriter:
 
     @property
     def depth(self) -> int:
-        return self.queue.qsize()
+        """Turns answered and waiting in memory: queued, and the batch being written."""
+        return self.queue.qsize() + len(self.in_flight)
+
+    def oldest_unstored_s(self) -> float:
+        """Seconds since the oldest turn not yet in the pool (in memory or in the spool) was
+        answered; 0 when every turn is stored."""
+        # /metrics reads this from a worker thread while the loop changes the queue: local
+        # references, and a head that went between two reads is simply not counted
+        in_flight, queued, spooled = self.in_flight, self.queue._queue, self.spool.oldest  # type: ignore[attr-defined]
+        times = [spooled] if spooled is not None else []
+        for records in (in_flight, queued):
+            try:
+                head = records[0]
+            except IndexError:
+                continue
+            if head is not None:  # the stop sentinel
+                times.append(as_utc(head.created_at))
+        return max(0.0, (utcnow() - min(times)).total_seconds()) if times else 0.0
 
     def start(self) -> None:
         # The writer's thread runs pure-Python ORM code. With CPython's default 5 ms switch
@@ -269,6 +322,7 @@ class CaptureWriter:
         if self._task is None:
             return
         self.queue.put_nowait(None)
+        self._filled.set()
         await self._task
         self._task = None
         self.spool.close()
@@ -283,6 +337,7 @@ class CaptureWriter:
                 stopping = self._drain(batch)
                 if self.on_shed:
                     self.on_shed(len(batch))
+            self.in_flight = batch
             if self.redactor is not None and batch:
                 await self._redact(batch, self.redactor)  # before the pool, the spool or a log
             try:
@@ -291,6 +346,7 @@ class CaptureWriter:
                 log.exception("capture writer failed on a batch of %d; spooling it", len(batch))
                 self._failed(exc)  # and waits a retry interval before it tries the pool again
                 await asyncio.to_thread(self.spool.append, batch)
+            self.in_flight = []
             self.processed += len(batch)
 
     async def _redact(self, batch: list[TurnRecord], redactor: Redactor) -> None:
@@ -350,21 +406,35 @@ class CaptureWriter:
             return batch, True
         batch.append(first)
         deadline = time.monotonic() + self.flush_interval_s
-        while len(batch) < self.batch_size:
+        # behind the traffic (more queued than a batch): everything queued, up to max_batch
+        size = min(self.max_batch, max(self.batch_size, self.queue.qsize() + 1))
+        while True:
+            if self._take(batch, size):
+                return batch, True
+            remaining = deadline - time.monotonic()
+            if len(batch) >= size or remaining <= 0:
+                return batch, False
+            # one wake-up when the batch is full or at the deadline, not one per record
+            self._filled.clear()
+            self._want = size - len(batch)
+            try:
+                await asyncio.wait_for(self._filled.wait(), remaining)
+            except TimeoutError:
+                pass
+            finally:
+                self._want = 0
+
+    def _take(self, batch: list[TurnRecord], size: int) -> bool:
+        """Move queued records into *batch* up to *size*; True if the stop sentinel came."""
+        while len(batch) < size:
             try:
                 item = self.queue.get_nowait()
             except asyncio.QueueEmpty:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), remaining)
-                except TimeoutError:
-                    break
+                return False
             if item is None:
-                return batch, True
+                return True
             batch.append(item)
-        return batch, False
+        return False
 
     def _persist(self, batch: list[TurnRecord], shed: bool = False) -> None:
         if shed and not self.spool.pending:
@@ -374,6 +444,7 @@ class CaptureWriter:
             # while anything waits in the spool, new turns queue up behind it: order is kept
             if batch:
                 self.spool.append(batch)
+                self.in_flight = []  # on disk now: the spool counts them
             if time.monotonic() - self._last_failure >= self.retry_interval_s:
                 self._replay()
             return
@@ -384,6 +455,7 @@ class CaptureWriter:
         except SQLAlchemyError as exc:
             self._failed(exc)
             self.spool.append(batch)
+            self.in_flight = []
 
     def _write(self, batch: Sequence[TurnRecord]) -> None:
         """Write a batch; raises only when the database is unreachable. A batch the database
@@ -426,7 +498,7 @@ class CaptureWriter:
         """Write the next chunk of the spool to the pool."""
         chunk = self.spool.chunk(self.replay_chunk)
         try:
-            for batch in chunked(chunk.records, self.batch_size):
+            for batch in chunked(chunk.records, self.max_batch):
                 self._write(batch)
         except SQLAlchemyError as exc:
             self._failed(exc)

@@ -13,6 +13,8 @@ from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator
 
+from base.jsonfast import dumps_str, loads
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 # values per IN list or multi-row VALUES, far below SQLite's and PostgreSQL's bound-parameter limits
@@ -70,7 +72,7 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
+        engine = create_engine(url, connect_args={"timeout": 30}, json_serializer=dumps_str, json_deserializer=loads)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # type: ignore[no-untyped-def]
@@ -94,6 +96,8 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         connect["options"] = "-c jit=off -c random_page_cost=1.1"
     return create_engine(
         url,
+        json_serializer=dumps_str,  # the JSON columns by orjson: a captured turn is mostly JSON
+        json_deserializer=loads,
         pool_size=pool_size,
         pool_pre_ping=True,
         connect_args=connect,

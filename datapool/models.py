@@ -136,6 +136,9 @@ class Turn(Base):
     # hash of this request's messages up to its last assistant message: how an earlier turn
     # whose reply arrives later (another replica, a replayed spool) finds its continuation
     link_hash: Mapped[str | None] = mapped_column(String(64), index=True)
+    # how this turn continues its parent when its request is not the parent's history and reply as
+    # sent: recovery, compaction-insert, compaction-replace, fork, retry, summary (datapool.edits)
+    edit: Mapped[str | None] = mapped_column(String(24))
     # the `id` the client received (chatcmpl-...), so feedback can name the turn by it
     response_id: Mapped[str | None] = mapped_column(String(256), index=True)
     # the reward the turn shows and is filtered and sorted by: a person's override in force (the

@@ -102,6 +102,7 @@ def turn_view(t: Turn) -> dict[str, Any]:
         "session_id": t.session_id,
         "parent_turn_id": t.parent_turn_id,
         "sibling_of": t.sibling_of,
+        "edit": t.edit,
         "turn_type": t.turn_type,
         "endpoint": t.endpoint,
         "wire_format": t.wire_format,

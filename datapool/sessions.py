@@ -30,22 +30,34 @@ from datapool.canonical import (
     Message,
     Prepared,
     after_last_assistant,
-    continuations_of,
     link_candidates,
     longest_end,
     prepare,
     system_free_candidates,
-    system_free_index,
     tenant_hash,
     tenant_scoped,
 )
 from datapool.db import chunked
+from datapool.edits import (
+    COMPACTION_REPLACE,
+    FORK,
+    RECOVERY,
+    RETRY,
+    SUMMARY,
+    is_pair_index,
+    is_summary_message,
+    is_system_free_index,
+    stored_continuations,
+    summary_shape,
+    with_pairs,
+)
 from datapool.models import Session, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.judgements import end_session, mark_pending
+from datapool.stitch_edits import Edited, EditedTurns
 from datapool.stitch_reads import KnownTurns, StitchTurn, clock
 from datapool.stitch_writes import PendingWrites, session_row, store_sent_arguments
-from base.vocab import TurnKind, TurnStatus
+from base.vocab import Endpoint, TurnKind, TurnStatus
 
 
 def lock_key(value: str) -> int:
@@ -90,7 +102,7 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
                            response=row.response)
             candidates = link_candidates(r.messages)
             link = tenant_hash(row.tenant, candidates[0][1]) if candidates else None
-            fresh = {(tenant_hash(row.tenant, c.hash), c.choice_index) for c in continuations_of(r)}
+            fresh = {(tenant_hash(row.tenant, c.hash), c.choice_index) for c in stored_continuations(r)}
             if link != row.link_hash:
                 links.append({"b_id": row.id, "b_link": link})
             if fresh != stored.get(row.id, set()):
@@ -116,10 +128,12 @@ class _Batch:
         self.ready: list[str] = []  # turns whose next state became known, in the order it did
         self.known = KnownTurns(db, prepared)  # what is known of the pool and of the batch so far
         self.pending = PendingWrites(db)  # decided, not yet written
+        self.edited = EditedTurns(self.known, {})  # the fallback for edited histories
 
     def run(self) -> None:
         """Stitch the records in order, then write what is still unwritten."""
-        self.known.load_orphans({c.hash for p in self.prepared for c in p.continuations})
+        self.known.load_orphans({c.hash for p in self.prepared for c in p.continuations
+                                 if not is_pair_index(c.choice_index)})
         self.known.prefetch_parents()
         for p in self.prepared:
             self._stitch(p)
@@ -146,15 +160,18 @@ class _Batch:
             session_id = r.session_id
             row = session_row(session_id, r, r.session_source or "header")
             self.pending.named_sessions.setdefault(session_id, row)
-            parent, prefix_end = self._find_parent(p, session_id)
+            self.edited.clients.setdefault(session_id, r.client)
+            parent, prefix_end, how = self._find_linked(p, session_id)
             # linked by its whole history, or past a parent that may still come
             exact = parent is None or prefix_end >= longest_end(p)
             if parent is None and r.turn_type == TurnKind.MAIN:
                 parent = self._latest_main_turn(session_id, r.created_at)
                 prefix_end = after_last_assistant(r.messages)
                 exact = parent is None
+                if parent is not None and any(is_summary_message(m) for m in r.messages):
+                    how = COMPACTION_REPLACE
         else:
-            parent, prefix_end = self._find_parent(p, None)
+            parent, prefix_end, how = self._find_linked(p, None)
             exact = parent is None or prefix_end >= longest_end(p)
             if parent is not None:
                 session_id = parent.session_id
@@ -162,6 +179,12 @@ class _Batch:
                 session_id = uuid.uuid4().hex
                 self.pending.new_sessions[session_id] = session_row(session_id, r, "inferred")
                 self.known.sources[session_id] = "inferred"
+                self.edited.clients[session_id] = r.client
+        takes_state = parent is not None and r.turn_type == TurnKind.MAIN and parent.status == TurnStatus.OK and (
+            not parent.has_next_state or (exact and self._skipped_to(parent)))
+        if how is None and parent is not None and r.turn_type == TurnKind.MAIN and parent.has_next_state \
+                and not takes_state:
+            how = FORK
 
         turn = StitchTurn(
             id=r.id,
@@ -174,19 +197,22 @@ class _Batch:
             stored=False,
             messages=r.messages,
             exact=exact,
+            edit=how,
+            replies=r.replies,
         )
         self.known.add(turn)
+        self.edited.remember(turn, p)
         self.pending.unstored.append((p, turn))
         for c in p.continuations:
+            if is_pair_index(c.choice_index):
+                continue
             self.known.by_hash.setdefault(c.hash, {})[turn.id] = turn
-            if c.choice_index <= system_free_index(0):
+            if is_system_free_index(c.choice_index):
                 self.known.system_left_out.add((c.hash, turn.id))
         if p.candidates:
             self.known.by_link.setdefault(p.candidates[0][1], {})[turn.id] = turn
 
-        if parent is not None and r.turn_type == TurnKind.MAIN and parent.status == TurnStatus.OK and (
-            not parent.has_next_state or (exact and self._skipped_to(parent))
-        ):
+        if takes_state:
             self._give_next_state(parent, r.id, r.messages[prefix_end:])
         if p.continuations:
             self._adopt_orphans(turn, p)
@@ -199,15 +225,44 @@ class _Batch:
             self.ready += end_session(self.db, session_id)
             self.db.flush()
 
-    def _find_parent(self, p: Prepared, session_id: str | None) -> tuple[StitchTurn | None, int]:
+    def _find_linked(self, p: Prepared, session_id: str | None) -> tuple[StitchTurn | None, int, str | None]:
+        """The turn the record continues, where what it appended begins, and how it continues it
+        when not as sent (datapool.edits.EDIT_KINDS): by prefix (_find_parent); when no turn
+        continues the record's whole history, by an edited history (datapool.stitch_edits); a
+        summarisation call that embeds its transcript, by the transcript."""
+        r = p.record
+        parent, prefix_end, dropped = self._find_parent(p, session_id)
+        how: str | None = None
+        if parent is not None and parent.status != TurnStatus.OK and prefix_end == len(r.messages):
+            how = RETRY
+        elif dropped and not _declares_tools(r):
+            how = RECOVERY
+        shape = summary_shape(r.messages, _declares_tools(r)) if r.turn_type == TurnKind.SIDE else None
+        if r.endpoint == Endpoint.CHAT and (parent is None or prefix_end < longest_end(p)):
+            found: Edited | None = self.edited.find(p, session_id, prefix_end)
+            if found is not None:
+                parent, prefix_end, how = found.parent, found.prefix_end, found.alignment.edit
+                if how is None and found.alignment.dropped_system and not _declares_tools(r):
+                    how = RECOVERY
+        if shape == "embedded" and parent is None:
+            batch = [t for q, t in self.pending.unstored if q.record.tenant == r.tenant]
+            parent = self.edited.summarised(p, session_id, batch)
+            prefix_end = len(r.messages)
+        if shape is not None and parent is not None:
+            how = SUMMARY
+        return parent, prefix_end, how
+
+    def _find_parent(self, p: Prepared, session_id: str | None) -> tuple[StitchTurn | None, int, bool]:
         """The earliest turn whose continuation is the longest candidate any turn has (within
         the named session, if there is one), and where what the record appended begins.
 
         A turn whose request the record extends further without its reply (retry_candidates)
         wins over one whose reply it continues: the record retries a failed or cancelled call
-        (the same messages: only a turn that failed), or goes on after a reply it dropped."""
+        (the same messages: only a turn that failed), or goes on after a reply it dropped.
+        The last value: whether the record left out the system prompt the parent had."""
         parent: StitchTurn | None = None
         prefix_end = 0
+        dropped = False
         for n, (index, h) in enumerate(p.candidates):
             if h not in self.known.fetched:
                 self.known.load_parents(c for _, c in p.candidates[n:])
@@ -215,6 +270,7 @@ class _Batch:
                      if session_id is None or t.session_id == session_id]
             if turns:
                 parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+                dropped = (h, parent.id) in self.known.system_left_out
                 break
         # the turn before may have been sent without the system prompt: it continues that turn's
         # history once its own system messages are left out (never a turn that had others)
@@ -228,6 +284,7 @@ class _Batch:
                      and (h, t.id) not in self.known.system_left_out]
             if turns:
                 parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+                dropped = False
                 break
         whole = len(p.record.messages)
         for n, (k, h) in enumerate(p.retries):
@@ -240,8 +297,8 @@ class _Batch:
                      and (k < whole or t.status != TurnStatus.OK)]
             if turns:
                 # a turn that answered (its reply dropped) before one that failed on the same messages
-                return min(turns, key=lambda t: (t.status != TurnStatus.OK, t.order)), k
-        return parent, prefix_end
+                return min(turns, key=lambda t: (t.status != TurnStatus.OK, t.order)), k, False
+        return parent, prefix_end, dropped
 
     def _latest_main_turn(self, session_id: str, before: datetime) -> StitchTurn | None:
         # An explicit session whose agent rewrote its history (compaction, a dropped system
@@ -333,6 +390,11 @@ class _Batch:
         self.known.members.setdefault(new, []).extend(moved)
 
 
+def _declares_tools(r: TurnRecord) -> bool:
+    params = r.request.get("params") or {}
+    return bool(params.get("tools") or params.get("functions") or r.request.get("tools"))
+
+
 class Stitcher:
     """Writes a batch of records in one transaction, linking each to its session and parent."""
 
@@ -354,7 +416,7 @@ class Stitcher:
             unique.setdefault(r.id, r)
         stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
-        prepared = [tenant_scoped(prepare(r)) for r in fresh]
+        prepared = [tenant_scoped(with_pairs(prepare(r))) for r in fresh]
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()
@@ -372,7 +434,7 @@ class Stitcher:
         keys: set[int] = set()
         for r, candidates, continuations, retries, _ in prepared:
             keys.update(lock_key(h) for _, h in candidates[:1])
-            keys.update(lock_key(c.hash) for c in continuations)
+            keys.update(lock_key(c.hash) for c in continuations if not is_pair_index(c.choice_index))
             keys.update(lock_key(h) for _, h in retries[:1])
             if r.session_id:
                 keys.add(lock_key("session:" + r.session_id))

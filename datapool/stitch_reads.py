@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import Row, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.canonical import Message, Prepared, system_free_index
+from datapool.canonical import Message, Prepared
+from datapool.edits import is_pair_index, is_system_free_index
 from datapool.db import as_utc, chunked
 from datapool.models import Session, Turn, TurnContinuation
 from base.vocab import TurnKind, TurnStatus
@@ -39,12 +40,14 @@ class StitchTurn:
     parent_id: str | None
     has_next_state: bool
     stored: bool  # its row exists, so a change is an UPDATE rather than part of its INSERT
-    messages: list[Message] | None = None  # its request's messages, loaded only for orphans
+    messages: list[Message] | None = None  # its request's messages, loaded only for orphans and edits
+    replies: list[Message] | None = None  # its replies, loaded only for edits (datapool.stitch_edits)
     next_state: dict[str, Any] | None = None  # set by this batch, not yet written
     # its parent is the turn its whole history continues (its longest candidate matched); a turn
     # linked to an earlier ancestor because its parent was not written yet is not, and is
     # re-parented when the parent comes
     exact: bool = True
+    edit: str | None = None  # how it continues its parent when not as sent (datapool.edits.EDIT_KINDS)
 
     @property
     def order(self) -> tuple[datetime, str]:
@@ -138,7 +141,7 @@ class KnownTurns:
             )
             for row in rows:
                 self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
-                if row.choice_index <= system_free_index(0):
+                if is_system_free_index(row.choice_index):
                     self.system_left_out.add((row.hash, row.id))
 
     def prefetch_parents(self) -> None:
@@ -154,7 +157,7 @@ class KnownTurns:
                 longest = p.candidates[0][1]
                 if longest not in earlier and not self.by_hash.get(longest):
                     rest.update(h for _, h in p.candidates[1:])
-            earlier.update(c.hash for c in p.continuations)
+            earlier.update(c.hash for c in p.continuations if not is_pair_index(c.choice_index))
         self.load_parents(rest | {h for p in self.prepared for _, h in p.retries})
 
     def _load_latest(self, session_ids: Iterable[str], before: datetime) -> dict[str, StitchTurn | None]:

@@ -144,6 +144,7 @@ def turn_row(p: Prepared, turn: StitchTurn) -> dict[str, Any]:
         "redaction": r.redaction,
         "link_hash": p.candidates[0][1] if p.candidates else None,
         "response_id": (r.response or {}).get("id"),
+        "edit": turn.edit,
     }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from base.settings import SessionKey, SideTurnRule
 from base.vocab import SessionSource, TurnKind
 from base.errors import RequestError
+from datapool.edits import summary_shape
 from gateway.protocol import SESSION_ID
 
 log = logging.getLogger("nextstate.gateway")
@@ -124,7 +125,8 @@ def side_rule(rules: Sequence[SideTurnRule], headers: Mapping[str, str], body: d
 
 
 def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequence[SideTurnRule]) -> str:
-    """``X-Turn-Type`` if sent (a bad value is a 400), else side if a side-turn rule matches."""
+    """``X-Turn-Type`` if sent (a bad value is a 400), else side if a side-turn rule matches or
+    the request has the shape of a summarisation call (datapool.edits.summary_shape)."""
     sent = headers.get("x-turn-type")
     if sent is not None:
         value = sent.strip().lower()
@@ -134,5 +136,9 @@ def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequen
     rule = side_rule(rules, headers, body)
     if rule is not None:
         log.debug("side turn by rule %s", rule)
+        return TurnKind.SIDE
+    shape = summary_shape(body.get("messages"), bool(body.get("tools") or body.get("functions")))
+    if shape is not None:
+        log.debug("side turn: a summarisation call (%s transcript)", shape)
         return TurnKind.SIDE
     return TurnKind.MAIN

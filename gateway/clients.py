@@ -51,7 +51,10 @@ BUILTIN_PROFILES: tuple[ClientProfile, ...] = tuple(ClientProfile.model_validate
         # npm `openclaw`: its sessionId on the `Runtime:` line (the default session_keys find it
         # too); each user message stamped with the time it arrived
         "name": "openclaw",
-        "system_pattern": r"running inside OpenClaw|\A(?:<!--[^>]*-->\s*)?You are a context summarization assistant",
+        # its own system prompt only: the summarisation prompt of its compaction call is not its
+        # own wording alone (other agents use the same), and that call joins the session it
+        # summarises by its shape (datapool.edits.summary_shape)
+        "system_pattern": r"running inside OpenClaw",
         "session_keys": [
             {"source": "system", "pattern": OPENCLAW_SESSION_ID},
             {"source": "first_user", "pattern": OPENCLAW_SESSION_ID},

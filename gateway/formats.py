@@ -7,16 +7,19 @@ the reply, whole or streamed, is translated back event by event. The pool stores
 the trainer see one shape whatever the client spoke; ``turns.wire_format`` says which it was.
 
 Requests are translated by LiteLLM's own adapters (``LiteLLMAnthropicMessagesAdapter`` and
-``LiteLLMCompletionResponsesConfig``), imported at the first such request (LiteLLM takes seconds
-of CPU to import; a gateway that serves Chat Completions alone never does). The replies are
+``LiteLLMCompletionResponsesConfig``), imported at the first such request, in a worker thread
+(LiteLLM takes seconds of CPU to import; a gateway that serves Chat Completions alone never does). The replies are
 translated back by gateway.replies. docs/wire-formats.md lists what is written here and why.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import json
 import os
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -42,8 +45,26 @@ def _litellm() -> SimpleNamespace:
     )
 
     litellm.suppress_debug_info = True  # its provider lookup prints a banner for a vLLM model name
+    # about a million objects that live as long as the process: out of the collector's
+    # generations, or every full collection walks them all (hundreds of ms on the event loop)
+    gc.freeze()
     return SimpleNamespace(anthropic=LiteLLMAnthropicMessagesAdapter(), responses=LiteLLMCompletionResponsesConfig,
                            BadRequestError=litellm.BadRequestError)
+
+_LOADING = threading.Lock()
+
+
+def _load_once() -> None:
+    with _LOADING:  # one thread imports; the others wait for it, then find it done
+        _litellm()
+
+
+async def load_translators() -> None:
+    """Import LiteLLM's request translators, if not yet, in a worker thread: the import takes
+    seconds of CPU, through which the event loop goes on serving the other requests."""
+    if not _litellm.cache_info().currsize:
+        await asyncio.to_thread(_load_once)
+
 
 # Responses request fields that are not sampling parameters: the gateway handles them itself.
 _RESPONSES_OWN = frozenset({"model", "input", "previous_response_id", "store", "stream", "include",

@@ -42,7 +42,8 @@ class Metrics:
             "nextstate_captured_turns_total", "Turns written to the pool.", registry=self.registry
         )
         self.queue_depth = Gauge(
-            "nextstate_capture_queue_depth", "Captured turns waiting to be written.", registry=self.registry
+            "nextstate_capture_queue_depth", "Captured turns waiting in memory to be written (queued, and the "
+            "batch being written).", registry=self.registry
         )
         self.shed = Counter(
             "nextstate_capture_shed_turns_total",
@@ -56,6 +57,12 @@ class Metrics:
         )
         self.spool_bytes = Gauge(
             "nextstate_spool_bytes", "Size of the capture spool file.", registry=self.registry
+        )
+        self.oldest_unstored = Gauge(
+            "nextstate_capture_oldest_unstored_seconds",
+            "Age of the oldest answered turn not yet in the pool (in memory or in the spool); 0 when "
+            "every turn is stored. Growing under load: the capture writer is behind the traffic.",
+            registry=self.registry,
         )
         self.upstream_up = Gauge(
             "nextstate_upstream_up", "1 while a vLLM upstream answers (and serves the active policy version), "
@@ -90,10 +97,11 @@ class Metrics:
         self.registry.register(PoolCollector(engine))
 
     def watch(self, depth: Callable[[], float], spool_records: Callable[[], float],
-              spool_bytes: Callable[[], float]) -> None:
+              spool_bytes: Callable[[], float], oldest_unstored: Callable[[], float] = lambda: 0.0) -> None:
         self.queue_depth.set_function(depth)
         self.spool_records.set_function(spool_records)
         self.spool_bytes.set_function(spool_bytes)
+        self.oldest_unstored.set_function(oldest_unstored)
 
 
 class ProcessCollector(Collector):

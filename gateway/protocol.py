@@ -14,6 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from base.vocab import EndReason, SessionMode
+from base.jsonfast import loads
 from base.errors import RequestError
 
 #: a session id the client may name (header, /s/{id} path, PUT /api/sessions/{id}): no "..", no leading dot
@@ -129,7 +130,7 @@ def parse_body(raw: bytes, schema: type[BaseModel], *, invalid_status: int = 400
     """Decode and check a request body; returns the JSON object as the client sent it.
     Malformed JSON is a 400; a body that breaks the schema gets ``invalid_status``."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant)
+        body = loads(raw, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     except RecursionError as exc:

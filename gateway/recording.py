@@ -156,6 +156,11 @@ class Accumulator:
             if fn.get("arguments"):
                 slot["function"]["arguments"] += fn["arguments"]
 
+    def finished(self, n: int) -> bool:
+        """Whether each of the *n* choices asked for has its finish reason: the reply is whole,
+        though the usage chunk and [DONE] that follow it may not have arrived."""
+        return len(self.choices) >= n and all(c.finish_reason is not None for c in self.choices.values())
+
     def result(self) -> Captured:
         choices = []
         for i, st in enumerate(sorted(self.choices.values(), key=lambda c: c.index)):
@@ -192,7 +197,8 @@ class Accumulator:
         )
 
 
-SSEvent = tuple[bytes, bytes | None]  # raw event bytes, its data payload or None
+# raw event bytes and its data payload or None (a stream LiteLLM parsed already: empty bytes and the object)
+SSEvent = tuple[bytes, bytes | dict[str, Any] | None]
 
 
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[SSEvent]]:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from base.errors import RequestError
+from base.jsonfast import dumps
 from gateway.errors import anthropic_error
 from gateway.formats import SENT_ARGUMENTS, arguments_object, new_id
 
@@ -140,7 +141,7 @@ class Reply:
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return (b"event: " + name.encode() + b"\ndata: "
-            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+            + dumps(data) + b"\n\n")
 
 
 # --- OpenAI Responses -----------------------------------------------------------------------------

@@ -10,7 +10,6 @@ routes for the OpenAPI schema and the session-prefixed paths."""
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
@@ -20,7 +19,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -28,6 +27,8 @@ from datapool import queries
 from datapool.db import utcnow
 from datapool.records import TurnRecord
 from base.errors import NextstateError, RequestError
+from base.jsonfast import dumps as _dumps
+from base.jsonfast import loads
 from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
 from gateway.auth import require_api_key
@@ -36,7 +37,7 @@ from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable
-from gateway.formats import SENT_ARGUMENTS, messages_to_chat, responses_to_chat
+from gateway.formats import SENT_ARGUMENTS, load_translators, messages_to_chat, responses_to_chat
 from gateway.pool import in_pool
 from gateway.protocol import (
     ChatCompletionRequest,
@@ -104,15 +105,33 @@ class ProxyFastPath:
         await response(scope, receive, send)
 
 
-def _session(request: Request, path_session: str | None, body: dict[str, Any],
+class _Headers(dict[str, str]):
+    """A request's headers, read once: a dict by lowercased name (the first of a repeated one),
+    looked up case-insensitively. Starlette's Headers scans and decodes the raw list on every
+    lookup, and a request's session keys, side-turn rules and client profiles make dozens."""
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]):
+        super().__init__((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in reversed(raw))
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return dict.get(self, key.lower(), default)
+
+    def __getitem__(self, key: str) -> str:
+        return dict.__getitem__(self, key.lower())
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
+
+
+def _session(request: Request, headers: _Headers, path_session: str | None, body: dict[str, Any],
              client: ClientProfile | None) -> tuple[str | None, str | None]:
     keys = gateway_of(request).settings.session_keys
-    return session_of(request.headers, body, path_session, [*client.session_keys, *keys] if client else keys)
+    return session_of(headers, body, path_session, [*client.session_keys, *keys] if client else keys)
 
 
-def _turn_type(request: Request, body: dict[str, Any], client: ClientProfile | None) -> str:
+def _turn_type(request: Request, headers: _Headers, body: dict[str, Any], client: ClientProfile | None) -> str:
     rules = gateway_of(request).settings.side_turn_rules
-    return turn_kind_of(request.headers, body, [*client.side_turn_rules, *rules] if client else rules)
+    return turn_kind_of(headers, body, [*client.side_turn_rules, *rules] if client else rules)
 
 
 async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> list[dict[str, Any]]:
@@ -151,6 +170,8 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     tenant = getattr(request.state, "tenant", None)
     raw = await read_body(request, gw.settings.max_body_bytes)
     reply: Reply | None = None
+    if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):
+        await load_translators()
     if fmt == WireFormat.RESPONSES:
         asked = parse_body(raw, ResponsesRequest)
         body = responses_to_chat(asked, await _history(gw, asked.get("previous_response_id"), tenant))
@@ -162,10 +183,11 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     else:
         body = parse_body(raw, _SCHEMAS[fmt])
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
-    client = recognise(profiles(gw.settings), request.headers, body, fmt)
-    session_id, source = _session(request, path_session, body, client)
+    sent = _Headers(request.scope["headers"])
+    client = recognise(profiles(gw.settings), sent, body, fmt)
+    session_id, source = _session(request, sent, path_session, body, client)
     session_id = scoped_session_id(tenant, session_id)  # a tenant's sessions are its own
-    turn_type = _turn_type(request, body, client)
+    turn_type = _turn_type(request, sent, body, client)
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
         id=uuid.uuid4().hex,
@@ -177,10 +199,10 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
         request=request_record(endpoint, body),
         session_id=session_id,
         session_source=source,
-        task_id=request.headers.get("x-task-id"),
-        group_id=request.headers.get("x-group-id"),
+        task_id=sent.get("x-task-id"),
+        group_id=sent.get("x-group-id"),
         turn_type=turn_type,
-        session_done=request.headers.get("x-session-done", "").strip().lower() in ("1", "true", "yes"),
+        session_done=sent.get("x-session-done", "").strip().lower() in ("1", "true", "yes"),
         upstream_model=target.served_name,
         policy_version=target.policy_version,
         wire_format=fmt,
@@ -266,7 +288,7 @@ class _Call:
         url = f"{t.api_base}{_PATHS[self.endpoint]}"
         auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
         payload = white_box_body(self.endpoint, self.body, t.served_name)
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+        data = _dumps(payload)
         watch = self.gw.vllm_watch
         try:
             if watch is not None:
@@ -301,7 +323,7 @@ class _Call:
         finally:
             resp.release()
         try:
-            obj = json.loads(raw)
+            obj = loads(raw)
         except ValueError as exc:
             raise self._fail(502, f"upstream {t.group} sent invalid JSON") from exc
         self.acc.feed(obj)
@@ -311,7 +333,7 @@ class _Call:
                             media_type="application/json", headers=self.headers)
         if not wants.everything:
             strip_for_client(obj, wants)
-            raw = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+            raw = _dumps(obj)
         return Response(raw, status_code=resp.status, media_type="application/json",
                         headers=self.headers)
 
@@ -323,7 +345,7 @@ class _Call:
         finally:
             resp.release()
         try:
-            upstream = json.loads(raw)
+            upstream = loads(raw)
         except ValueError:
             upstream = raw.decode(errors="replace")[:2000]
         fallback = f"upstream {self.target.group} answered HTTP {resp.status}"
@@ -380,8 +402,9 @@ class _Call:
             error = openai_error(err)
             yield events.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
-            # a client that hangs up after the reply's end ([DONE]) got the whole reply
-            if not events.done:
+            # a client that hangs up once every choice has its finish reason got the whole reply,
+            # though not the usage or [DONE] behind it (an agent that acts on a tool call at once)
+            if not events.done and not self.acc.finished(int(self.body.get("n") or 1)):
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
@@ -421,21 +444,18 @@ class _Call:
             obj = result.model_dump(mode="json", exclude_none=True)
             self.acc.feed(obj)
             self._finish(200)
-            return JSONResponse(obj if self.reply is None else self.reply.whole(obj), headers=self.headers)
+            return Response(_dumps(obj if self.reply is None else self.reply.whole(obj)), media_type="application/json",
+                            headers=self.headers)
         # LiteLLM's exceptions from a provider's stream are many; each is the upstream's failure
         return self._streamed(_litellm_events(result), ClientWants(logprobs=True, token_ids=True), (Exception,))
 
 
 async def _litellm_events(chunks: Any) -> AsyncIterator[list[SSEvent]]:
-    """LiteLLM's stream of chunks as the Chat Completions events vLLM would send, one at a time."""
+    """LiteLLM's stream of chunks as the Chat Completions events vLLM would send, one at a time,
+    each already parsed: its event's bytes are written once, by the relay, from the object."""
     async for chunk in chunks:
-        data = _dumps(chunk.model_dump(mode="json", exclude_none=True))
-        yield [(b"data: " + data + b"\n\n", data)]
+        yield [(b"", chunk.model_dump(mode="json", exclude_none=True))]
     yield [(b"data: [DONE]\n\n", b"[DONE]")]
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 class _Events:
@@ -447,7 +467,9 @@ class _Events:
         self.done = False  # the reply's end was relayed: complete, whatever the client does next
         self.error: dict[str, Any] | None = None  # an error the upstream reported in the stream
 
-    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+    def event(self, raw: bytes, data: bytes | dict[str, Any] | None) -> list[bytes]:
+        """The client's bytes for one upstream event: *raw* as it arrived and its data, as bytes
+        or, from a stream LiteLLM parsed already, as the object (its *raw* then empty)."""
         raise NotImplementedError
 
     def close(self) -> list[bytes]:
@@ -455,7 +477,7 @@ class _Events:
         return []
 
     def error_event(self, err: RequestError) -> bytes:
-        return b"data: " + json.dumps({"error": openai_error(err)}).encode() + b"\n\n"
+        return b"data: " + _dumps({"error": openai_error(err)}) + b"\n\n"
 
 
 class _AsSent(_Events):
@@ -466,17 +488,23 @@ class _AsSent(_Events):
         super().__init__(acc)
         self.wants = wants
 
-    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+    def event(self, raw: bytes, data: bytes | dict[str, Any] | None) -> list[bytes]:
         if data is None or data == b"[DONE]":
             self.done = self.done or data == b"[DONE]"
             return [raw]
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return [raw]
-        self.acc.feed(obj)
-        if self.wants.everything or not isinstance(obj, dict):
-            return [raw]
+        if isinstance(data, dict):
+            obj = data
+            self.acc.feed(obj)
+        else:
+            try:
+                obj = loads(data)
+            except ValueError:
+                return [raw]
+            if not isinstance(obj, dict):
+                return [raw]
+            self.acc.feed(obj)
+            if self.wants.everything:
+                return [raw]
         strip_for_client(obj, self.wants)
         return [b"data: " + _dumps(obj) + b"\n\n"]
 
@@ -488,14 +516,14 @@ class _Translated(_Events):
         super().__init__(acc)
         self.reply = reply
 
-    def event(self, raw: bytes, data: bytes | None) -> list[bytes]:
+    def event(self, raw: bytes, data: bytes | dict[str, Any] | None) -> list[bytes]:
         if data is None:
             return []
         if data == b"[DONE]":
             self.done = True
             return self.reply.end()
         try:
-            obj = json.loads(data)
+            obj = data if isinstance(data, dict) else loads(data)
         except ValueError:
             return []
         if not isinstance(obj, dict):

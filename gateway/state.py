@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -127,7 +128,7 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         on_redacted=metrics.count_redactions,
         on_stored=exporter.stored if exporter is not None else None,
     )
-    metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes)
+    metrics.watch(lambda: writer.depth, lambda: spool.waiting, lambda: spool.bytes, writer.oldest_unstored_s)
     metrics.watch_pool(engine)
     metrics.watch_spool_error(lambda: spool.error)
     gw = Gateway(settings, engine, http, upstreams, writer, metrics, enqueuer, KeyRing(settings, engine),
@@ -140,6 +141,9 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
     watch = PolicyWatch(engine, lambda: loop.call_soon_threadsafe(wake.set)).start()
     follower = asyncio.create_task(_follow_policy(gw, wake), name="policy-alias")
     watching = asyncio.create_task(gw.vllm_watch.run(), name="vllm-watch")
+    # what the start imported and built lives as long as the process: out of the collector's
+    # generations, so that a full collection under load walks only what requests allocate
+    gc.freeze()
     try:
         yield gw
     finally:

@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gateway.redaction import AGENT_BODY  # noqa: E402
+from benchmarks.gateway.report import FORMAT_ROWS, quick_report, table  # noqa: E402
 from tests.support.processes import GatewayProcess, WorkerProcess, free_port, wait_for  # noqa: E402
 
 LITELLM_VENV = Path.home() / ".cache" / "nextstate" / "bench-litellm-venv"
@@ -209,6 +210,23 @@ def load(url: str, *, stream: bool, model: str = "fixed", rate: float | None = N
     return result
 
 
+def soak(url: str, seconds: float, concurrency: int) -> dict[str, int]:
+    """Every wire format at once, whole and streamed, at saturation for *seconds* (one load
+    generator each, *concurrency* clients shared among them); the requests sent, by format."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = [(fmt, stream) for fmt in FORMAT_ROWS.values() for stream in (False, True)]
+    each = max(1, concurrency // len(runs))
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = list(pool.map(lambda run: (run[0], load(url, stream=run[1], fmt=run[0], concurrency=each,
+                                                        duration=seconds, latencies=False)), runs))
+    sent: dict[str, int] = {}
+    for fmt, r in done:
+        sent[fmt] = sent.get(fmt, 0) + r["sent"]
+        print(f"  soak {fmt:<9} {r['ok'] / r['elapsed_s']:.0f} RPS, errors {r['errors']}", file=sys.stderr, flush=True)
+    return sent
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -220,7 +238,8 @@ def pct(values: list[float], q: float) -> float:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def _pool_turns(database_url: str) -> int:
+def _pool_turns(database_url: str) -> dict[str, int]:
+    """The turns in the pool, by the wire format they were asked in."""
     from sqlalchemy import text
 
     from datapool.db import make_engine
@@ -228,21 +247,43 @@ def _pool_turns(database_url: str) -> int:
     engine = make_engine(database_url)
     try:
         with engine.connect() as conn:
-            return int(conn.execute(text("SELECT count(*) FROM turns")).scalar_one())
+            rows = conn.execute(text("SELECT coalesce(wire_format, endpoint), count(*) FROM turns GROUP BY 1"))
+            return {str(fmt): int(n) for fmt, n in rows}
     finally:
         engine.dispose()
 
 
-def _pg_and_redis(stack: ExitStack) -> tuple[str, str]:
+def _settle(database_url: str, sent: dict[str, int], timeout: float) -> dict[str, Any]:
+    """Wait until every request *sent* (by wire format) is a turn in the pool, up to *timeout*
+    seconds: the counts, and how long after the load the last turn was stored (None: not all were)."""
+    load_ended = time.monotonic()
+
+    def settled() -> tuple[dict[str, int]] | None:  # a tuple: true even when the pool is empty
+        n = _pool_turns(database_url)
+        return (n,) if all(n.get(fmt, 0) >= k for fmt, k in sent.items()) else None
+
+    try:
+        (by_format,), settle_s = wait_for(settled, timeout=timeout, interval=0.5), time.monotonic() - load_ended
+    except AssertionError:
+        by_format, settle_s = _pool_turns(database_url), None
+    return {"requests_sent": sum(sent.values()), "turns_stored": sum(by_format.values()), "sent_by_format": sent,
+            "stored_by_format": by_format, "settle_s": settle_s, "waited_s": time.monotonic() - load_ended}
+
+
+def _pg_and_redis(stack: ExitStack, pool: str = "postgresql", work: Path | None = None) -> tuple[str, str]:
+    """The pool's URL (a fresh PostgreSQL database, or with *pool* ``sqlite`` a file in *work*)
+    and a Redis broker's."""
     from tests.support.pg import ThrowawayPostgres, fresh_database, service_dsn
     from tests.support.redis_server import ThrowawayRedis, service_redis_url
 
+    redis = service_redis_url() or stack.enter_context(ThrowawayRedis()).url
+    if pool == "sqlite":
+        return f"sqlite:///{(work or Path(tempfile.mkdtemp())) / 'pool.db'}", redis
     admin = service_dsn()
     if admin is None:
         admin = stack.enter_context(ThrowawayPostgres()).dsn
     url, drop = fresh_database(admin)
     stack.callback(drop)
-    redis = service_redis_url() or stack.enter_context(ThrowawayRedis()).url
     return url, redis
 
 
@@ -271,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _wait_http(f"{upstream_url}/models", upstream, 30, "upstream")
 
         # nextstate: PostgreSQL pool, Redis broker, a scoring worker, the gateway
-        database_url, broker = _pg_and_redis(stack)
+        database_url, broker = _pg_and_redis(stack, args.pool, work)
         env = {"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_QUEUE": f"bench-{os.getpid()}",
                "NEXTSTATE_JUDGE_BACKEND": "python", "NEXTSTATE_JUDGE_PYTHON": "tests.support.judges:verdict",
                "PYTHONPATH": str(ROOT), "NEXTSTATE_API_KEYS": CLIENT_KEY}
@@ -342,7 +383,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if litellm_exe is not None and args.litellm_db:
             results["litellm_db"] = _try_litellm_db(litellm_exe, upstream_url, work, proxy_cpu, stack)
 
-        sent_to_gateway = 0
+        sent: dict[str, int] = {}  # requests sent to the gateway, by wire format
+
+        def count(name: str, n: int) -> None:
+            fmt = fmt_of.get(name, "chat")
+            sent[fmt] = sent.get(fmt, 0) + n
+        # each row's first requests (LiteLLM's translators imported at the first Responses or
+        # Messages request, seconds of CPU) before any CPU is counted
+        for name, (url, _) in rows.items():
+            r = load(url, stream=False, fmt=fmt_of.get(name, "chat"), requests=1, concurrency=1, latencies=False,
+                     extra=extra)
+            if name.startswith("nextstate"):
+                count(name, r["sent"])
         for stream in (False, True):
             mode = "stream" if stream else "whole"
             for name, (url, pid) in rows.items():
@@ -354,7 +406,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 entry["fixed_rate"] = _summary(r) | {"cpu_s_per_1k": cpu / max(r["ok"], 1) * 1000,
                                                     "loadgen_cpu_s_per_1k": r["cpu_s"] / max(r["ok"], 1) * 1000}
                 if name.startswith("nextstate"):
-                    sent_to_gateway += r["sent"]
+                    count(name, r["sent"])
                 print(f"  {mode:<6} {name:<14} {args.rate:.0f} RPS: ok {r['ok']} errors {r['errors']} "
                       f"total p50 {entry['fixed_rate']['total_p50']:.2f} ms", file=sys.stderr, flush=True)
             for name, (url, pid) in rows.items():
@@ -363,20 +415,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 results["rows"][name][mode]["saturation_rps"] = r["ok"] / r["elapsed_s"]
                 results["rows"][name][mode]["saturation_errors"] = r["errors"]
                 if name.startswith("nextstate"):
-                    sent_to_gateway += r["sent"]
+                    count(name, r["sent"])
                 print(f"  {mode:<6} {name:<14} saturation: {r['ok'] / r['elapsed_s']:.0f} RPS, errors "
                       f"{r['errors']}", file=sys.stderr, flush=True)
 
         # memory after many requests (half whole, half streamed), for each proxy
         for name, (url, pid) in rows.items():
-            if name in ("direct", "asgi-floor") or name in fmt_of or args.redaction:
+            if name in ("direct", "asgi-floor") or name in fmt_of or args.redaction or not args.leak_requests:
                 continue
             mem = [rss_mib(pid)]
             half = args.leak_requests // 2
             for stream in (False, True):
                 r = load(url, stream=stream, concurrency=args.concurrency, requests=half, latencies=False)
                 if name.startswith("nextstate"):
-                    sent_to_gateway += r["sent"]
+                    count(name, r["sent"])
                 mem.append(rss_mib(pid))
             results["rows"][name]["memory_mib"] = mem
             print(f"  memory {name}: {' -> '.join(f'{m:.0f}' for m in mem)} MiB over {2 * half} requests",
@@ -394,18 +446,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              duration=args.vllm_duration, extra=extra, warmup=2)
                     results["rows"].setdefault(name, {})[mode] = {"fixed_rate": _summary(r)}
                     if name == "vllm nextstate":
-                        sent_to_gateway += r["sent"]
+                        count(name, r["sent"])
 
-        # every answered request of the gateway is a turn in the pool
-        def settled() -> int | None:
-            n = _pool_turns(database_url)
-            return n if n >= sent_to_gateway else None
+        if args.soak:
+            for fmt, n in soak(gw.base_url, args.soak, args.concurrency).items():
+                sent[fmt] = sent.get(fmt, 0) + n
 
-        try:
-            stored = wait_for(settled, timeout=60, interval=0.5)
-        except AssertionError:
-            stored = _pool_turns(database_url)
-        results["capture"] = {"requests_sent": sent_to_gateway, "turns_stored": stored}
+        results["capture"] = _settle(database_url, sent, args.settle_timeout) | {"pool": args.pool}
         if args.redaction:
             results["redactions"] = {
                 name: {line.split('"')[1]: float(line.split()[-1])
@@ -450,97 +497,27 @@ def _summary(r: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
-def table(results: dict[str, Any]) -> str:
-    rows = results["rows"]
-    out = []
-    w = max([20, *(len(n) + 1 for n in rows)])
-    hdr = (f"{'row':<{w}}{'mode':<7}{'ok/err':>10}{'TTFT p50/p95/p99 ms':>24}{'total p50/p95/p99 ms':>24}"
-           f"{'added total p50/p95/p99':>26}{'added TTFT p50/p99':>20}{'sat RPS':>9}{'CPU s/1k':>9}")
-    out.append(hdr)
-    out.append("-" * len(hdr))
-    for mode in ("whole", "stream"):
-        base = rows.get("direct", {}).get(mode, {}).get("fixed_rate")
-        vbase = rows.get("vllm direct+ids", {}).get(mode, {}).get("fixed_rate")
-        for name, row in rows.items():
-            r = row.get(mode)
-            if not r:
-                continue
-            f = r["fixed_rate"]
-            ref = vbase if name.startswith("vllm") else base
-            errs = sum(f["errors"].values())
-            okerr = f"{f['ok']}/{errs}"
-            line = (f"{name:<{w}}{mode:<7}{okerr:>10}"
-                    f"{f['ttft_p50']:>10.2f}/{f['ttft_p95']:>6.2f}/{f['ttft_p99']:>6.2f}"
-                    f"{f['total_p50']:>10.2f}/{f['total_p95']:>6.2f}/{f['total_p99']:>6.2f}")
-            if ref is not None and name not in ("direct", "vllm direct", "vllm direct+ids"):
-                line += (f"{f['total_p50'] - ref['total_p50']:>12.2f}/{f['total_p95'] - ref['total_p95']:>6.2f}/"
-                         f"{f['total_p99'] - ref['total_p99']:>6.2f}"
-                         f"{f['ttft_p50'] - ref['ttft_p50']:>13.2f}/{f['ttft_p99'] - ref['ttft_p99']:>6.2f}")
-            else:
-                line += " " * 46
-            sat = r.get("saturation_rps")
-            line += f"{sat:>9.0f}" if sat else " " * 9
-            cpu = f.get("cpu_s_per_1k")
-            line += f"{cpu:>9.2f}" if cpu is not None else ""
-            out.append(line)
-    out.append("")
-    for name, row in rows.items():
-        if "memory_mib" in row:
-            m = row["memory_mib"]
-            out.append(f"memory {name}: RSS {' -> '.join(f'{x:.1f}' for x in m)} MiB "
-                       f"(start, after {results['args']['leak_requests'] // 2} whole, after as many streamed)")
-    off = rows.get("nextstate redact=none", {})
-    for name in ("nextstate redact=secrets", "nextstate redact=all"):
-        on = rows.get(name, {})
-        for mode in ("whole", "stream"):
-            if mode in on and mode in off and mode in rows.get("direct", {}):
-                d = rows["direct"][mode]["fixed_rate"]
-                a, b = on[mode]["fixed_rate"], off[mode]["fixed_rate"]
-                added = [(a[f"total_p{q}"] - d[f"total_p{q}"]) / (b[f"total_p{q}"] - d[f"total_p{q}"]) for q in (50, 99)]
-                # the ratio of two small added latencies swings with a tenth of a millisecond: the
-                # difference in ms says how much that is
-                more = [a[f"total_p{q}"] - b[f"total_p{q}"] for q in (50, 99)]
-                out.append(f"redaction {name.split('=')[1]} / off ({mode}, {results['args']['rate']:.0f} RPS): added "
-                           f"latency p50 {added[0]:.2f}x ({more[0]:+.2f} ms), p99 {added[1]:.2f}x ({more[1]:+.2f} ms); "
-                           f"CPU s/1k {a['cpu_s_per_1k'] / b['cpu_s_per_1k']:.2f}x; saturation RPS "
-                           f"{on[mode]['saturation_rps'] / off[mode]['saturation_rps']:.2f}x")
-    if results.get("redactions"):
-        out.append(f"redactions counted (/metrics): {results['redactions']}")
-    ns, ll = rows.get("nextstate", {}), rows.get("litellm-proxy", {})
-    for mode in ("whole", "stream"):
-        if mode in ns and mode in ll:
-            out.append(f"throughput nextstate / LiteLLM proxy ({mode}): "
-                       f"{ns[mode]['saturation_rps'] / ll[mode]['saturation_rps']:.2f}x")
-    if "capture" in results:
-        c = results["capture"]
-        waiting = c.get("queue_depth") or 0
-        out.append(f"nextstate capture, 60 s after the load: {c['turns_stored']} turns stored for {c['requests_sent']} "
-                   f"requests sent, {waiting:.0f} still queued in the gateway's memory, "
-                   f"{c['requests_sent'] - c['turns_stored'] - waiting:.0f} unaccounted; spool now {c['spool_records']}")
-    if "litellm_db" in results:
-        out.append(f"LiteLLM proxy with PostgreSQL spend logs: {results['litellm_db']}")
-    d = rows.get("direct", {})
-    if d:
-        out.append("load generator: " + ", ".join(
-            f"{m} {d[m]['fixed_rate']['loadgen_cpu_s_per_1k']:.2f} CPU s/1k, ceiling >= {d[m]['saturation_rps']:.0f} RPS "
-            "(direct row)" for m in ("whole", "stream") if m in d))
-    load = results.get("loadavg") or {}
-    if load.get("start"):
-        out.append(f"machine: {results.get('cpus')} CPUs, load average (1/5/15 min) "
-                   + " -> ".join(f"{'/'.join(f'{x:.1f}' for x in load[k])}" for k in ("start", "end") if k in load)
-                   + " (start -> end of the run)")
-    out.extend(results["notes"])
-    return "\n".join(out)
-
-
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="the guard, about a minute: the gateway in every wire format beside the ASGI floor, 3 s "
+                         "at --rate and 2 s at saturation per row, no LiteLLM, no vLLM, no memory check; prints "
+                         "the added latency against the floor's, CPU and saturation as ratios to the floor's, "
+                         "and the turns stored against the requests sent per format (results/quick-<time>.*)")
     ap.add_argument("--rate", type=float, default=200, help="open-loop rate, requests/s")
     ap.add_argument("--duration", type=float, default=10, help="seconds at --rate, per row and mode")
     ap.add_argument("--sat-duration", type=float, default=8, help="seconds at saturation, per row and mode")
     ap.add_argument("--concurrency", type=int, default=64, help="clients at saturation")
-    ap.add_argument("--leak-requests", type=int, default=20000, help="requests for the memory check, per proxy")
+    ap.add_argument("--leak-requests", type=int, default=20000,
+                    help="requests for the memory check, per proxy (0: no memory check)")
     ap.add_argument("--proxy-cpu", type=int, default=1, help="CPU the gateway and LiteLLM proxy are pinned to")
+    ap.add_argument("--pool", choices=("postgresql", "sqlite"), default="postgresql",
+                    help="the gateway's pool: a fresh PostgreSQL database, or a SQLite file")
+    ap.add_argument("--soak", type=float, default=0,
+                    help="then every wire format at once, whole and streamed, at saturation for this many "
+                         "seconds, before the stored turns are counted")
+    ap.add_argument("--settle-timeout", type=float, default=60,
+                    help="seconds to wait after the load for every request's turn to be in the pool")
     ap.add_argument("--skip-litellm", action="store_true")
     ap.add_argument("--formats", default="responses,messages",
                     help="other wire formats to measure through the gateway beside Chat Completions "
@@ -558,18 +535,36 @@ def main() -> None:
                          "and all, side by side on the same core, sent an agent's turn with a key, an e-mail "
                          "address and a card number, its last message new in every request; implies "
                          "--skip-litellm --no-floor --formats '' --vllm-url '' and no memory check")
-    args = ap.parse_args()
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
     if args.redaction:
         args.skip_litellm, args.floor, args.litellm_db, args.formats, args.vllm_url = True, False, False, "", ""
+    if args.quick:
+        args.skip_litellm, args.litellm_db, args.vllm_url, args.floor = True, False, "", True
+        args.formats, args.duration, args.sat_duration, args.leak_requests = "responses,messages", 3, 2, 0
+    return args
+
+
+def report(results: dict[str, Any]) -> str:
+    """What a run prints (and keeps as its .txt): the table, and with --quick the ratios to the floor."""
+    text = table(results)
+    return text + "\n\n" + quick_report(results) if results["args"].get("quick") else text
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started on the way out
     results = run(args)
     out_dir = ROOT / "benchmarks" / "gateway" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = ("quick-" if args.quick else "") + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     (out_dir / f"{stamp}.json").write_text(json.dumps(results, indent=1, default=str))
-    (out_dir / f"{stamp}.txt").write_text(table(results) + "\n")
-    print(table(results))
+    (out_dir / f"{stamp}.txt").write_text(report(results) + "\n")
+    print(report(results))
 
 
 if __name__ == "__main__":

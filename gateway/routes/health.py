@@ -42,6 +42,10 @@ async def readyz(request: Request) -> JSONResponse:
     checks["upstreams"] = await gw.upstreams.check()
     spool = gw.writer.spool
     checks["spool"] = {"records": spool.waiting, "error": spool.error}
+    # how far capture is behind the traffic (it does not make the gateway unready: it still answers,
+    # and nothing is lost while the spool takes what memory cannot hold)
+    checks["capture"] = {"queued": gw.writer.depth, "spooled": spool.waiting,
+                         "oldest_unstored_s": round(gw.writer.oldest_unstored_s(), 3)}
     ready = checks["pool"] == "ok" and all(v == "ok" for v in checks["upstreams"].values())
     processes = request.app.state.processes
     if processes is not None:  # the children of `nextstate up`

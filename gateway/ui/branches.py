@@ -15,6 +15,12 @@ requests, compared in the stitcher's canonical form (``datapool.canonical.histor
 - ``summary``: it shares no history with its parent (a summary replaced the earlier messages;
   such a turn is tied to its session by the agent's session key);
 - ``start`` / ``new start``: no parent, first in the session or not.
+
+An edit the stitcher recorded on the turn (``turns.edit``, datapool.edits) labels the edge to its
+parent: ``recovery pass`` (the history once more without system prompt and tools, asking for the
+answer), ``summary inserted`` (before the messages kept), ``summary in place of history`` (the
+earlier messages replaced); such a turn is not marked ``summary`` as well. A summarisation side
+call the stitcher tied to a turn is drawn as an edge leaving that turn (``summarised by``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from datapool.canonical import history_hash
 from base.vocab import TurnKind, TurnStatus
 
 _SYSTEM = ("system", "developer")
+# the label of the edge from a turn to its parent, by the edit recorded on the turn
+EDGE_LABELS = {"recovery": "recovery pass", "compaction-insert": "summary inserted",
+               "compaction-replace": "summary in place of history"}
 
 
 @dataclass
@@ -36,6 +45,12 @@ class Node:
     marks: list[str]
     said: str  # the last message the turn's request added, for a person to recognise it
     children: list[Node] = field(default_factory=list)
+    summaries: list[dict[str, Any]] = field(default_factory=list)  # side calls that summarised up to here
+
+    @property
+    def edge(self) -> str | None:
+        """The label of the edge to the parent: the edit recorded on the turn, if one is drawn."""
+        return EDGE_LABELS.get(self.turn.get("edit") or "") if self.parent_id else None
 
     @property
     def id(self) -> str:
@@ -118,7 +133,7 @@ def marks_of(turn: dict[str, Any], parent: dict[str, Any] | None, first: bool) -
         how = _how(plain_child, plain_before, _replies(parent), failed)
         if how is not None:
             out.append("no system prompt" if len(plain_child) == len(child) else "system prompt again")
-    if how is None:
+    if how is None and turn.get("edit") not in EDGE_LABELS:
         out.append("summary")
     elif how != "continues":
         out.append(how)
@@ -145,6 +160,9 @@ def graph(turns: Sequence[dict[str, Any]]) -> Graph:
     by_id = {t["id"]: t for t in main}
     nodes = {t["id"]: Node(t, marks_of(t, by_id.get(t.get("parent_turn_id") or ""), first=i == 0), _said(t))
              for i, t in enumerate(main)}
+    for t in turns:
+        if t.get("turn_type") == TurnKind.SIDE and t.get("edit") == "summary" and t.get("parent_turn_id") in nodes:
+            nodes[t["parent_turn_id"]].summaries.append(t)
     roots: list[Node] = []
     for node in nodes.values():
         parent = nodes.get(node.parent_id or "")

@@ -43,16 +43,29 @@ PLAIN = ["What is the capital of France?", "And of Germany?", "Name one river th
 # user forcing a call would; the reply itself is chosen upstream (_steer)
 TOOL_MESSAGE = f"Repeat exactly: {TOOL_CALL}"
 AFTER_TOOL = "The session is fine."
+# step 5: a tool loop whose last reply is empty, which is what makes OpenClaw run its recovery pass
+LOOP_MESSAGE = "Look up the session status, please."
+EMPTY_REPLY = " "
+# the fixed start of the instruction OpenClaw appends to the transcript in its recovery pass
+RECOVERY_MARK = "The previous assistant turn completed its tool calls but did not produce a user-visible answer."
 AFTER_COMPACTION = "Thanks, that is all."
+# one `openclaw agent --local` run: 15-40 s on a quiet machine, minutes on two cores shared with other jobs
+RUN_TIMEOUT_S = 540
 
 
 def _steer(messages: list[dict[str, Any]]) -> str | None:
-    """The reply vLLM must write to OpenClaw's request: the tool call to TOOL_MESSAGE, a short
-    text once the tool's result is back; anything else (the plain turns, compaction) is sampled."""
+    """The reply vLLM must write to OpenClaw's request: the tool call to TOOL_MESSAGE and to
+    LOOP_MESSAGE; once the tool's result is back, a short text (TOOL_MESSAGE) or an empty reply
+    (LOOP_MESSAGE); anything else (the plain turns, the recovery pass, compaction) is sampled. Only
+    OpenClaw's main prompt is steered: its recovery pass has no system prompt."""
+    if not messages or messages[0].get("role") != "system" or OPENCLAW_SYSTEM_MARK not in _text(
+            messages[0].get("content")):
+        return None
+    asked = next((_text(m.get("content")) for m in reversed(messages) if m.get("role") == "user"), "")
     last = messages[-1]
     if last.get("role") == "tool":
-        return AFTER_TOOL
-    if last.get("role") == "user" and TOOL_MESSAGE in _text(last.get("content")):
+        return EMPTY_REPLY if LOOP_MESSAGE in asked else AFTER_TOOL
+    if last.get("role") == "user" and (TOOL_MESSAGE in asked or LOOP_MESSAGE in asked):
         return TOOL_CALL
     return None
 
@@ -69,6 +82,8 @@ def _text(content: Any) -> str:
 class PoolTurn:
     id: str
     session_id: str
+    parent_turn_id: str | None
+    edit: str | None
     turn_type: str
     status: str
     request: dict[str, Any]
@@ -95,6 +110,13 @@ class PoolTurn:
             OPENCLAW_SYSTEM_MARK)
 
     @property
+    def is_recovery_pass(self) -> bool:
+        """OpenClaw's recovery pass: no system prompt, no tools, its instruction as the last message."""
+        return (not self.system and not self.request.get("tools") and bool(self.messages)
+                and self.messages[-1].get("role") == "user"
+                and _text(self.messages[-1].get("content")).startswith(RECOVERY_MARK))
+
+    @property
     def is_compaction(self) -> bool:
         return self.system.startswith(COMPACTION_SYSTEM_MARK)
 
@@ -111,15 +133,15 @@ class PoolTurn:
 def _turns(db: Path) -> list[PoolTurn]:
     con = sqlite3.connect(db)
     try:
-        rows = con.execute("SELECT id, session_id, turn_type, status, request, response, next_state, usage,"
-                           " latency_ms FROM turns ORDER BY created_at").fetchall()
+        rows = con.execute("SELECT id, session_id, parent_turn_id, edit, turn_type, status, request, response,"
+                           " next_state, usage, latency_ms FROM turns ORDER BY created_at").fetchall()
     finally:
         con.close()
 
     def js(v: Any) -> Any:
         return json.loads(v) if isinstance(v, str) else v
 
-    return [PoolTurn(r[0], r[1], r[2], r[3], js(r[4]), js(r[5]), js(r[6]), js(r[7]), r[8]) for r in rows]
+    return [PoolTurn(*r[:6], js(r[6]), js(r[7]), js(r[8]), js(r[9]), r[10]) for r in rows]
 
 
 @dataclass
@@ -163,20 +185,22 @@ def conversation(openclaw: OpenClawInstall, vllm_server: RunningVLLM,
             "models": {f"nextstate/{vllm_server.model}": {"params": {"extra_body": {"tool_choice": "required"}}}}}}})
         compacting = lean_config(gw.base_url, api_key, vllm_server.model, extra={"agents": {"defaults": {
             "compaction": {"maxActiveTranscriptBytes": 1000, "qualityGuard": {"enabled": False}}}}})
-        runs = [agent.run(m, session_id=session, config=plain) for m in PLAIN]
+        runs = [agent.run(m, session_id=session, config=plain, timeout_s=RUN_TIMEOUT_S) for m in PLAIN]
         for run in runs:
             assert run.returncode == 0, f"openclaw failed on {run.message!r}:\n{run.stderr[-3000:]}"
-        runs.append(agent.run(TOOL_MESSAGE, session_id=session, config=forced))
-        runs.append(agent.run(AFTER_COMPACTION, session_id=session, config=compacting))
+        runs.append(agent.run(TOOL_MESSAGE, session_id=session, config=forced, timeout_s=RUN_TIMEOUT_S))
+        runs.append(agent.run(LOOP_MESSAGE, session_id=session, config=plain, timeout_s=RUN_TIMEOUT_S))
+        runs.append(agent.run(AFTER_COMPACTION, session_id=session, config=compacting, timeout_s=RUN_TIMEOUT_S))
         wait_for(lambda: any(AFTER_COMPACTION in t.last_user for t in _turns(db)), timeout=60)
         turns = _turns(db)
         for run in runs:
             print(f"openclaw: run {run.message[:40]!r}: {run.seconds:.1f}s rc={run.returncode}")
         for t in turns:
-            kind = "compaction" if t.is_compaction else "main" if t.is_openclaw_main else "other"
+            kind = ("compaction" if t.is_compaction else "main" if t.is_openclaw_main
+                    else "recovery" if t.is_recovery_pass else "other")
             print(f"openclaw: turn {kind:10} {t.turn_type:4} {t.status:5} prompt_tokens="
                   f"{(t.usage or {}).get('prompt_tokens')} latency_ms={t.latency_ms and round(t.latency_ms)} "
-                  f"tool_calls={len(t.tool_calls)} user={t.last_user[:30]!r}")
+                  f"tool_calls={len(t.tool_calls)} edit={t.edit} user={t.last_user[:30]!r}")
         yield Conversation(openclaw, gw, db, api_key, runs, turns)
 
 
@@ -216,6 +240,48 @@ def test_a_forced_tool_loop_stays_in_the_session_with_the_tool_result_as_next_st
     before = [t for t in conversation.turns if t.is_openclaw_main and t.status == "ok"
               and AFTER_COMPACTION not in t.last_user]
     assert {t.session_id for t in before} == {session}
+
+
+def _call_ids(turn: PoolTurn) -> set[str]:
+    # OpenClaw replays a call's id with its dashes removed
+    return {"".join(ch for ch in str(c.get("id")) if ch.isalnum()) for c in turn.tool_calls}
+
+
+def test_the_recovery_pass_after_a_tool_loop_is_the_loop_s_last_turn_in_the_session(
+        conversation: Conversation) -> None:
+    session = conversation.main_turn(PLAIN[0]).session_id
+    loop = [t for t in conversation.turns if t.is_openclaw_main and LOOP_MESSAGE in t.last_user]
+    assert loop, "no request for the tool loop"
+    calls = [t for t in loop if t.tool_calls]
+    assert calls, "the steered tool call was not made"
+    assert any(t.response and not t.tool_calls for t in loop), "the loop's empty reply is missing"
+    passes = [t for t in conversation.turns if t.is_recovery_pass]
+    assert passes, f"OpenClaw ran no recovery pass; turns: {[(t.status, t.last_user[-60:]) for t in conversation.turns]}"
+    recovery = passes[0]
+    # what makes it hard: the pass carries the loop's history without system prompt, Runtime line
+    # (so no session key), arrival stamp or tools
+    asked = [_text(m.get("content")) for m in recovery.messages if m.get("role") == "user" and LOOP_MESSAGE in
+             _text(m.get("content"))]
+    assert [a.strip() for a in asked] == [LOOP_MESSAGE], asked
+    assert "sessionId=" not in json.dumps(recovery.messages)
+    assert recovery.status == "ok" and recovery.turn_type == "main"
+    # the pass joins the tool loop's session ...
+    assert recovery.session_id == session, (recovery.session_id, session)
+    assert {t.session_id for t in loop} == {session}
+    # ... every tool-call turn has its tool result as next state ...
+    for call in calls:
+        results = [m for m in call.next_messages if m.get("role") == "tool"]
+        assert results, f"the tool-call turn has no tool result as next state: {call.next_state}"
+        assert {"".join(ch for ch in str(m.get("tool_call_id")) if ch.isalnum()) for m in results} <= _call_ids(call)
+    # ... and the recovery answer is the loop's last turn: it goes on from the empty reply (the
+    # pass drops that reply and asks again), recorded as a recovery, and nothing of the loop follows
+    empty = loop[-1]
+    assert not empty.tool_calls
+    assert recovery.parent_turn_id == empty.id, (recovery.parent_turn_id, [t.id for t in loop])
+    assert recovery.edit == "recovery"
+    assert [_text(m.get("content")) for m in empty.next_messages][-1:] == [_text(recovery.messages[-1]["content"])]
+    order = [t.id for t in conversation.turns]
+    assert max(order.index(t.id) for t in loop) < order.index(recovery.id)
 
 
 def test_compaction_calls_are_side_turns_and_the_session_goes_on(conversation: Conversation) -> None:

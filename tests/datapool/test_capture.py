@@ -210,3 +210,49 @@ async def test_replay_goes_a_chunk_at_a_time_and_resumes_after_an_outage(
     engine.dispose()
     # the first 20 were "written" by a replay whose pool we never saw: only the rest is stored
     assert sorted(_stored_ids(pg_cluster.dsn)) == sorted(r.id for r in records[20:])
+
+
+async def test_writer_behind_writes_its_backlog_in_one_bigger_batch(pg_url: str, tmp_path: Path) -> None:
+    """A backlog above the batch size but under the queue bound goes to the pool in one batch of
+    all of it (not batch by batch, not through the spool); while it is written, the writer says
+    how far behind it is: the turns in memory, batch in flight included, and the oldest one's age."""
+    engine = make_engine(pg_url)
+    written: list[int] = []
+    shed: list[int] = []
+    writer = CaptureWriter(engine, Spool(tmp_path / "spool"), batch_size=8, max_queue=1000,
+                           flush_interval_s=0.005, on_written=written.append, on_shed=shed.append)
+    records = [_record(i) for i in range(300)]
+    assert writer.oldest_unstored_s() == 0.0
+    held = HeldPool(pg_url)
+    try:
+        writer.start()
+        for r in records:
+            writer.submit(r)  # no await between them: 300 queued before the writer wakes
+        await _until(lambda: writer.queue.qsize() == 0)  # taken: the batch waits on the held pool
+        assert writer.depth == 300 and writer.in_flight[0] is records[0]
+        assert writer.oldest_unstored_s() > 0.0
+    finally:
+        held.release()
+    await _until(lambda: writer.processed == 300)
+    assert written == [300] and shed == [] and not writer.spool.pending
+    assert writer.depth == 0 and writer.oldest_unstored_s() == 0.0
+    await writer.stop()
+    engine.dispose()
+    assert sorted(_stored_ids(pg_url)) == sorted(r.id for r in records)
+
+
+async def test_spool_knows_its_oldest_turn(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    assert spool.oldest is None
+    records = [_record(i) for i in range(4)]
+    spool.append(records[:2])
+    spool.append(records[2:])
+    assert spool.oldest == records[0].created_at
+    spool.advance(spool.chunk(3))
+    assert spool.oldest == records[3].created_at  # read back from the file, past the cursor
+    spool.close()
+    spool = Spool(tmp_path / "spool")  # the next process replays the file from its start
+    assert spool.oldest == records[0].created_at
+    spool.advance(spool.chunk(None))
+    assert spool.oldest is None and not spool.pending
+    spool.close()

@@ -70,7 +70,8 @@ def test_0007_rehashes_a_pool_written_with_the_old_form(database_url: str) -> No
     from sqlalchemy.orm import Session as OrmSession
 
     from datapool.models import Turn, TurnContinuation
-    from datapool.canonical import continuation_hashes, continuations_of, link_candidates
+    from datapool.canonical import continuation_hashes, link_candidates
+    from datapool.edits import stored_continuations as continuations_of
     from datapool.sessions import Stitcher
     from nextstate.cli import main
     from tests.support.records import openclaw_tool_loop

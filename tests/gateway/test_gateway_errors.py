@@ -127,6 +127,10 @@ def test_readyz_reports_unreachable_upstreams(error_gateway: GatewayProcess) -> 
     checks = r.json()["checks"]
     assert checks["pool"] == "ok"
     assert any(v != "ok" for v in checks["upstreams"].values())
+    # how far capture is behind (the pool answers: nothing is spooled); it does not decide readiness
+    capture = checks["capture"]
+    assert set(capture) == {"queued", "spooled", "oldest_unstored_s"} and capture["spooled"] == 0
+    assert isinstance(capture["queued"], int) and capture["oldest_unstored_s"] >= 0
     assert httpx.get(f"{error_gateway.url}/healthz", timeout=5).json() == {"status": "ok"}
 
 
@@ -139,6 +143,7 @@ def test_metrics_exposes_latency_and_capture_gauges(error_gateway: GatewayProces
     text = httpx.get(f"{error_gateway.url}/metrics", timeout=5).text
     for name in ("nextstate_request_seconds_bucket", "nextstate_upstream_seconds_bucket",
                  "nextstate_capture_queue_depth", "nextstate_spool_records", "nextstate_spool_bytes",
+                 "nextstate_capture_oldest_unstored_seconds",
                  "nextstate_judgements_dead", "nextstate_judge_retries_total"):
         assert name in text
 

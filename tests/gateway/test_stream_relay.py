@@ -97,3 +97,34 @@ def test_each_upstream_event_is_one_client_event(gateway: GatewayProcess, upstre
     stored = gateway.stored_turn(resp.headers["x-turn-id"])
     assert stored["token_ids"] == list(range(100, 100 + TOKENS))
     assert len(stored["logprobs"]) == TOKENS
+
+
+@pytest.mark.parametrize("hangs_up", ["after_the_finish_reason", "before_it"])
+def test_a_client_that_hangs_up_once_the_reply_finished_got_all_of_it(
+        gateway: GatewayProcess, upstream: UpstreamProcess, hangs_up: str) -> None:
+    """An agent acts on a tool call as soon as its finish reason arrives and closes the stream
+    without waiting for [DONE] (which a busy upstream may send in a later write): the turn is
+    whole and stored as answered, so the agent's next request continues it. A client that hangs
+    up before the finish reason got part of the reply: that turn is cancelled."""
+    body: dict[str, Any] = {"model": "fixed", "stream": True, "max_tokens": TOKENS, "fake_chunks": TOKENS,
+                            "fake_done_delay_s": 2.0, "messages": [{"role": "user", "content": "Hi"}]}
+    if hangs_up == "before_it":
+        body["fake_chunk_delay_s"] = 0.3  # the reply's end is not at the gateway yet
+    with httpx.stream("POST", f"{gateway.base_url}/chat/completions", json=body, timeout=30) as resp:
+        turn_id = resp.headers["x-turn-id"]
+        seen = 0
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            seen += 1
+            finished = json.loads(line[len("data: "):])["choices"][0]["finish_reason"] is not None
+            if finished or (hangs_up == "before_it" and seen == 2):
+                break  # the stream is closed here, [DONE] still two seconds away
+    stored = gateway.stored_turn(turn_id)
+    if hangs_up == "after_the_finish_reason":
+        assert stored["status"] == "ok" and stored["error"] is None, stored["error"]
+        assert len(stored["token_ids"]) == TOKENS
+        assert stored["response"]["choices"][0]["finish_reason"] == "stop"
+    else:
+        assert stored["status"] == "cancelled" and stored["error"]["type"] == "cancelled"
+        assert 2 <= len(stored["token_ids"]) < TOKENS

@@ -11,6 +11,7 @@ with extra body fields, which the gateway passes through untouched:
 - ``fake_chunks`` (int): reply tokens (default 8), one stream chunk each;
 - ``fake_chunk_delay_s`` (float): pause before each chunk (before each write, with
   ``fake_together``);
+- ``fake_done_delay_s`` (float): pause before the last write, the one that carries ``[DONE]``;
 - ``fake_together`` (int): send the stream's events that many at a time, each group in one
   socket write, so that they reach the gateway in one read;
 - ``fake_split`` (bool): send each write in two halves, cut inside an event, with a pause
@@ -212,6 +213,7 @@ async def _stream(writer: asyncio.StreamWriter, endpoint: str, payload: dict[str
     """Send one streamed reply; False if the client went away before its end."""
     tag = payload.get("fake_tag")
     delay = float(payload.get("fake_chunk_delay_s") or 0)
+    done_delay = float(payload.get("fake_done_delay_s") or 0)  # a pause before [DONE] alone
     die_after = payload.get("fake_die_after_chunks")
     together = max(1, int(payload.get("fake_together") or 1))
     split = bool(payload.get("fake_split"))
@@ -224,6 +226,8 @@ async def _stream(writer: asyncio.StreamWriter, endpoint: str, payload: dict[str
                 os._exit(3)  # a crash: no [DONE], no closing chunk, the socket just drops
             if delay:
                 await asyncio.sleep(delay)
+            if done_delay and k + together >= len(events):
+                await asyncio.sleep(done_delay)
             data = b"".join(events[k:k + together])
             for part in (data[:len(data) // 2], data[len(data) // 2:]) if split else (data,):
                 writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")

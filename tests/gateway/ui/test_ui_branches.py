@@ -240,3 +240,35 @@ def test_every_turn_is_drawn_once_under_its_parent_with_how_it_continues(
         assert "resumed" in last and g.branches
     if ending == "reply dropped":
         assert "reply dropped" in last and g.branches
+
+
+EDGE = re.compile(r'data-branch-turn="(\w+)"[^>]*>(?:(?!</li>)[\s\S])*?data-edge="([\w-]+)"')
+
+
+def test_a_recovery_pass_and_a_compaction_are_labelled_edges(ui: tuple[TestClient, Engine]) -> None:
+    """A tool loop ended by a recovery pass (no system prompt, no tools), in one session with a
+    summary inserted before the kept messages and a summarisation side call: each edit is drawn on
+    the edge to the turn it continues."""
+    s = Session()
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "chatcmpl-tool-5e1d", "type": "function", "function": {"name": "exec", "arguments": '{"cmd": "ls"}'}}]}
+    a = s.turn([SYSTEM, _user(f"list the files {s.word}")], "")
+    a.response["choices"][0]["message"] = call  # type: ignore[index]
+    result = {"role": "tool", "tool_call_id": "chatcmpltool5e1d", "content": "a.txt"}
+    replayed = {**call, "tool_calls": [{**call["tool_calls"][0], "id": "chatcmpltool5e1d",
+                                        "function": {"name": "exec", "arguments": '{"cmd":"ls"}'}}]}
+    recovery = s.turn([_user(f"list the files {s.word}"), replayed, result, _user("Answer now, no more tools.")],
+                      "There is a.txt.")
+    summary = {"role": "user", "content": "Summary of the conversation so far: the user listed the files."}
+    inserted = s.turn([SYSTEM, summary, *s.after(recovery, _user("and now?"))], "done")
+    side = s.turn([{"role": "system", "content": "Summarise this transcript for the agent."},
+                   _user(f"<conversation>\n[user]\nlist the files {s.word}\n[assistant]\nThere is a.txt.\n"
+                         "[user]\nand now?\n[assistant]\ndone\n</conversation>")], "Listed files.", turn_type="side")
+    page, rows = _render(ui, s)
+    assert {r.turn: r.parent for r in rows} == {a.id: "", recovery.id: a.id, inserted.id: recovery.id}
+    assert dict(EDGE.findall(page)) == {recovery.id: "recovery", inserted.id: "compaction-insert"}
+    assert "⤷ recovery pass" in page and "⤷ summary inserted" in page
+    # the side call hangs off the turn whose history it summarised
+    item = page[page.index(f'data-branch-turn="{inserted.id}"'):]
+    assert f'data-edge="summary" data-side="{side.id}"' in item[:item.index("</li>")]
+    assert "summary" not in _marks(rows)[inserted.id][1]  # the edge says it; no bare "summary" mark
