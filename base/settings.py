@@ -361,8 +361,9 @@ class Settings(BaseSettings):
         "LiteLLM's model info otherwise; unknown: no shortening).",
     )
     judge_max_retries: int = Field(
-        default=4, description="Retries of a scoring task failing for a transient reason (connection, 5xx, "
-        "timeout, 429) before it is dead-lettered; other failures are dead-lettered at once."
+        default=7, description="Retries of a scoring task failing for a transient reason (connection, 5xx, "
+        "timeout, 429) before it is dead-lettered; other failures are dead-lettered at once. With the default "
+        "backoff the retries span about 4 minutes, longer than the model server takes to restart."
     )
     judge_retry_backoff_s: float = Field(default=2.0, description="First retry delay; doubles each time.")
     teacher_url: str | None = Field(
