@@ -33,8 +33,10 @@ RL_BASELINES: tuple[str, ...] = ("batch", "none")
 #: How the integrated reward R_t = O + mean votes is normalized before the advantage
 #: (``ObjectiveConfig.integrated_norm``): ``"step"`` per step index across the batch, then the
 #: group's baseline; ``"group"`` only the group's baseline for samples in a group (per step across
-#: the batch for the others).
-INTEGRATED_NORMS: tuple[str, ...] = ("step", "group")
+#: the batch for the others); ``"dense"`` the outcome's group advantage plus the turn's votes,
+#: centred in the group and weighted by ``vote_weight`` (whole-batch advantages only:
+#: ``trainer.rewards.dense_advantages``).
+INTEGRATED_NORMS: tuple[str, ...] = ("step", "group", "dense")
 
 #: Which registered advantage estimator each objective uses.
 ADV_ESTIMATOR_FOR_OBJECTIVE: dict[str, str] = {
@@ -76,7 +78,13 @@ class ObjectiveConfig:
             step indices differ in their mix of successes, the turns of a group that all failed
             get different values, which the group's standardization turns into advantages of
             about ±1 (``trainer.rewards``). ``"group"`` leaves R_t of a grouped sample as it is,
-            so such a group gets A = 0.
+            so such a group gets A = 0 when its votes agree, but the votes alone, standardized,
+            when they differ. ``"dense"`` takes the outcome and the votes apart: A_t = the GRPO
+            advantage of O in the group + ``vote_weight`` · (v_t − the group's mean vote), so
+            a group whose episodes all failed gets only the bounded credit of its votes, on the
+            steps they fell on (``trainer.rewards.dense_advantages``; the iteration's advantages
+            at once, ``trainer.offline.mini_batches``).
+        vote_weight: the votes' weight in ``integrated_norm="dense"``.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.
         opd_topk: top-k OPD (``"opd"``, ``"combined"``): samples whose teacher pass kept its
@@ -108,6 +116,7 @@ class ObjectiveConfig:
     grpo_eps: float = 1e-6
     rl_baseline: str = "batch"
     integrated_norm: str = "step"
+    vote_weight: float = 0.25
     policy_loss: str = "vanilla"
     opd_topk: bool = False
     opd_topk_tail: bool = True

@@ -510,21 +510,21 @@ class LocalTrainer:
     def _advantages(self, samples: Sequence[Sample], batch: _StepBatch) -> torch.Tensor:
         """The whole batch's advantages (GRPO groups and standardization span micro-batches)."""
         cfg, mask, student, topk = self.objective, batch.mask, batch.student, batch.topk
+        if cfg.integrated_norm == "dense":  # whole-batch advantages: trainer.offline.mini_batches
+            raise ValueError('integrated_norm "dense" needs mini-batches: train_offline(mini_batch_size=...)')
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
             # a sample distilled on the teacher's top-k takes no sampled-token OPD advantage
-            sampled_only = [s.teacher_logprobs is not None and (topk is None or not topk[3][i])
+            sampled_only = [[float(s.teacher_logprobs is not None and (topk is None or not topk[3][i]))]
                             for i, s in enumerate(samples)]
-            teacher_mask = chunked.to_device(torch.tensor(
-                [[1.0] if x else [0.0] for x in sampled_only]), mask.device) * mask
+            teacher_mask = chunked.to_device(torch.tensor(sampled_only), mask.device) * mask
         token_rewards = objectives.scores_to_token_rewards(
             objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group").to(mask.device), mask)
         groups = [s.group_id for s in samples]
-        adv = objectives.compute_advantages(
-            cfg, response_mask=mask, token_level_rewards=token_rewards,
-            index=groups if cfg.grpo and any(g is not None for g in groups) else None,
-            teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
+        adv = objectives.compute_advantages(cfg, response_mask=mask, token_level_rewards=token_rewards,
+                                            index=groups if cfg.grpo and any(g is not None for g in groups) else None,
+                                            teacher_log_prob=teacher, student_log_prob=student, teacher_mask=teacher_mask)
         batch.old, adv, batch.mask = (chunked.to_device(t, self.device) for t in (batch.old, adv, mask))
         return adv
 

@@ -163,9 +163,15 @@ def batch_advantages(samples: Sequence[Sample], cfg: ObjectiveConfig) -> list[fl
     import torch
 
     from trainer import objectives
+    from trainer.rewards import dense_advantages
 
     if not samples:
         return []
+    if cfg.integrated_norm == "dense":
+        # grouped turns with an outcome: outcome and votes apart; the rest as "group" takes them
+        rest = batch_advantages(samples, dataclasses.replace(cfg, integrated_norm="group"))
+        dense = dense_advantages(samples, cfg.vote_weight, norm_by_std=cfg.grpo_norm_by_std, eps=cfg.grpo_eps)
+        return [d if d is not None else r for d, r in zip(dense, rest, strict=True)]
     mask = torch.ones((len(samples), 1))
     rewards = objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group")
     groups = [s.group_id for s in samples]

@@ -13,10 +13,16 @@ different values wherever the batch's step indices differ in their mix of succes
 different lengths, or a batch holding turn 1 of some episodes and turn 2 of others), and the group's
 standardization then blows those differences up to advantages of about ±1: noise on turns that
 carry no signal.
+
+``integrated_norm="dense"`` (:func:`dense_advantages`) keeps the outcome's signal and the votes'
+apart, so that votes neither become the whole update of a group with no outcome signal (its
+turns standardized on their votes alone) nor blur a group with one.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,4 +129,40 @@ def sample_rewards(samples: Sequence[Any], *, by_group: bool = False) -> torch.T
     for i, w in enumerate(raw):
         if w:
             out[i] = float(integrated[i])
+    return out
+
+
+def dense_advantages(samples: Sequence[Any], vote_weight: float, *, norm_by_std: bool = True,
+                     eps: float = 1e-6) -> list[float | None]:
+    """Per sample of a GRPO group with an outcome (a ``group_id`` and an ``integrated_reward``):
+    A_t = (O − mean_g O) / (std_g O + ε) + vote_weight · (v_t − mean_g v), where v_t is the turn's
+    vote r_t (its ``reward``; 0 when unjudged), O = R_t − v_t the episode's outcome, and g the
+    sample's group (unbiased std, as veRL's GRPO; only centred without *norm_by_std*; a group whose
+    outcomes agree gets 0 from its outcome). None for the other samples, a group of one among them
+    (it has no group to compare with).
+
+    The outcome term is the group's only large one; the votes add credit bounded by
+    *vote_weight* on the very turns they judged, and sum to 0 within each group."""
+    votes: list[float] = []
+    outcomes: list[float] = []
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, s in enumerate(samples):
+        v = float(s.reward) if s.reward is not None else 0.0
+        votes.append(v)
+        outcomes.append(float(s.integrated_reward) - v if s.integrated_reward is not None else 0.0)
+        if s.group_id is not None and s.integrated_reward is not None:
+            groups[s.group_id].append(i)
+    out: list[float | None] = [None] * len(samples)
+    for members in groups.values():
+        if len(members) < 2:
+            continue  # no group to compare with: the batch's baseline (rl_baseline), as under "group"
+        o = [outcomes[i] for i in members]
+        mean_o = sum(o) / len(o)
+        std_o = math.sqrt(sum((x - mean_o) ** 2 for x in o) / (len(o) - 1))
+        mean_v = sum(votes[i] for i in members) / len(members)
+        for i in members:
+            a = outcomes[i] - mean_o
+            if norm_by_std:
+                a /= std_o + eps
+            out[i] = a + vote_weight * (votes[i] - mean_v)
     return out

@@ -12,8 +12,10 @@ quarter of the turns (mostly of failed episodes). Each turn's advantage comes fr
 
 - ``step``: what the GPU runs trained with: each optimizer step's ``--batch-size`` turns leased
   alone, R_t standardized per step index across them, then within the task's group;
-- ``iteration``: the benchmark's ``--advantage-scope iteration --integrated-norm group``: the
-  iteration's turns at once (``trainer.offline.mini_batches``), R_t only within the whole group.
+- ``iteration``: ``--advantage-scope iteration --integrated-norm group``: the iteration's turns at
+  once (``trainer.offline.mini_batches``), R_t only within the whole group;
+- ``iteration, dense``: the benchmark's ``--integrated-norm dense``: the outcome's advantage in the
+  group plus the votes' bounded, centred credit (``trainer.rewards.dense_advantages``).
 
 Prints, per arm and path, for the turns of groups with no signal (all failed or all passed) and of
 groups with signal: the share with A ≠ 0, the mean A and |A|, and their share of Σ|A|.
@@ -72,10 +74,14 @@ def step_path(rows: list[tuple[Sample, bool]], batch_size: int) -> list[float]:
     return out
 
 
-def iteration_path(rows: list[tuple[Sample, bool]], batch_size: int) -> list[float]:
-    parts = mini_batches([s for s, _ in rows], ObjectiveConfig(integrated_norm="group"), batch_size)
+def iteration_path(rows: list[tuple[Sample, bool]], batch_size: int, norm: str = "group") -> list[float]:
+    parts = mini_batches([s for s, _ in rows], ObjectiveConfig(integrated_norm=norm), batch_size)
     adv = {s.turn_id: float(s.reward or 0.0) for p in parts for s in p}
     return [adv[s.turn_id] for s, _ in rows]
+
+
+def dense_path(rows: list[tuple[Sample, bool]], batch_size: int) -> list[float]:
+    return iteration_path(rows, batch_size, "dense")
 
 
 def main() -> None:
@@ -89,7 +95,7 @@ def main() -> None:
     print("| arm | path | turns of | turns | A ≠ 0 | mean A | mean abs A | share of Σ abs A |")
     print("|---|---|---|---|---|---|---|---|")
     for arm in ("outcome", "integrated"):
-        for name, path in (("step", step_path), ("iteration", iteration_path)):
+        for name, path in (("step", step_path), ("iteration", iteration_path), ("iteration, dense", dense_path)):
             cats: dict[str, list[float]] = defaultdict(list)
             for seed in range(args.seeds):
                 rows = iteration(seed, arm, turns=turns, jitter=args.jitter)

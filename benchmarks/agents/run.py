@@ -27,10 +27,11 @@ Arms (the reward each turn is trained on; the trainer standardizes it within the
   on --teacher, else --upstream), beside the rules.
 
 Training (``--advantage-scope``, the presets' ``iteration``): an iteration's turns are leased at
-once and their advantages taken over all of them — each task's group whole, R_t standardized only
-within it (``--integrated-norm group``) — then one optimizer step per ``--batch-size`` turns; a
-group whose episodes all failed gets A = 0 (``benchmarks/agents/advantages.py`` shows what the
-per-step path, ``step``, gave instead). ``--kl-coef``, ``--warmup-steps`` and ``--max-grad-norm``
+once and their advantages taken over all of them — each task's group whole: the outcome's GRPO
+advantage within it plus ``--vote-weight`` times the turn's vote less the group's mean vote
+(``--integrated-norm dense``) — then one optimizer step per ``--batch-size`` turns; a group whose
+episodes all failed gets only its votes' bounded credit (``benchmarks/agents/advantages.py`` shows
+what the per-step path, ``step``, and R_t standardized within the group, ``group``, gave instead). ``--kl-coef``, ``--warmup-steps`` and ``--max-grad-norm``
 reach the trainer.
 
 Any arm with the suffix ``@async`` (``integrated@async``) runs its iterations pipelined: iteration
@@ -119,9 +120,11 @@ PRESETS: dict[str, dict[str, Any]] = {
             "temperature": "terminal=0.6,1.0"},
 }
 #: how the trainer takes advantages (``--advantage-scope``, ``--integrated-norm``): an iteration's turns
-#: leased at once, each task's group whole, R_t normalized only within its group
-TRAINING = {"advantage_scope": "iteration", "integrated_norm": "group", "kl_coef": 0.0, "warmup_steps": 0,
-            "max_grad_norm": None}
+#: leased at once, each task's group whole; the outcome's advantage within its group, plus the votes'
+#: bounded credit (dense: under "group" the votes alone, standardized, were 76 % of Σ|A| and fell on the
+#: groups with no outcome signal, ``python -m benchmarks.agents.advantages``)
+TRAINING = {"advantage_scope": "iteration", "integrated_norm": "dense", "vote_weight": 0.25, "kl_coef": 0.0,
+            "warmup_steps": 0, "max_grad_norm": None}
 for _preset in PRESETS.values():
     _preset.update(TRAINING)
 # each iteration's trainer starts a fresh AdamW, whose first step moves every weight by lr (sign-like)
@@ -243,7 +246,8 @@ class Job:
 
         return ObjectiveConfig(objective=ARMS[base_arm(self.arm)][1],
                                kl_coef=getattr(self.args, "kl_coef", None) or 0.0,
-                               integrated_norm=getattr(self.args, "integrated_norm", None) or "step")
+                               integrated_norm=getattr(self.args, "integrated_norm", None) or "step",
+                               vote_weight=getattr(self.args, "vote_weight", None) or 0.0)
 
     def publish(self, directory: Path, name: str, parent: str | None, gw_url: str) -> None:
         from base.vocab import VersionKind
@@ -744,10 +748,15 @@ def main() -> None:
                         "of it (each task's GRPO group whole), then one optimizer step per --batch-size turns; "
                         "step: each step's --batch-size turns alone, in the pool's order, which cuts groups "
                         "(default: the preset's, iteration)")
-    p.add_argument("--integrated-norm", choices=("group", "step"),
-                   help="group: R_t = O + votes of a grouped turn normalized only within its task's group (a group "
-                        "that all failed gets A = 0); step: first standardized per step index across the batch "
-                        "(trainer.config.ObjectiveConfig.integrated_norm; default: the preset's, group)")
+    p.add_argument("--integrated-norm", choices=("dense", "group", "step"),
+                   help="dense: A = the outcome's GRPO advantage in the task's group + --vote-weight x (the turn's "
+                        "vote - the group's mean vote), so a group that all failed gets only its votes' bounded "
+                        "credit; group: R_t = O + votes of a grouped turn standardized within its task's group (a "
+                        "group that all failed is then trained on its votes alone); step: first standardized per "
+                        "step index across the batch (trainer.config.ObjectiveConfig.integrated_norm; default: the "
+                        "preset's, dense)")
+    p.add_argument("--vote-weight", type=float,
+                   help="the votes' weight under --integrated-norm dense (default: the preset's, 0.25)")
     p.add_argument("--kl-coef", type=float, help="coefficient of the k3 KL to the base policy (0: none)")
     p.add_argument("--warmup-steps", type=int,
                    help="each iteration's optimizer steps warm the learning rate up over this many (0: none)")
@@ -776,6 +785,8 @@ def main() -> None:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.tag = args.tag or ("calibration" if args.calibrate else args.preset)
+    if args.integrated_norm == "dense" and args.advantage_scope != "iteration":
+        p.error("--integrated-norm dense takes an iteration's advantages at once: use --advantage-scope iteration")
     for s in args.suites.split(","):
         try:
             suite_value(args.temperature, s)

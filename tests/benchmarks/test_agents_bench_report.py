@@ -93,6 +93,15 @@ def test_unknown_arm_is_refused(arms: str, monkeypatch: pytest.MonkeyPatch, caps
     assert e.value.code == 2 and "unknown arm" in capsys.readouterr().err
 
 
+def test_dense_advantages_need_the_iteration_scope(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr("sys.argv", ["run", "--suites", "toolcall", "--integrated-norm", "dense",
+                                     "--advantage-scope", "step"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2 and "--advantage-scope iteration" in capsys.readouterr().err
+
+
 def test_escapes_are_tried_and_contained(tmp_path: Path) -> None:
     """What the benchmark tries beside its environments; each is stopped by its own limit."""
     from base.errors import SandboxUnavailable

@@ -1,6 +1,7 @@
 """Advantages of agent episodes: turns of a task's group that all failed (or all passed) carry no
-signal and must get A = 0, however the leased batches cut the group and whatever step the turns
-are at; the trainer's warmup and gradient clipping."""
+outcome signal and must get A = 0 from the outcome, however the leased batches cut the group and
+whatever step the turns are at, and only the bounded credit of their votes under
+``integrated_norm="dense"``; the trainer's warmup and gradient clipping."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.agents import advantages
 from tests.support.tiny_model import VOCAB, write_tiny_llama
 from trainer import objectives
 from trainer.config import LocalConfig
@@ -27,24 +29,10 @@ def _turn(task: int, episode: int, step: int, outcome: float, vote: float = 0.0)
                   teacher_logprobs=None, reward=vote, integrated_reward=outcome + vote, capture="white_box")
 
 
-def _iteration(seed: int, *, turns: tuple[int, ...] = (3,), tasks: int = 16, n: int = 8,
-               jitter: float = 0.6) -> list[tuple[Sample, bool]]:
-    """A GPU iteration's turns in the pool's lease order (created_at): 16 tasks x 8 episodes of the
-    given lengths, 4 of the 16 tasks with some successes, each turn a model call and a command of
-    jittered length, all episodes at once."""
-    rng = random.Random(seed)
-    rates = [0.0] * (tasks - 4) + [0.25, 0.5, 0.5, 0.75]
-    rng.shuffle(rates)
-    rows = []
-    for t in range(tasks):
-        for e in range(n):
-            ok = rng.random() < rates[t]
-            clock = 0.0
-            for k in range(rng.choice(turns)):
-                clock += 1.0 + rng.uniform(-jitter, jitter)
-                rows.append((clock, _turn(t, e, k, 1.0 if ok else 0.0), ok))
-    rows.sort(key=lambda r: r[0])
-    return [(s, ok) for _, s, ok in rows]
+def _iteration(seed: int, *, turns: tuple[int, ...] = (3,)) -> list[tuple[Sample, bool]]:
+    """A GPU iteration's turns in the pool's lease order, without votes (the advantages instrument's
+    own: 16 tasks x 8 episodes, 4 of the 16 tasks with some successes, jittered turn lengths)."""
+    return advantages.iteration(seed, "outcome", turns=list(turns), jitter=0.6)
 
 
 def _no_signal(rows: list[tuple[Sample, bool]]) -> set[str]:
@@ -156,6 +144,72 @@ def test_step_norm_gives_a_failed_group_of_mixed_lengths_advantages() -> None:
     group = batch_advantages(failed + other, ObjectiveConfig(integrated_norm="group"))[: len(failed)]
     assert max(abs(a) for a in step) > 0.5
     assert group == [0.0] * len(failed)
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.booleans(), min_size=1, max_size=8),
+                          st.lists(st.lists(st.sampled_from((-1.0, 0.0, 1.0)), min_size=1, max_size=4),
+                                   min_size=8, max_size=8)), min_size=1, max_size=6),
+       st.sampled_from((0.0, 0.25, 1.0)))
+def test_dense_keeps_outcome_and_votes_apart_property(groups: list[tuple[list[bool], list[list[float]]]],
+                                                      weight: float) -> None:
+    """Any groups of episodes of any lengths, with any votes on any turns, in one batch: under
+    ``dense`` each group's advantages sum to 0; a group whose outcomes agree gets exactly its votes'
+    centred credit, never more than 2·weight; a group whose votes agree gets what the outcome alone
+    gets (``group``, without votes); and the rest, the outcome's advantage plus the votes'. A
+    group of one turn has nothing to compare with and is taken as under ``group``."""
+    samples, plain = [], []
+    for g, (oks, votes) in enumerate(groups):
+        for e, ok in enumerate(oks):
+            for k, v in enumerate(votes[e]):
+                samples.append(_turn(g, e, k, 1.0 if ok else 0.0, v))
+                plain.append(_turn(g, e, k, 1.0 if ok else 0.0))
+    cfg = ObjectiveConfig(integrated_norm="dense", vote_weight=weight)
+    dense = batch_advantages(samples, cfg)
+    outcome_only = batch_advantages(plain, ObjectiveConfig(integrated_norm="group"))
+    grouped = batch_advantages(samples, ObjectiveConfig(integrated_norm="group"))
+    for g, (oks, _) in enumerate(groups):
+        idx = [i for i, s in enumerate(samples) if s.group_id == f"task{g}"]
+        if len(idx) == 1:  # a group of one has none to compare with: the batch's baseline
+            assert dense[idx[0]] == pytest.approx(grouped[idx[0]])
+            continue
+        votes = [samples[i].reward for i in idx]
+        mean_v = sum(votes) / len(votes)
+        assert sum(dense[i] for i in idx) == pytest.approx(0.0, abs=1e-6)
+        for i in idx:
+            credit = weight * (samples[i].reward - mean_v)
+            assert dense[i] == pytest.approx(outcome_only[i] + credit, abs=1e-6)
+            if len(set(oks)) == 1:
+                assert dense[i] == pytest.approx(credit, abs=1e-9) and abs(dense[i]) <= 2 * weight + 1e-9
+    # mini-batches carry the same advantages, and the step takes them as they are
+    parts = mini_batches(samples, cfg, 16, seed=1)
+    carried = {s.turn_id: s.reward for p in parts for s in p}
+    assert [carried[s.turn_id] for s in samples] == pytest.approx(dense)
+
+
+def test_dense_moves_the_update_off_groups_without_signal() -> None:
+    """The advantages instrument's integrated arm (−1 votes on a quarter of the turns): under
+    ``group`` most of Σ|A| falls on the groups with no outcome signal, their votes standardized;
+    under ``dense`` it falls on the groups with signal, and the outcome arm is what it was."""
+    def share(arm: str, norm: str) -> float:
+        rows = advantages.iteration(0, arm, turns=[3], jitter=0.6)
+        quiet = _no_signal(rows)
+        adv = advantages.iteration_path(rows, 64, norm)
+        total = sum(abs(a) for a in adv)
+        return sum(abs(a) for (s, _), a in zip(rows, adv) if s.group_id in quiet) / total
+
+    assert share("integrated", "group") > 0.6
+    assert share("integrated", "dense") < 0.35
+    rows = advantages.iteration(1, "outcome", turns=[1, 2, 3], jitter=0.6)
+    assert advantages.iteration_path(rows, 64, "dense") == pytest.approx(advantages.iteration_path(rows, 64, "group"))
+
+
+def test_dense_needs_the_whole_batch(tiny_model: Path) -> None:
+    trainer = LocalTrainer(LocalConfig(model_dir=tiny_model, device="cpu"), ObjectiveConfig(integrated_norm="dense"))
+    with pytest.raises(ValueError, match="mini-batches"):
+        trainer.step(_samples())
+    with pytest.raises(ValueError, match="integrated_norm"):
+        ObjectiveConfig(integrated_norm="votes")
 
 
 @pytest.fixture(scope="module")
