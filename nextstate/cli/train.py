@@ -17,6 +17,7 @@ from base.vocab import Objective, TrainBackend, VersionKind
 from nextstate.cli import options as opt
 from trainer.config import (
     COMPUTE_DTYPES,
+    INTEGRATED_NORMS,
     RL_BASELINES,
     LocalConfig,
     ObjectiveConfig,
@@ -77,6 +78,18 @@ def optimisation_options() -> Any:
                      help="rl, combined: the baseline of the reward of turns outside a task group (online: every "
                           "turn). batch: standardize r within the batch (a batch where every reply failed gives "
                           "no RL signal); none: A = r on every token."),
+        click.option("--integrated-norm", type=click.Choice(INTEGRATED_NORMS),
+                     default=opt.field_default(ObjectiveConfig, "integrated_norm"), show_default=True,
+                     help="rl, combined, turns of a task group with an outcome (R_t = O + votes): step: R_t "
+                          "standardized per step index across the batch, then the group's baseline; group: only the "
+                          "group's baseline (a group whose episodes all failed is then trained on its votes alone); "
+                          "dense: the outcome's group advantage + --vote-weight x the turn's vote less the group's "
+                          "mean vote (needs --mini-batch-size)."),
+        click.option("--vote-weight", type=float, default=opt.field_default(ObjectiveConfig, "vote_weight"),
+                     show_default=True, help="The votes' weight under --integrated-norm dense."),
+        click.option("--mini-batch-size", type=click.IntRange(min=1),
+                     help="Local backend, offline: take the advantages of each leased --batch-size turns at once "
+                          "(a task's group whole), then one optimizer step per this many of them."),
         click.option("--loss-agg-mode", default=opt.field_default(ObjectiveConfig, "loss_agg_mode"),
                      show_default=True,
                      help="veRL's loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, ..."),
@@ -226,6 +239,9 @@ class TrainOptions:
     w_opd: float
     opd_topk: bool
     rl_baseline: str
+    integrated_norm: str
+    vote_weight: float
+    mini_batch_size: int | None
     loss_agg_mode: str
     # local_speed_options
     compile_layers: bool | None
@@ -327,10 +343,15 @@ def train(**params: Any) -> None:
         model_dir = ensure_model(settings.cache_dir, ensure_vllm_env(settings.cache_dir))
     from datapool.db import make_engine
 
+    if o.mini_batch_size and (o.online or o.backend != TrainBackend.LOCAL):
+        raise click.UsageError("--mini-batch-size splits the leased batches of the local backend's offline training")
+    if o.integrated_norm == "dense" and not o.mini_batch_size:
+        raise click.UsageError("--integrated-norm dense takes a leased batch's advantages at once: add --mini-batch-size")
     engine = make_engine(settings.resolved_database_url)
     filters = _filters(o)
     cfg = ObjectiveConfig(objective=o.objective, w_rl=o.w_rl, w_opd=o.w_opd, kl_coef=o.kl_coef,
                           loss_agg_mode=o.loss_agg_mode, rl_baseline=o.rl_baseline,
+                          integrated_norm=o.integrated_norm, vote_weight=o.vote_weight,
                           opd_topk=o.opd_topk and o.objective != "rl")
     local = local_config(o, model_dir)
     urls = list(o.vllm_urls) or policy_servers(settings)
@@ -415,7 +436,7 @@ def _train_offline(o: TrainOptions, settings: Settings, engine: Any, cfg: Object
                              base_model=base_model, on_step=on_step)
     else:
         result = train_offline(engine, objective=cfg, local=local, filters=filters, batch_size=o.batch_size,
-                               max_steps=o.steps, epochs=o.epochs, lease_s=o.lease_s,
+                               max_steps=o.steps, epochs=o.epochs, lease_s=o.lease_s, mini_batch_size=o.mini_batch_size,
                                output_root=settings.data_dir / "runs", resume=o.resume, on_step=on_step)
     bar.close()
     if writer is not None:

@@ -83,6 +83,9 @@ def test_train_repeat_every_starts_new_runs_until_stopped(tmp_path, model_dir) -
     assert CliRunner().invoke(main, ["train", "--objective", "rl", "--repeat-every", "5", "--online"]).exit_code == 2
 
 
+CAPTURED_OPTIONS: list = []  # the last _captured_local_config's command-line options
+
+
 def _captured_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path, flags: list[str]):  # type: ignore[no-untyped-def]
     """Run `nextstate train` with ``flags`` up to the local backend; its LocalConfig and ObjectiveConfig."""
     import importlib
@@ -93,6 +96,7 @@ def _captured_local_config(monkeypatch: pytest.MonkeyPatch, tmp_path, flags: lis
     def fake_offline(p, settings, engine, cfg, local, *rest) -> None:  # type: ignore[no-untyped-def]
         seen["local"] = local
         seen["objective"] = cfg
+        CAPTURED_OPTIONS[:] = [p]
 
     monkeypatch.setattr(train_cli, "_train_offline", fake_offline)
     result = CliRunner().invoke(main, ["train", "--objective", "rl", "--model-dir", str(tmp_path),
@@ -138,3 +142,17 @@ def test_train_rl_baseline_flag_reaches_the_objective(monkeypatch: pytest.Monkey
     assert old.rl_baseline == "none"
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--rl-baseline", "ema"])
     assert bad.exit_code == 2 and "rl-baseline" in bad.output
+
+
+def test_train_integrated_norm_flags_reach_the_objective(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _, default = _captured_local_config(monkeypatch, tmp_path, [])
+    assert (default.integrated_norm, CAPTURED_OPTIONS[0].mini_batch_size) == ("step", None)
+    _, dense = _captured_local_config(monkeypatch, tmp_path, [
+        "--integrated-norm", "dense", "--vote-weight", "0.5", "--mini-batch-size", "16"])
+    assert (dense.integrated_norm, dense.vote_weight, CAPTURED_OPTIONS[0].mini_batch_size) == ("dense", 0.5, 16)
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--integrated-norm", "dense",
+                                    "--database-url", f"sqlite:///{tmp_path}/pool.db"])
+    assert bad.exit_code == 2 and "--mini-batch-size" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--online", "--mini-batch-size", "8",
+                                    "--database-url", f"sqlite:///{tmp_path}/pool.db"])
+    assert bad.exit_code == 2 and "offline" in bad.output
