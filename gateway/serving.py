@@ -402,9 +402,11 @@ class _Call:
             error = openai_error(err)
             yield events.error_event(err)
         except (asyncio.CancelledError, GeneratorExit):
-            # a client that hangs up once every choice has its finish reason got the whole reply,
-            # though not the usage or [DONE] behind it (an agent that acts on a tool call at once)
-            if not events.done and not self.acc.finished(int(self.body.get("n") or 1)):
+            # a chat client that hangs up once each of its n choices has its finish reason got the
+            # whole reply, though not the usage or [DONE] behind it (an agent acting on a tool call
+            # at once); a completions request may hold several prompts, so there only [DONE] tells
+            whole = self.endpoint == Endpoint.CHAT and self.acc.finished(int(self.body.get("n") or 1))
+            if not events.done and not whole:
                 status, error = "cancelled", {"message": "client disconnected", "type": "cancelled"}
             raise
         finally:
