@@ -210,9 +210,11 @@ class Job:
         # one server can be both (the GPU build computes prompt_logprobs beside live traffic)
         self.urls = list(dict.fromkeys([args.upstream, args.teacher]))
         if args.judge == "python":
-            self.judge: Any = PythonJudge("benchmarks.learning.preference:judge")
+            self.judge: Any = PythonJudge(f"benchmarks.learning.preference:{self.spec.judge}")
             self.votes = 1
         else:
+            if self.spec.judge != "judge":
+                raise ValueError(f"{arm}: +ask words the python judge's hint; --judge llm writes its own")
             self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
             self.votes = args.votes
         self.phases = Phases()
@@ -453,6 +455,8 @@ class Arm:
     #: the arm's own learning rate and optimizer steps per round (None: the preset's)
     lr: float | None = None
     updates: int | None = None
+    #: the python judge (benchmarks.learning.preference): its hint names the question (+ask) or not
+    judge: str = "judge"
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -472,8 +476,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
     margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
     and trained as its group, default :data:`SIBLINGS_DEFAULT`), ``lr=X`` and ``steps=N`` (the arm's
-    learning rate and optimizer steps per round instead of the preset's). Raises ValueError for an
-    unknown objective, baseline or option."""
+    learning rate and optimizer steps per round instead of the preset's), ``ask`` (the python
+    judge's hint names the question: ``preference.judge_naming_the_question``). Raises ValueError
+    for an unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
     if len(rest) > 2:
@@ -484,6 +489,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         kw["w_rl"] = float(rest[1])
     top_k = n_siblings = 0
     margin = lr = steps = None
+    judge = "judge"
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -505,16 +511,18 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             lr = float(value)
             if not 0 < lr < 1:
                 raise ValueError(f"lr is a learning rate in (0, 1), not {value!r}")
+        elif name == "ask" and not eq:
+            judge = "judge_naming_the_question"
         elif name == "steps" and eq:
             steps = int(value)
             if not 1 <= steps <= 64:
                 raise ValueError(f"steps is 1 to 64 optimizer steps per round, not {value!r}")
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M], "
-                             "siblings[=N], lr=X or steps=N")
+                             "siblings[=N], lr=X, steps=N or ask")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
-    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps)
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -624,7 +632,8 @@ def main() -> None:
                         f"{KL_DEFAULT} by default: opd+topk+kl), topic[=M] (hold back a candidate whose on-topic share "
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
-                        "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4)")
+                        "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), ask "
+                        "(the python judge's hint names the question the reply was to answer: opd+topk+ask)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")

@@ -80,6 +80,20 @@ def judge(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, Any]:
     return {"vote": -1, "rationale": why, "hint": said or reaction(question, reply)}
 
 
+def judge_naming_the_question(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`judge` whose hint also names the question the reply was to answer: the hinted teacher
+    (the policy's own base model with the hint) is then told what to be short *about*. With the
+    user's words alone ("Too long. Please keep your answers short") top-k OPD pulled the student
+    into short replies on no topic (benchmarks/gpu/results, "opd against opd+topk"). The hint
+    stays grounded in the next state and the turn: the user's words, then the turn's own
+    question."""
+    vote = judge(turn, next_state)
+    if vote["vote"] < 0:
+        question = _question((turn.get("request") or {}).get("messages") or [])
+        vote["hint"] = f'{vote["hint"]} The question was: "{question}"'
+    return vote
+
+
 def topic_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
     """Eval-gate topicality scorer (``OnlineConfig.topic_scorer``): 1 when the reply is on topic."""
     return float(on_topic(_question(messages), reply))

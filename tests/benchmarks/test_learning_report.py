@@ -133,6 +133,28 @@ def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
             arm_spec(bad)
 
 
+def test_ask_names_the_question_in_the_hint():
+    """``+ask``: the python judge's hint is the user's words and then the question the reply was
+    to answer; a reply that meets the preference gets +1 and no hint, as without it."""
+    from benchmarks.learning import preference
+
+    assert (arm_spec("opd+topk+ask").judge, arm_spec("opd+topk").judge) == ("judge_naming_the_question", "judge")
+    with pytest.raises(ValueError):
+        arm_spec("opd+ask=1")
+    question = "What is a calorie?"
+    turn = {"request": {"messages": [{"role": "user", "content": question}]},
+            "response": {"content": "A calorie is " + "a unit of energy " * 10}}
+    said = {"messages": [{"role": "user", "content": preference.CORRECTION}]}
+    plain, asked = preference.judge(turn, said), preference.judge_naming_the_question(turn, said)
+    assert plain["vote"] == asked["vote"] == -1 and plain["hint"] == preference.CORRECTION
+    assert asked["hint"].startswith(preference.CORRECTION) and question in asked["hint"]
+    turn["response"]["content"] = "A unit of energy in food."  # short, but no word of the question
+    off = preference.judge_naming_the_question(turn, {"messages": []})  # no reply yet: the user's reaction
+    assert off["hint"] == f'{preference.OFF_TOPIC} The question was: "{question}"'
+    turn["response"]["content"] = "A calorie is a unit of energy."
+    assert preference.judge_naming_the_question(turn, said) == {"vote": 1, "rationale": "7 words, on topic"}
+
+
 def test_round_tables_mean_each_round_over_the_seeds_and_count_held_back_rounds():
     def rounds(*kls: float, refused: tuple[int, ...] = ()) -> list[dict]:
         return [{"after": 6 * (i + 1), "decision": "refuse" if i in refused else "promote", "drift_kl_k3": kl}
