@@ -35,7 +35,7 @@ RL_BASELINES: tuple[str, ...] = ("batch", "none")
 #: group's baseline; ``"group"`` only the group's baseline for samples in a group (per step across
 #: the batch for the others); ``"dense"`` the outcome's group advantage plus the turn's votes,
 #: centred in the group and weighted by ``vote_weight`` (whole-batch advantages only:
-#: ``trainer.rewards.dense_advantages``).
+#: ``trainer.offline.batch_advantages``, ``trainer.rewards.vote_credit``).
 INTEGRATED_NORMS: tuple[str, ...] = ("step", "group", "dense")
 
 #: Which registered advantage estimator each objective uses.
@@ -82,8 +82,8 @@ class ObjectiveConfig:
             when they differ. ``"dense"`` takes the outcome and the votes apart: A_t = the GRPO
             advantage of O in the group + ``vote_weight`` · (v_t − the group's mean vote), so
             a group whose episodes all failed gets only the bounded credit of its votes, on the
-            steps they fell on (``trainer.rewards.dense_advantages``; the iteration's advantages
-            at once, ``trainer.offline.mini_batches``).
+            steps they fell on (``trainer.rewards.vote_credit``; the iteration's advantages at
+            once, ``trainer.offline.batch_advantages`` and ``mini_batches``).
         vote_weight: the votes' weight in ``integrated_norm="dense"``.
         policy_loss: veRL policy-loss name (``core_algos.get_policy_loss_fn``);
             ``"vanilla"`` is the PPO clipped surrogate the design calls for.

@@ -163,15 +163,18 @@ def batch_advantages(samples: Sequence[Sample], cfg: ObjectiveConfig) -> list[fl
     import torch
 
     from trainer import objectives
-    from trainer.rewards import dense_advantages
+    from trainer.rewards import vote_credit, without_votes
 
     if not samples:
         return []
     if cfg.integrated_norm == "dense":
-        # grouped turns with an outcome: outcome and votes apart; the rest as "group" takes them
-        rest = batch_advantages(samples, dataclasses.replace(cfg, integrated_norm="group"))
-        dense = dense_advantages(samples, cfg.vote_weight, norm_by_std=cfg.grpo_norm_by_std, eps=cfg.grpo_eps)
-        return [d if d is not None else r for d, r in zip(dense, rest, strict=True)]
+        # grouped turns with an outcome: the outcome's group advantage plus the votes' credit; the
+        # rest as "group" takes them
+        group = dataclasses.replace(cfg, integrated_norm="group")
+        rest = batch_advantages(samples, group)
+        outcome = batch_advantages([without_votes(s) for s in samples], group)
+        credit = vote_credit(samples, cfg.vote_weight)
+        return [r if c is None else o + c for r, o, c in zip(rest, outcome, credit, strict=True)]
     mask = torch.ones((len(samples), 1))
     rewards = objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group")
     groups = [s.group_id for s in samples]

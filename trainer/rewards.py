@@ -14,14 +14,14 @@ different lengths, or a batch holding turn 1 of some episodes and turn 2 of othe
 standardization then blows those differences up to advantages of about ±1: noise on turns that
 carry no signal.
 
-``integrated_norm="dense"`` (:func:`dense_advantages`) keeps the outcome's signal and the votes'
+``integrated_norm="dense"`` (:func:`vote_credit`) keeps the outcome's signal and the votes'
 apart, so that votes neither become the whole update of a group with no outcome signal (its
 turns standardized on their votes alone) nor blur a group with one.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -132,37 +132,36 @@ def sample_rewards(samples: Sequence[Any], *, by_group: bool = False) -> torch.T
     return out
 
 
-def dense_advantages(samples: Sequence[Any], vote_weight: float, *, norm_by_std: bool = True,
-                     eps: float = 1e-6) -> list[float | None]:
-    """Per sample of a GRPO group with an outcome (a ``group_id`` and an ``integrated_reward``):
-    A_t = (O − mean_g O) / (std_g O + ε) + vote_weight · (v_t − mean_g v), where v_t is the turn's
-    vote r_t (its ``reward``; 0 when unjudged), O = R_t − v_t the episode's outcome, and g the
-    sample's group (unbiased std, as veRL's GRPO; only centred without *norm_by_std*; a group whose
-    outcomes agree gets 0 from its outcome). None for the other samples, a group of one among them
-    (it has no group to compare with).
 
-    The outcome term is the group's only large one; the votes add credit bounded by
-    *vote_weight* on the very turns they judged, and sum to 0 within each group."""
-    votes: list[float] = []
-    outcomes: list[float] = []
+def _outcome_group(s: Any) -> bool:
+    return s.group_id is not None and s.integrated_reward is not None
+
+
+def without_votes(s: Any) -> Any:
+    """A sample of a GRPO group with an outcome as its outcome alone (R_t = O, no vote); any other
+    sample as it is."""
+    if not _outcome_group(s):
+        return s
+    vote = float(s.reward) if s.reward is not None else 0.0
+    return dataclasses.replace(s, reward=0.0, integrated_reward=float(s.integrated_reward) - vote)
+
+
+def vote_credit(samples: Sequence[Any], vote_weight: float) -> list[float | None]:
+    """``integrated_norm="dense"``'s second term: per sample of a GRPO group (two or more samples)
+    with an outcome, *vote_weight* · (v_t − the group's mean vote), v_t its vote r_t (0 when
+    unjudged); None for the other samples, a group of one among them (it has nothing to compare
+    with). Its first term is the outcome's GRPO advantage, of :func:`without_votes` samples.
+    The credit is bounded by *vote_weight* on the very turns the votes judged, and sums to 0 in
+    each group."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
-        v = float(s.reward) if s.reward is not None else 0.0
-        votes.append(v)
-        outcomes.append(float(s.integrated_reward) - v if s.integrated_reward is not None else 0.0)
-        if s.group_id is not None and s.integrated_reward is not None:
+        if _outcome_group(s):
             groups[s.group_id].append(i)
+    votes = [float(s.reward) if s.reward is not None else 0.0 for s in samples]
     out: list[float | None] = [None] * len(samples)
     for members in groups.values():
-        if len(members) < 2:
-            continue  # no group to compare with: the batch's baseline (rl_baseline), as under "group"
-        o = [outcomes[i] for i in members]
-        mean_o = sum(o) / len(o)
-        std_o = math.sqrt(sum((x - mean_o) ** 2 for x in o) / (len(o) - 1))
-        mean_v = sum(votes[i] for i in members) / len(members)
-        for i in members:
-            a = outcomes[i] - mean_o
-            if norm_by_std:
-                a /= std_o + eps
-            out[i] = a + vote_weight * (votes[i] - mean_v)
+        if len(members) > 1:
+            mean = sum(votes[i] for i in members) / len(members)
+            for i in members:
+                out[i] = vote_weight * (votes[i] - mean)
     return out

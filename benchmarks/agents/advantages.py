@@ -15,7 +15,7 @@ quarter of the turns (mostly of failed episodes). Each turn's advantage comes fr
 - ``iteration``: ``--advantage-scope iteration --integrated-norm group``: the iteration's turns at
   once (``trainer.offline.mini_batches``), R_t only within the whole group;
 - ``iteration, dense``: the benchmark's ``--integrated-norm dense``: the outcome's advantage in the
-  group plus the votes' bounded, centred credit (``trainer.rewards.dense_advantages``).
+  group plus the votes' bounded, centred credit (``trainer.offline.batch_advantages``, ``trainer.rewards.vote_credit``).
 
 Prints, per arm and path, for the turns of groups with no signal (all failed or all passed) and of
 groups with signal: the share with A ≠ 0, the mean A and |A|, and their share of Σ|A|.
