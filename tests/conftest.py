@@ -94,14 +94,15 @@ def vllm_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
     NEXTSTATE_TEST_VLLM_URL=http://host:port/v1 reuses a server you already run (it must serve
     SmolLM2 as `smollm2`); otherwise the suite starts its own, installing vLLM on first use.
-    When this run also has tests on the teacher, its server starts now too: the two start side
-    by side instead of one after the other (a start is a minute of mostly one core).
+    When this run (this worker's group, under xdist) also has tests on the teacher, its server
+    starts now too: the two start side by side instead of one after the other (a start is a
+    minute of mostly one core).
     """
     from nextstate.modelserver import TEACHER_ARGS
 
     teacher = "NEXTSTATE_TEST_TEACHER_URL"
     if (not os.environ.get("NEXTSTATE_TEST_VLLM_URL") and not os.environ.get(teacher) and teacher not in _SPAWNED
-            and any("teacher_server" in getattr(i, "fixturenames", ()) for i in request.session.items)):
+            and xdist_groups.group_uses(request.session.items, request._pyfuncitem, "teacher_server")):
         _SPAWNED[teacher] = _spawn(tmp_path_factory, teacher, TEACHER_ARGS)
     try:
         yield from _vllm(tmp_path_factory, "NEXTSTATE_TEST_VLLM_URL")

@@ -52,7 +52,8 @@ from tests.support.vllm_servers import RunningVLLM
 from tests.support.steer import SteeredVLLM, text_of
 from tests.support.processes import GatewayProcess, wait_for
 
-pytestmark = pytest.mark.agent
+# the real agents' long runs: a worker and a vLLM of their own under `make test` (tests/support/xdist_groups.py)
+pytestmark = [pytest.mark.agent, pytest.mark.xdist_group("agents")]
 
 MODEL = "smollm2"
 CONTEXT = 8192  # SmolLM2's max_model_len as the suite serves it

@@ -35,6 +35,9 @@ from tests.support.openclaw_agent import AgentRun, OpenClawAgent, OpenClawInstal
 from tests.support.steer import SteeredVLLM
 from tests.support.processes import GatewayProcess, wait_for
 
+# a worker and a vLLM of their own under `make test`, beside the other server tests (tests/support/xdist_groups.py)
+pytestmark = pytest.mark.xdist_group("agents")
+
 OPENCLAW_SYSTEM_MARK = "You are a personal assistant running inside OpenClaw."
 COMPACTION_SYSTEM_MARK = "You are a context summarization assistant."
 TOOL_CALL = '<tool_call>\n{"name": "session_status", "arguments": {}}\n</tool_call>'

@@ -15,6 +15,9 @@ from benchmarks.agents import run as bench
 from datapool.models import Judgement, Session, Turn
 from tests.support.vllm_servers import RunningVLLM
 
+# a worker and a vLLM of their own under `make test`, beside the other server tests (tests/support/xdist_groups.py)
+pytestmark = pytest.mark.xdist_group("agents")
+
 
 def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, model_dir: Path,
                                                       tmp_path: Path) -> None:

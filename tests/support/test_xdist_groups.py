@@ -55,18 +55,27 @@ MODULES = {
 }
 
 
-def test_the_modules_on_the_servers_share_one_worker_and_one_start(tmp_path: Path) -> None:
-    for name, text in {"conftest.py": CONFTEST, **MODULES}.items():
+# a module on the servers with a group of its own (the real agents' modules): its own worker and server
+OWN_GROUP = ("import pytest\nfrom conftest import record\n\npytestmark = pytest.mark.xdist_group('agents')\n\n"
+             "def test_e1(vllm_server):\n    record('e1')\n\ndef test_e2():\n    record('e2')\n")
+
+
+def run_grouped(tmp_path: Path, modules: dict[str, str], workers: int) -> list[dict[str, str]]:
+    """Run *modules* under pytest-xdist's loadgroup with the suite's scheduler; the recorded lines."""
+    for name, text in {"conftest.py": CONFTEST, **modules}.items():
         (tmp_path / name).write_text(textwrap.dedent(text))
     record = tmp_path / "record.jsonl"
-    root = REPO
-    env = {**os.environ, "RECORD": str(record), "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}"}
+    env = {**os.environ, "RECORD": str(record), "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     env.pop("NEXTSTATE_TEST_GROUPS", None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
-                           "-q", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", str(workers), "--dist", "loadgroup",
+                           "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_the_modules_on_the_servers_share_one_worker_and_one_start(tmp_path: Path) -> None:
+    lines = run_grouped(tmp_path, MODULES, workers=2)
     worker = {line["test"]: line["worker"] for line in lines if "test" in line}
     assert set(worker) == {"a1", "a2", "b1", "b2", "c1", "d1"}
     # a (one test on the servers is enough), c (through a fixture) and d (the teacher): one worker
@@ -74,3 +83,22 @@ def test_the_modules_on_the_servers_share_one_worker_and_one_start(tmp_path: Pat
     assert [line["started"] for line in lines if "started" in line] == [worker["a1"]]
     # b is a group of its own, whole on one worker: the other one, idle while the servers' group runs
     assert worker["b1"] == worker["b2"] != worker["a1"]
+
+
+def test_a_marked_module_on_the_servers_gets_a_worker_and_a_server_of_its_own(tmp_path: Path) -> None:
+    # more plain modules than workers: the server groups are still handed out first
+    # (and more tests in each than the marked module has: the tests' count alone would hand it out last)
+    plain = {f"test_p{i}.py": "from conftest import record\n" + "".join(
+        f"\ndef test_p{i}{j}():\n    record('p{i}{j}')\n" for j in range(3)) for i in range(4)}
+    lines = run_grouped(tmp_path, {**plain, **MODULES, "test_e.py": OWN_GROUP}, workers=3)
+    worker = {line["test"]: line["worker"] for line in lines if "test" in line}
+    assert worker["e1"] == worker["e2"] != worker["a1"]
+    assert worker["a1"] == worker["a2"] == worker["c1"] == worker["d1"]
+    # one server start on each of the two servers' workers, none elsewhere
+    assert sorted(line["started"] for line in lines if "started" in line) == sorted([worker["a1"], worker["e1"]])
+    # each server group was the first thing its worker ran
+    first: dict[str, str] = {}
+    for line in lines:
+        if "test" in line:
+            first.setdefault(line["worker"], line["test"])
+    assert first[worker["e1"]] == "e1" and first[worker["a1"]] in {"a1", "c1", "d1"}

@@ -2,8 +2,12 @@
 
 Every module that uses the shared vLLM servers (``vllm_server``, ``teacher_server``, directly or
 through another fixture) is in one group, run in order on one worker: one pair of servers is
-started, and no two tests change their adapters at once. Every other module is a group of its
-own, run whole on whichever worker is free, so its module-scoped fixtures are made once.
+started, and no two tests change their adapters at once. A module on the servers marked
+``pytest.mark.xdist_group(NAME)`` (pytest-xdist's marker) is in a server group of its own instead,
+``vllm-servers-NAME``, whose worker starts a server of its own: the real agents' long runs beside
+the rest of the server tests, on a third worker. The server groups are handed out first, so that
+no worker is left with one of them at the end. Every other module is a group of its own, run whole
+on whichever worker is free, so its module-scoped fixtures are made once.
 
 Which fixtures a test uses is known only once the workers have collected, and the scheduling runs
 in the controller, which does not collect: each worker writes the module-to-group map to the file
@@ -42,12 +46,34 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _own_group(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return None
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
 def groups(items: list[pytest.Item]) -> dict[str, str]:
-    """module path -> its group: SERVER_GROUP for a module with any test on the servers, else itself."""
+    """module path -> its group: SERVER_GROUP (or SERVER_GROUP-NAME for a module marked
+    ``xdist_group(NAME)``) for a module with any test on the servers, else itself."""
     modules = {module_of(item.nodeid) for item in items}
-    on_servers = {module_of(item.nodeid) for item in items
-                  if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES}
-    return {m: SERVER_GROUP if m in on_servers else m for m in modules}
+    on_servers: dict[str, str] = {}
+    for item in items:
+        if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES:
+            own = _own_group(item)
+            on_servers[module_of(item.nodeid)] = f"{SERVER_GROUP}-{own}" if own else SERVER_GROUP
+    return {m: on_servers.get(m, m) for m in modules}
+
+
+def group_uses(items: list[pytest.Item], item: pytest.Item, fixture: str) -> bool:
+    """Whether a test in *item*'s group (every test, in a run without groups) uses *fixture*:
+    a worker starts the teacher ahead only for a group that will take it."""
+    if not os.environ.get(ENV):
+        return any(fixture in getattr(i, "fixturenames", ()) for i in items)
+    by_module = groups(items)
+    group = by_module[module_of(item.nodeid)]
+    return any(fixture in getattr(i, "fixturenames", ()) and by_module[module_of(i.nodeid)] == group
+               for i in items)
 
 
 def is_grouped_run(config: pytest.Config) -> bool:
@@ -82,9 +108,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
-        """LoadScope with a module's group as its scope (the module when the map lacks it)."""
+        """LoadScope with a module's group as its scope (the module when the map lacks it); the
+        server groups, the longest, are handed out before any other."""
 
         _groups: dict[str, str] | None = None
+
+        def _assign_work_unit(self, node: Any) -> None:
+            for scope in [s for s in self.workqueue if s.startswith(SERVER_GROUP)][::-1]:
+                self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
         def _split_scope(self, nodeid: str) -> str:
             if self._groups is None:
