@@ -232,14 +232,15 @@ class Job:
         self.names: list[str] = []
 
     def local_config(self) -> Any:
-        from trainer.config import LocalConfig
+        from trainer.config import COMPUTE_DTYPES, LocalConfig
 
         a = self.args
         # compile off: the jobs are threads of one process, and torch.compile (dynamo) is not made
         # to compile in several threads at once; a 135M policy's steps are short without it
         return LocalConfig(model_dir=Path(a.model_dir), lr=a.lr, seed=self.seed, micro_batch_size=a.micro_batch_size,
                            compile=False, warmup_steps=getattr(a, "warmup_steps", None) or 0,
-                           max_grad_norm=getattr(a, "max_grad_norm", None))
+                           max_grad_norm=getattr(a, "max_grad_norm", None),
+                           bf16=COMPUTE_DTYPES[getattr(a, "trainer_dtype", None) or "auto"])
 
     def objective(self) -> Any:
         from trainer.config import ObjectiveConfig
@@ -761,6 +762,9 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int,
                    help="each iteration's optimizer steps warm the learning rate up over this many (0: none)")
     p.add_argument("--max-grad-norm", type=float, help="clip each step's gradient to this global norm")
+    p.add_argument("--trainer-dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the trainer's compute dtype (LoRA masters stay fp32; auto: bf16 on a GPU that has it, fp32 "
+                        "on the CPU). fp32 leaves the train/serve gap to the server's bf16 alone")
     p.add_argument("--deadline-min", type=float,
                    help="minutes after which no job starts another iteration; the report then covers the "
                         "iterations done (rows marked partial): for a machine lent for a limited time")

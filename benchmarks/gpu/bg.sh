@@ -9,10 +9,14 @@ set -uo pipefail
 mkdir -p /tmp/bg/out
 case ${1:?start|wait} in
   start)
-    name=$2; shift 2
-    RESULTS=/tmp/bg/out setsid nohup bash -c '"$@"; echo "exit $?" > /tmp/bg/'"$name"'.rc' _ "$@" \
-      > /tmp/bg/$name.log 2>&1 < /dev/null &
-    echo "[bg] started $name: $*" ;;
+    # CMD runs in a copy of the tree (/tmp/bg/tree-NAME): the device tool copies the working tree
+    # again at the start of every call, and a process that imports while that copy is made can
+    # find a module missing (3 learning jobs of 20 failed so, starting as the next call began)
+    name=$2; shift 2; tree=/tmp/bg/tree-$name
+    rm -rf "$tree" && mkdir -p "$tree" && tar cf - --exclude=./.gpu --exclude=./.git . | tar xf - -C "$tree"
+    (cd "$tree" && RESULTS=/tmp/bg/out setsid nohup bash -c '"$@"; echo "exit $?" > /tmp/bg/'"$name"'.rc' _ "$@" \
+      > /tmp/bg/$name.log 2>&1 < /dev/null &)
+    echo "[bg] started $name in $tree: $*" ;;
   wait)
     secs=$2; shift 2; t0=$(date +%s)
     while [ $(( $(date +%s) - t0 )) -lt "$secs" ]; do
@@ -25,6 +29,6 @@ case ${1:?start|wait} in
     done
     if [ -n "${OUT:-}" ]; then
       cp /tmp/bg/out/*.json /tmp/bg/out/*.png "$OUT"/ 2>/dev/null
-      tar czf "$OUT/bg.tgz" -C /tmp/bg --exclude='*.rc' . 2>/dev/null
+      tar czf "$OUT/bg.tgz" -C /tmp/bg --exclude='*.rc' --exclude='./tree-*' . 2>/dev/null
     fi ;;
 esac

@@ -149,7 +149,8 @@ def test_training_takes_the_iterations_turns_as_one_batch(scope: str, tmp_path: 
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """--advantage-scope iteration (the presets'): the iteration's turns leased at once, one optimizer
     step per --batch-size of them; the objective and trainer get --integrated-norm, --vote-weight,
-    --kl-coef, --warmup-steps and --max-grad-norm (dense, the presets', only with the iteration's scope)."""
+    --kl-coef, --warmup-steps, --max-grad-norm and --trainer-dtype (dense, the presets', only with the
+    iteration's scope)."""
     import trainer.offline
 
     seen: dict[str, Any] = {}
@@ -157,6 +158,7 @@ def test_training_takes_the_iterations_turns_as_one_batch(scope: str, tmp_path: 
     args = argparse.Namespace(upstream="http://127.0.0.1:9/v1", teacher=None, model_dir=str(tmp_path), lr=1e-4,
                               micro_batch_size=4, batch_size=64, **bench.TRAINING | {
                                   "advantage_scope": scope, "kl_coef": 0.05, "warmup_steps": 3, "max_grad_norm": 1.0,
+                                  "trainer_dtype": "fp32" if scope == "iteration" else "bf16",
                                   "integrated_norm": "dense" if scope == "iteration" else "group", "vote_weight": 0.5})
     bench.Job(args, tmp_path, "terminal", "outcome", seed=0).train(bench.now_naive())
     assert (seen["batch_size"], seen["mini_batch_size"]) == ((bench.ITERATION_TURNS, 64) if scope == "iteration"
@@ -165,5 +167,6 @@ def test_training_takes_the_iterations_turns_as_one_batch(scope: str, tmp_path: 
     assert (objective.integrated_norm, objective.vote_weight, objective.kl_coef) == (
         "dense" if scope == "iteration" else "group", 0.5, 0.05)
     assert (seen["local"].warmup_steps, seen["local"].max_grad_norm) == (3, 1.0)
+    assert seen["local"].bf16 is (scope != "iteration")
     assert all((p["advantage_scope"], p["integrated_norm"], p["vote_weight"]) == ("iteration", "dense", 0.25)
                for p in bench.PRESETS.values())

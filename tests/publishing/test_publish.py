@@ -319,7 +319,11 @@ def test_promote_reloads_an_adapter_vllm_lost(
         for name in (a, b):
             assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name},
                               timeout=10).status_code == 200
-        assert a not in served(url) and b not in served(url)
+        assert b not in served(url)  # not active: only a promote loads it again
+    # the active version comes back by itself where a gateway watches the server (gateway.vllm_watch:
+    # the gateway's upstream, servers[0]); the teacher replica, which no gateway here watches, stays without it
+    wait_for(lambda: a in served(servers[0]), timeout=30)
+    assert a not in served(servers[1])
 
     v = activate(sqlite_engine, b, servers)  # reloads b from its path before switching
     assert v is not None and v["status"] == "active"
@@ -329,10 +333,12 @@ def test_promote_reloads_an_adapter_vllm_lost(
     wait_alias(gateway, b)
     assert reply(gateway) == tuned  # same weights as a
 
-    # promoting the active version again is how a restarted vLLM gets it back
-    httpx.post(f"{servers[0]}/unload_lora_adapter", json={"lora_name": b}, timeout=10)
+    # promoting the active version again is how a restarted vLLM gets it back (on the replica no
+    # gateway watches: on the gateway's upstream its watch could reload it first)
+    httpx.post(f"{servers[1]}/unload_lora_adapter", json={"lora_name": b}, timeout=10)
+    assert b not in served(servers[1])
     assert activate(sqlite_engine, b, servers)["name"] == b
-    assert b in served(servers[0])
+    assert b in served(servers[1])
 
     # a version whose directory is gone cannot be promoted; nothing changes
     shutil.rmtree(get_version(sqlite_engine, a)["path"])
