@@ -15,10 +15,11 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # no npm agent, no gateway/worker/upstream process or throwaway database of their own).
 FAST   ?= not vllm and not browser and not agent and not processes
 # Workers (pytest-xdist; 0 runs in one process; docs/testing.md): the fast tier on JOBS (2), a module at
-# a time on each; the whole suite on TEST_JOBS (2), a group at a time: the modules that use the shared
-# vLLM servers are one group on one worker (one pair of servers), every other module a group of its own
+# a time on each; the whole suite on TEST_JOBS (3), a group at a time: the modules that use the shared
+# vLLM servers are one group on one worker (one pair of servers), the real agents' modules another (a
+# server of their own), every other module a group of its own
 JOBS      ?= 2
-TEST_JOBS ?= 2
+TEST_JOBS ?= 3
 xdist = $(if $(filter-out 0,$(1)),-n $(1) --dist $(2))
 # A failed test is run once more (pytest-rerunfailures); one that passes then is a flake: the run stays
 # green and tests/support/flakes.py writes it to tests/flakes.md and prints it (docs/testing.md).

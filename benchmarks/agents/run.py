@@ -64,6 +64,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
@@ -193,9 +194,41 @@ async def rollout(gateway_url: str, run: str, suite: str, tasks: list[dict[str, 
     return await ro.Runner(cfg, agent, tally.verifier(module), f"examples/agents/{suite}.py:verify").run(tasks)
 
 
+def examples(pool: str, records: list[Any], kinds: dict[str, tuple[Any, Any]], chars: int = 160
+             ) -> dict[str, dict[str, Any]]:
+    """Per task kind, what the policy did on its first held-out task of that kind: whether it passed
+    and each reply (text, or its tool calls' arguments) cut to *chars*: what a drop in one kind is."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.db import make_engine
+    from datapool.models import Turn
+
+    first: dict[str, Any] = {}
+    for r in sorted(records, key=lambda r: r.task_id):
+        kind, level = kinds[r.task_id]
+        first.setdefault(f"{kind}/L{level}", r)
+    engine = make_engine(pool)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        with OrmSession(engine) as db:
+            for key, r in sorted(first.items()):
+                turns = db.scalars(select(Turn).where(Turn.session_id == r.session_id).order_by(Turn.created_at))
+                replies = []
+                for t in turns:
+                    message = (((t.response or {}).get("choices") or [{}])[0]).get("message") or {}
+                    calls = [c.get("function", {}).get("arguments", "") for c in message.get("tool_calls") or []]
+                    replies.append((" | ".join(calls) if calls else str(message.get("content") or ""))[:chars])
+                out[key] = {"task": r.task_id, "passed": r.passed(1.0), "replies": replies}
+    finally:
+        engine.dispose()
+    return out
+
+
 def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any]], args: argparse.Namespace,
-             workdir: Path) -> dict[str, Any]:
-    """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report)."""
+             workdir: Path, pool: str | None = None) -> dict[str, Any]:
+    """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report); with the gateway's
+    *pool*, also one example per task kind (:func:`examples`)."""
     tally = Tally()
     started = time.monotonic()
     summary = asyncio.run(rollout(gateway_url, run, suite, [t | {"temperature": 0.0} for t in heldout], n=1,
@@ -212,7 +245,8 @@ def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any
             "by_version": {v: x["pass@1"] for v, x in report["by_version"].items()},
             "by_kind": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())},
             "failed": report["failed"], "timed_out": report["timed_out"], "sent": tally.sent,
-            "captured": tally.captured, "seconds": round(time.monotonic() - started, 1)}
+            "captured": tally.captured, "seconds": round(time.monotonic() - started, 1)} | (
+        {"examples": examples(pool, summary.records, kinds)} if pool else {})
 
 
 # -- one job: a suite, an arm, a seed ---------------------------------------------------------------
@@ -428,7 +462,7 @@ class Job:
                                                    run_id=result.run_id)
             result.trainer = None  # its model is not needed any more
         started = time.monotonic()
-        ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work)
+        ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work, pool=self.pool)
         point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
         row["pass_at_1"].append(ev["pass_at_1"])
         row["t_s"].append(round(time.monotonic() - t0, 1))
@@ -553,7 +587,7 @@ def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[
         out = {}
         for suite in suites:
             heldout = load_split(suite, "heldout", args.heldout)
-            out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work)
+            out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work, pool=pool)
             log.info("base %s: held-out pass@1 %.3f over %d tasks %s", suite, out[suite]["pass_at_1"], len(heldout),
                      out[suite]["by_kind"])
         return out
@@ -576,6 +610,32 @@ def table(rows: list[dict[str, Any]]) -> str:
                 cells.append(f"{statistics.fmean(vals):.3f} ± {sd:.3f}" if vals else "–")
             delta = statistics.fmean(r["pass_at_1"][-1] - r["pass_at_1"][0] for r in rs)
             lines.append(f"| {suite} | {arm} | {len(rs)} | " + " | ".join(cells) + f" | {delta:+.3f} |")
+    return "\n".join(lines)
+
+
+def kind_table(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
+    """Held-out pass@1 per task kind and level (mean over seeds), base then each iteration: which
+    kinds training teaches and which it breaks, where the overall number moves by a task or two."""
+    lines = []
+    for suite in dict.fromkeys(r["suite"] for r in rows):
+        base_kinds = (base.get(suite) or {}).get("by_kind") or {}
+        for arm in dict.fromkeys(r["arm"] for r in rows if r["suite"] == suite):
+            rs = [r for r in rows if r["suite"] == suite and r["arm"] == arm]
+            points = max(len(r["iterations"]) for r in rs)
+            kinds = sorted({k for r in rs for it in r["iterations"] for k in it["heldout"].get("by_kind", {})}
+                           | set(base_kinds))
+            if not lines:
+                lines = ["| suite | arm | kind | base | " + " | ".join(str(i) for i in range(1, points + 1)) + " |",
+                         "|---|---|---|---|" + "---|" * points]
+            for kind in kinds:
+                cells = []
+                for i in range(points):
+                    vals = [r["iterations"][i]["heldout"]["by_kind"][kind] for r in rs
+                            if len(r["iterations"]) > i and kind in r["iterations"][i]["heldout"].get("by_kind", {})]
+                    cells.append(f"{statistics.fmean(vals):.2f}" if vals else "–")
+                b = base_kinds.get(kind)
+                lines.append(f"| {suite} | {arm} | {kind} | {'–' if b is None else f'{b:.2f}'} | "
+                             + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -637,7 +697,8 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_ylabel("held-out pass@1")
         ax.set_ylim(-0.02, 1.02)
         ax.legend()
-    fig.suptitle(title, fontsize=9)
+    # wrapped to the figure's width: a one-suite figure is 5 inches wide, about 60 characters at 9 pt
+    fig.suptitle("\n".join(textwrap.wrap(title, 60 * len(suites))), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -695,7 +756,9 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, 
              f"{args.heldout} held-out (greedy), {args.seeds} seed(s)")
     text = (f"{title} ({minutes:.1f} min)\n\nHeld-out pass@1 (mean ± std over seeds):\n\n"
             + (table(rows) if rows else "no results") + "\n\nLast point, and time to the same pass@1:\n\n"
-            + (compare_table(rows) if rows else "") + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
+            + (compare_table(rows) if rows else "")
+            + ("\n\nHeld-out pass@1 by task kind (mean over seeds):\n\n" + kind_table(rows, base) if rows else "")
+            + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
             + ("\n\nFailed jobs: " + ", ".join(failed) if failed else "")
             + (f"\n\nSandbox escapes tried beside the environments: {escape_line(escapes)}" if escapes else ""))
     print("\n" + text)

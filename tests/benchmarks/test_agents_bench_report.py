@@ -170,3 +170,54 @@ def test_training_takes_the_iterations_turns_as_one_batch(scope: str, tmp_path: 
     assert seen["local"].bf16 is (scope != "iteration")
     assert all((p["advantage_scope"], p["integrated_norm"], p["vote_weight"]) == ("iteration", "dense", 0.25)
                for p in bench.PRESETS.values())
+
+
+def test_examples_show_each_kinds_first_held_out_task_as_the_pool_holds_it(tmp_path: Path) -> None:
+    """What a drop in one task kind looks like: per kind, its first held-out task's replies, read back
+    from the pool the gateway wrote (a tool call's arguments, else the text), each cut to its length."""
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.db import make_engine, upgrade
+    from datapool.sessions import Stitcher
+    from rollout.runner import RolloutRecord
+    from tests.support.records import turn_record
+
+    pool = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(pool)
+    t0 = datetime.now(timezone.utc)
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"command": "sort a.txt > b.txt"}'}}]}
+    turns = [("s-sort-1", call), ("s-sort-1", "done " * 80), ("s-sort-2", "never shown"), ("s-copy-1", "cp a b")]
+    engine = make_engine(pool)
+    with OrmSession(engine) as db:
+        Stitcher(db).write([turn_record([{"role": "user", "content": f"task {i}"}], reply, session_id=sid,
+                                        session_source="header", at=t0 + timedelta(seconds=i))
+                            for i, (sid, reply) in enumerate(turns)])
+        db.commit()
+    engine.dispose()
+    records = [RolloutRecord("s-sort-2", "t-sort-2", 0, "ok", 1.0, "v", None),
+               RolloutRecord("s-sort-1", "t-sort-1", 0, "ok", 0.0, "v", None),
+               RolloutRecord("s-copy-1", "t-copy-1", 0, "ok", 1.0, "v", None)]
+    kinds = {"t-sort-1": ("sort", 1), "t-sort-2": ("sort", 1), "t-copy-1": ("copy", 2)}
+    got = bench.examples(pool, records, kinds, chars=40)
+    assert got == {
+        "copy/L2": {"task": "t-copy-1", "passed": True, "replies": ["cp a b"]},
+        "sort/L1": {"task": "t-sort-1", "passed": False,
+                    "replies": ['{"command": "sort a.txt > b.txt"}', ("done " * 8)]},
+    }
+
+
+def test_the_kind_table_shows_a_kind_lost_and_another_learned() -> None:
+    def row(seed: int, copy: list[float], sort: list[float]) -> dict[str, Any]:
+        return {"suite": "terminal", "arm": "outcome", "seed": seed, "iterations": [
+            {"heldout": {"by_kind": {"copy/L1": c, "sort/L1": s}}} for c, s in zip(copy, sort)]}
+
+    base = {"terminal": {"by_kind": {"copy/L1": 0.0, "sort/L1": 1.0}}}
+    # seed 1 stopped after one iteration (a deadline): its later points are left out of the mean
+    text = bench.kind_table([row(0, [0.0, 1.0], [0.0, 0.5]), row(1, [0.5], [0.0])], base)
+    lines = text.splitlines()
+    assert lines[0] == "| suite | arm | kind | base | 1 | 2 |"
+    assert "| terminal | outcome | copy/L1 | 0.00 | 0.25 | 1.00 |" in lines
+    assert "| terminal | outcome | sort/L1 | 1.00 | 0.00 | 0.50 |" in lines

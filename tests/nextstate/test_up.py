@@ -23,8 +23,10 @@ import pytest
 from tests.support.processes import free_port, wait_for
 
 # `up` runs vLLM from the shared cache: the install first (model_dir), which also puts these tests in
-# the vllm tier (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("model_dir")
+# the vllm tier (tests/conftest.py). Under `make test` these run one after another with the other
+# modules that start vLLM servers of their own: their memory at once would crowd the 24 GiB machine
+# (tests/support/xdist_groups.py)
+pytestmark = [pytest.mark.usefixtures("model_dir"), pytest.mark.xdist_group("own-vllm")]
 
 
 class Up:

@@ -31,6 +31,10 @@ from tests.support.upstreams import PolicyStream, alias_root, greedy_reply
 
 pytest.importorskip("torch", reason="the trainer extra (torch, transformers) is needed to fine-tune")
 
+# started one after another with the other modules that start vLLM servers of their own (their memory
+# at once would crowd the 24 GiB machine under `make test`: tests/support/xdist_groups.py)
+pytestmark = pytest.mark.xdist_group("own-vllm")
+
 from vllm_client.http import server_root
 from base.errors import PublishError, WeightsError  # noqa: E402
 from vllm_client.weights import BASE_LABEL, BASE_LABELS, base_weights_path, labels, reload_one, weight_label, weights_digest  # noqa: E402

@@ -85,14 +85,18 @@ def test_the_modules_on_the_servers_share_one_worker_and_one_start(tmp_path: Pat
     assert worker["b1"] == worker["b2"] != worker["a1"]
 
 
-def test_a_marked_module_on_the_servers_gets_a_worker_and_a_server_of_its_own(tmp_path: Path) -> None:
+def test_marked_modules_get_a_worker_of_their_own_and_go_first(tmp_path: Path) -> None:
     # more plain modules than workers: the server groups are still handed out first
     # (and more tests in each than the marked module has: the tests' count alone would hand it out last)
     plain = {f"test_p{i}.py": "from conftest import record\n" + "".join(
         f"\ndef test_p{i}{j}():\n    record('p{i}{j}')\n" for j in range(3)) for i in range(4)}
-    lines = run_grouped(tmp_path, {**plain, **MODULES, "test_e.py": OWN_GROUP}, workers=3)
+    # two modules off the servers marked with one group (the ones that start servers of their own)
+    marked = {f"test_{m}.py": f"import pytest\nfrom conftest import record\n\npytestmark = pytest.mark.xdist_group('own')"
+              f"\n\ndef test_{m}1():\n    record('{m}1')\n" for m in ("f", "g")}
+    lines = run_grouped(tmp_path, {**plain, **MODULES, "test_e.py": OWN_GROUP, **marked}, workers=3)
     worker = {line["test"]: line["worker"] for line in lines if "test" in line}
     assert worker["e1"] == worker["e2"] != worker["a1"]
+    assert worker["f1"] == worker["g1"] not in {worker["a1"], worker["e1"]}
     assert worker["a1"] == worker["a2"] == worker["c1"] == worker["d1"]
     # one server start on each of the two servers' workers, none elsewhere
     assert sorted(line["started"] for line in lines if "started" in line) == sorted([worker["a1"], worker["e1"]])
@@ -102,3 +106,4 @@ def test_a_marked_module_on_the_servers_gets_a_worker_and_a_server_of_its_own(tm
         if "test" in line:
             first.setdefault(line["worker"], line["test"])
     assert first[worker["e1"]] == "e1" and first[worker["a1"]] in {"a1", "c1", "d1"}
+    assert first[worker["f1"]] in {"f1", "g1"}

@@ -5,9 +5,12 @@ through another fixture) is in one group, run in order on one worker: one pair o
 started, and no two tests change their adapters at once. A module on the servers marked
 ``pytest.mark.xdist_group(NAME)`` (pytest-xdist's marker) is in a server group of its own instead,
 ``vllm-servers-NAME``, whose worker starts a server of its own: the real agents' long runs beside
-the rest of the server tests, on a third worker. The server groups are handed out first, so that
-no worker is left with one of them at the end. Every other module is a group of its own, run whole
-on whichever worker is free, so its module-scoped fixtures are made once.
+the rest of the server tests, on a third worker. Every other module is a group of its own, run
+whole on whichever worker is free, so its module-scoped fixtures are made once, unless it is marked
+``xdist_group(NAME)`` too: then the modules so marked run one after another on one worker (the
+modules that start vLLM servers of their own, so that no two of them hold memory at once). The
+server groups and the marked groups, the longest, are handed out first, so that no worker is left
+with one of them at the end.
 
 Which fixtures a test uses is known only once the workers have collected, and the scheduling runs
 in the controller, which does not collect: each worker writes the module-to-group map to the file
@@ -33,6 +36,7 @@ import pytest
 
 SERVER_FIXTURES = {"vllm_server", "teacher_server"}
 SERVER_GROUP = "vllm-servers"
+MARKED_PREFIX = "group:"  # a group of modules marked xdist_group(NAME) that are not on the servers
 ENV = "NEXTSTATE_TEST_GROUPS"
 
 
@@ -55,14 +59,23 @@ def _own_group(item: pytest.Item) -> str | None:
 
 def groups(items: list[pytest.Item]) -> dict[str, str]:
     """module path -> its group: SERVER_GROUP (or SERVER_GROUP-NAME for a module marked
-    ``xdist_group(NAME)``) for a module with any test on the servers, else itself."""
+    ``xdist_group(NAME)``) for a module with any test on the servers; else NAME for a marked
+    module, or the module itself."""
     modules = {module_of(item.nodeid) for item in items}
     on_servers: dict[str, str] = {}
+    marked: dict[str, str] = {}
     for item in items:
+        own = _own_group(item)
         if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES:
-            own = _own_group(item)
             on_servers[module_of(item.nodeid)] = f"{SERVER_GROUP}-{own}" if own else SERVER_GROUP
-    return {m: on_servers.get(m, m) for m in modules}
+        elif own:
+            marked[module_of(item.nodeid)] = f"{MARKED_PREFIX}{own}"
+    return {m: on_servers.get(m) or marked.get(m) or m for m in modules}
+
+
+def first(scope: str) -> bool:
+    """Whether the scheduler hands *scope* out before the modules' own: a server or marked group."""
+    return scope.startswith((SERVER_GROUP, MARKED_PREFIX))
 
 
 def group_uses(items: list[pytest.Item], item: pytest.Item, fixture: str) -> bool:
@@ -109,12 +122,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class GroupScheduling(LoadScopeScheduling):
         """LoadScope with a module's group as its scope (the module when the map lacks it); the
-        server groups, the longest, are handed out before any other."""
+        server and marked groups, the longest, are handed out before any other."""
 
         _groups: dict[str, str] | None = None
 
         def _assign_work_unit(self, node: Any) -> None:
-            for scope in [s for s in self.workqueue if s.startswith(SERVER_GROUP)][::-1]:
+            for scope in [s for s in self.workqueue if first(s)][::-1]:
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
