@@ -1,8 +1,11 @@
 """Writes the three suites' task files: ``python -m examples.agents.generate [--out DIR]``.
 
 Seeded and deterministic: the same command writes the same files, byte for byte. Each suite
-gets ``train.jsonl`` (--train tasks, seed 1) and ``heldout.jsonl`` (--heldout tasks, seed 2;
-a task whose text also occurs in train is drawn again, so held-out tasks are unseen). The
+gets ``train.jsonl`` (--train tasks, seed 1) and ``heldout.jsonl`` (--heldout tasks, seed 2).
+A task whose prompt (the text the model reads) already occurs, in train or earlier in its own
+split, is drawn again: held-out tasks are unseen, and no two tasks of a split ask the same thing,
+so that pass@1 over N tasks is over N prompts (files the model never sees do not make a task
+new). The
 share of level-1 (easier) tasks per suite is the difficulty knob (``LEVEL1``), set so that the
 base SmolLM2-135M-Instruct passes some but not most held-out tasks (docs/agents.md).
 """
@@ -29,16 +32,20 @@ TEXT = {"toolcall": "question", "terminal": "instruction", "swe": "instruction"}
 
 
 def tasks(suite: str, split: str, count: int, avoid: set[str] = frozenset()) -> list[dict[str, Any]]:
+    """*count* tasks of *suite*, each with a prompt of its own and none of *avoid*'s."""
     rng = random.Random(f"{suite}:{split}")
     out: list[dict[str, Any]] = []
     seen = set(avoid)
+    draws = 0
     while len(out) < count:
+        draws += 1
+        if draws > 1000 * count:
+            raise ValueError(f"{suite}: only {len(out)} distinct prompts for {split}'s {count} tasks")
         level = 1 if rng.random() < LEVEL1[suite] else 2
         task = SUITES[suite](rng, level)
-        text = task[TEXT[suite]] + json.dumps(task.get("files", {}), sort_keys=True)
-        if text in seen:
+        if task[TEXT[suite]] in seen:
             continue
-        seen.add(text)
+        seen.add(task[TEXT[suite]])
         out.append({"id": f"{suite}-{split}-{len(out):04d}", "suite": suite, "level": level, **task})
     return out
 
@@ -49,7 +56,7 @@ def write(out: Path, train: int, heldout: int) -> dict[str, Path]:
         d = out / suite
         d.mkdir(parents=True, exist_ok=True)
         tr = tasks(suite, "train", train)
-        seen = {t[TEXT[suite]] + json.dumps(t.get("files", {}), sort_keys=True) for t in tr}
+        seen = {t[TEXT[suite]] for t in tr}
         for split, rows in (("train", tr), ("heldout", tasks(suite, "heldout", heldout, seen))):
             path = d / f"{split}.jsonl"
             path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))

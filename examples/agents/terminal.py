@@ -53,35 +53,53 @@ def generate(rng: random.Random, level: int) -> dict[str, Any]:
     return task
 
 
+#: the files' names a task of each kind draws from (input, output): the names are in the prompt, so
+#: tasks of one kind differ in what the model reads, not only in files it never sees
+NAMES = {
+    "create": ([], ["note", "word", "out", "hello", "greeting", "answer", "memo", "reply"]),
+    "copy": (["data", "notes", "config", "report", "draft", "plan", "table", "story"],
+             ["backup", "copy", "saved", "old", "spare", "archive", "second", "keep"]),
+    "sort": (["names", "words", "list", "items", "fruits", "colors", "places", "tags"],
+             ["sorted", "ordered", "abc", "result", "clean", "final", "neat", "ranked"]),
+    "count": (["data", "lines", "input", "words", "rows", "entries", "records", "notes"],
+              ["count", "total", "n", "size", "length", "number", "tally", "sum"]),
+    "search": (["log", "app", "server", "events", "run", "build", "deploy", "jobs"],
+               ["errors", "bad", "failed", "err", "problems", "issues", "alerts", "broken"]),
+    "edit": (["list", "words", "names", "items", "todo", "menu", "team", "stock"], []),
+}
+
+
 def _task(rng: random.Random, kind: str, words: list[str], lines: str) -> dict[str, Any]:
+    ins, outs = NAMES[kind]
+    src = f"{rng.choice(ins)}.txt" if ins else ""
+    dst = f"{rng.choice(outs)}.txt" if outs else ""
     if kind == "create":
-        out = f"{rng.choice(['note', 'word', 'out', 'hello'])}.txt"
-        return {"kind": kind, "instruction": f"Create a file named {out} that contains the word {words[0]}.",
-                "files": {}, "expect": {out: words[0] + "\n"}, "command": f"echo {words[0]} > {out}"}
+        return {"kind": kind, "instruction": f"Create a file named {dst} that contains the word {words[0]}.",
+                "files": {}, "expect": {dst: words[0] + "\n"}, "command": f"echo {words[0]} > {dst}"}
     if kind == "copy":
-        return {"kind": kind, "instruction": "Copy the file data.txt to backup.txt.", "files": {"data.txt": lines},
-                "expect": {"backup.txt": lines}, "command": "cp data.txt backup.txt"}
+        return {"kind": kind, "instruction": f"Copy the file {src} to {dst}.", "files": {src: lines},
+                "expect": {dst: lines}, "command": f"cp {src} {dst}"}
     if kind == "sort":
-        return {"kind": kind, "instruction": "Write the lines of names.txt, sorted alphabetically, to sorted.txt.",
-                "files": {"names.txt": lines}, "expect": {"sorted.txt": "\n".join(sorted(words)) + "\n"},
-                "command": "sort names.txt > sorted.txt"}
+        return {"kind": kind, "instruction": f"Write the lines of {src}, sorted alphabetically, to {dst}.",
+                "files": {src: lines}, "expect": {dst: "\n".join(sorted(words)) + "\n"},
+                "command": f"sort {src} > {dst}"}
     if kind == "count":
         n = rng.randint(3, 9)
         data = "\n".join(rng.choice(WORDS) for _ in range(n)) + "\n"
-        return {"kind": kind, "instruction": "Write the number of lines of data.txt to count.txt.",
-                "files": {"data.txt": data}, "expect": {"count.txt": f"{n}\n"}, "command": "wc -l < data.txt > count.txt"}
+        return {"kind": kind, "instruction": f"Write the number of lines of {src} to {dst}.",
+                "files": {src: data}, "expect": {dst: f"{n}\n"}, "command": f"wc -l < {src} > {dst}"}
     if kind == "search":
         log = [f"{rng.choice(['INFO', 'ERROR'])} {w}" for w in words]
         found = [line for line in log if line.startswith("ERROR")] or [log[0]]
         log[log.index(found[0])] = "ERROR " + found[0].split()[1]
         found = [line for line in log if line.startswith("ERROR")]
-        return {"kind": kind, "instruction": "Write the lines of log.txt that contain ERROR to errors.txt.",
-                "files": {"log.txt": "\n".join(log) + "\n"}, "expect": {"errors.txt": "\n".join(found) + "\n"},
-                "command": "grep ERROR log.txt > errors.txt"}
+        return {"kind": kind, "instruction": f"Write the lines of {src} that contain ERROR to {dst}.",
+                "files": {src: "\n".join(log) + "\n"}, "expect": {dst: "\n".join(found) + "\n"},
+                "command": f"grep ERROR {src} > {dst}"}
     old, new = words[1], rng.choice([w for w in WORDS if w not in words])
-    return {"kind": kind, "instruction": f"In list.txt, replace the word {old} with {new}.",
-            "files": {"list.txt": lines}, "expect": {"list.txt": lines.replace(old, new)},
-            "command": f"sed -i 's/{old}/{new}/' list.txt"}
+    return {"kind": kind, "instruction": f"In {src}, replace the word {old} with {new}.",
+            "files": {src: lines}, "expect": {src: lines.replace(old, new)},
+            "command": f"sed -i 's/{old}/{new}/' {src}"}
 
 
 def check(task: dict[str, Any], sandbox: Sandbox) -> tuple[bool, str]:

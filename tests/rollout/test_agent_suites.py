@@ -59,8 +59,11 @@ def test_committed_files_are_the_generators_output(tmp_path: Path) -> None:
         train, held = load(suite, "train"), load(suite, "heldout")
         assert len(train) >= 200 and len(held) >= 64
         text = generate.TEXT[suite]
-        assert not {t[text] + json.dumps(t.get("files", {}), sort_keys=True) for t in held} & {
-            t[text] + json.dumps(t.get("files", {}), sort_keys=True) for t in train}
+        # every task asks something of its own (the prompt: files the model never sees do not count),
+        # and no held-out prompt was trained on
+        for split in (train, held):
+            assert len({t[text] for t in split}) == len(split), suite
+        assert not {t[text] for t in held} & {t[text] for t in train}, suite
         assert {t["level"] for t in held} == {1, 2}
 
 
@@ -102,12 +105,16 @@ def test_toolcall_tools_and_verifier() -> None:
 
 
 def reference_command(task: dict[str, Any]) -> str:
+    """A command that does the task, written from its files (what the model reads in the prompt)."""
     (out, want), = task["expect"].items()
+    src = next(iter(task["files"]), "")
     if task["kind"] == "create":
         return f"echo {shlex.quote(want.strip())} > {out}"
-    return {"copy": "cp data.txt backup.txt", "sort": "sort names.txt > sorted.txt",
-            "count": "wc -l < data.txt > count.txt", "search": "grep ERROR log.txt > errors.txt"}.get(
-        task["kind"], "")
+    if task["kind"] == "edit":
+        old, new = re.search(r"replace the word (\w+) with (\w+)", task["instruction"]).groups()
+        return f"sed -i 's/{old}/{new}/g' {src}"
+    return {"copy": f"cp {src} {out}", "sort": f"sort {src} > {out}", "count": f"wc -l < {src} > {out}",
+            "search": f"grep ERROR {src} > {out}"}[task["kind"]]
 
 
 @pytest.mark.parametrize("split", ["heldout"])
@@ -119,11 +126,8 @@ def test_terminal_tasks_pass_with_the_right_command_and_fail_without(split: str)
             continue
         kinds.setdefault(task["kind"], task)
     for task in kinds.values():
-        if task["kind"] == "edit":
-            old, new = re.search(r"replace the word (\w+) with (\w+)", task["instruction"]).groups()
-            command = f"sed -i 's/{old}/{new}/g' list.txt"
-        else:
-            command = reference_command(task)
+        command = reference_command(task)
+        assert all(name in task["instruction"] for name in [*task["files"], *task["expect"]]), task
         result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": command})], IDLE)))
         assert terminal.verify(task, result) == 1.0, (task, result)
         assert result["calls"][0]["observation"].startswith("exit code 0")
