@@ -194,41 +194,37 @@ async def rollout(gateway_url: str, run: str, suite: str, tasks: list[dict[str, 
     return await ro.Runner(cfg, agent, tally.verifier(module), f"examples/agents/{suite}.py:verify").run(tasks)
 
 
-def examples(pool: str, records: list[Any], kinds: dict[str, tuple[Any, Any]], chars: int = 160
+def examples(engine: Any, records: list[Any], kinds: dict[str, tuple[Any, Any]], chars: int = 160
              ) -> dict[str, dict[str, Any]]:
     """Per task kind, what the policy did on its first held-out task of that kind: whether it passed
     and each reply (text, or its tool calls' arguments) cut to *chars*: what a drop in one kind is."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session as OrmSession
 
-    from datapool.db import make_engine
+    from datapool.browse import content_text
     from datapool.models import Turn
+    from datapool.stitch_edits import replies_of
 
     first: dict[str, Any] = {}
     for r in sorted(records, key=lambda r: r.task_id):
         kind, level = kinds[r.task_id]
         first.setdefault(f"{kind}/L{level}", r)
-    engine = make_engine(pool)
     out: dict[str, dict[str, Any]] = {}
-    try:
-        with OrmSession(engine) as db:
-            for key, r in sorted(first.items()):
-                turns = db.scalars(select(Turn).where(Turn.session_id == r.session_id).order_by(Turn.created_at))
-                replies = []
-                for t in turns:
-                    message = (((t.response or {}).get("choices") or [{}])[0]).get("message") or {}
-                    calls = [c.get("function", {}).get("arguments", "") for c in message.get("tool_calls") or []]
-                    replies.append((" | ".join(calls) if calls else str(message.get("content") or ""))[:chars])
-                out[key] = {"task": r.task_id, "passed": r.passed(1.0), "replies": replies}
-    finally:
-        engine.dispose()
+    with OrmSession(engine) as db:
+        for key, r in sorted(first.items()):
+            replies = []
+            for t in db.scalars(select(Turn).where(Turn.session_id == r.session_id).order_by(Turn.created_at)):
+                message = (replies_of(t.response) or [{}])[0]
+                calls = [c.get("function", {}).get("arguments", "") for c in message.get("tool_calls") or []]
+                replies.append((" | ".join(calls) if calls else content_text(message.get("content")))[:chars])
+            out[key] = {"task": r.task_id, "passed": r.passed(1.0), "replies": replies}
     return out
 
 
 def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any]], args: argparse.Namespace,
-             workdir: Path, pool: str | None = None) -> dict[str, Any]:
-    """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report); with the gateway's
-    *pool*, also one example per task kind (:func:`examples`)."""
+             workdir: Path, engine: Any = None) -> dict[str, Any]:
+    """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report); with the engine
+    of the gateway's pool, also one example per task kind (:func:`examples`)."""
     tally = Tally()
     started = time.monotonic()
     summary = asyncio.run(rollout(gateway_url, run, suite, [t | {"temperature": 0.0} for t in heldout], n=1,
@@ -246,7 +242,7 @@ def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any
             "by_kind": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())},
             "failed": report["failed"], "timed_out": report["timed_out"], "sent": tally.sent,
             "captured": tally.captured, "seconds": round(time.monotonic() - started, 1)} | (
-        {"examples": examples(pool, summary.records, kinds)} if pool else {})
+        {"examples": examples(engine, summary.records, kinds)} if engine is not None else {})
 
 
 # -- one job: a suite, an arm, a seed ---------------------------------------------------------------
@@ -462,7 +458,7 @@ class Job:
                                                    run_id=result.run_id)
             result.trainer = None  # its model is not needed any more
         started = time.monotonic()
-        ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work, pool=self.pool)
+        ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work, engine=self.engine)
         point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
         row["pass_at_1"].append(ev["pass_at_1"])
         row["t_s"].append(round(time.monotonic() - t0, 1))
@@ -578,19 +574,24 @@ def try_escapes(work: Path, rounds: int = 3) -> dict[str, Any]:
 
 def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[str, dict[str, Any]]:
     """Each suite's held-out tasks answered by the base model, through a gateway of its own."""
-    from datapool.db import upgrade
+    from datapool.db import make_engine, upgrade
     from tests.support.processes import GatewayProcess
 
     pool = f"sqlite:///{work / 'base.db'}"
     upgrade(pool)
-    with GatewayProcess(work / "base-gw", database_url=pool, upstream_url=args.upstream) as gw:
-        out = {}
-        for suite in suites:
-            heldout = load_split(suite, "heldout", args.heldout)
-            out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work, pool=pool)
-            log.info("base %s: held-out pass@1 %.3f over %d tasks %s", suite, out[suite]["pass_at_1"], len(heldout),
-                     out[suite]["by_kind"])
-        return out
+    engine = make_engine(pool)
+    try:
+        with GatewayProcess(work / "base-gw", database_url=pool, upstream_url=args.upstream) as gw:
+            out = {}
+            for suite in suites:
+                heldout = load_split(suite, "heldout", args.heldout)
+                out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work,
+                                      engine=engine)
+                log.info("base %s: held-out pass@1 %.3f over %d tasks %s", suite, out[suite]["pass_at_1"],
+                         len(heldout), out[suite]["by_kind"])
+            return out
+    finally:
+        engine.dispose()
 
 
 # -- report -----------------------------------------------------------------------------------------

@@ -196,12 +196,12 @@ def test_examples_show_each_kinds_first_held_out_task_as_the_pool_holds_it(tmp_p
                                         session_source="header", at=t0 + timedelta(seconds=i))
                             for i, (sid, reply) in enumerate(turns)])
         db.commit()
-    engine.dispose()
     records = [RolloutRecord("s-sort-2", "t-sort-2", 0, "ok", 1.0, "v", None),
                RolloutRecord("s-sort-1", "t-sort-1", 0, "ok", 0.0, "v", None),
                RolloutRecord("s-copy-1", "t-copy-1", 0, "ok", 1.0, "v", None)]
     kinds = {"t-sort-1": ("sort", 1), "t-sort-2": ("sort", 1), "t-copy-1": ("copy", 2)}
-    got = bench.examples(pool, records, kinds, chars=40)
+    got = bench.examples(engine, records, kinds, chars=40)
+    engine.dispose()
     assert got == {
         "copy/L2": {"task": "t-copy-1", "passed": True, "replies": ["cp a b"]},
         "sort/L1": {"task": "t-sort-1", "passed": False,

@@ -36,7 +36,6 @@ import pytest
 
 SERVER_FIXTURES = {"vllm_server", "teacher_server"}
 SERVER_GROUP = "vllm-servers"
-MARKED_PREFIX = "group:"  # a group of modules marked xdist_group(NAME) that are not on the servers
 ENV = "NEXTSTATE_TEST_GROUPS"
 
 
@@ -69,13 +68,8 @@ def groups(items: list[pytest.Item]) -> dict[str, str]:
         if set(getattr(item, "fixturenames", ())) & SERVER_FIXTURES:
             on_servers[module_of(item.nodeid)] = f"{SERVER_GROUP}-{own}" if own else SERVER_GROUP
         elif own:
-            marked[module_of(item.nodeid)] = f"{MARKED_PREFIX}{own}"
+            marked[module_of(item.nodeid)] = own
     return {m: on_servers.get(m) or marked.get(m) or m for m in modules}
-
-
-def first(scope: str) -> bool:
-    """Whether the scheduler hands *scope* out before the modules' own: a server or marked group."""
-    return scope.startswith((SERVER_GROUP, MARKED_PREFIX))
 
 
 def group_uses(items: list[pytest.Item], item: pytest.Item, fixture: str) -> bool:
@@ -127,7 +121,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         _groups: dict[str, str] | None = None
 
         def _assign_work_unit(self, node: Any) -> None:
-            for scope in [s for s in self.workqueue if first(s)][::-1]:
+            # a scope that is not a module's path is a group (groups())
+            for scope in [s for s in self.workqueue if not s.endswith(".py")][::-1]:
                 self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
