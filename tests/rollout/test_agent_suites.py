@@ -141,8 +141,10 @@ IDLE = ("run", {"command": "true"})
 
 def test_terminal_fork_bomb_fails_the_rollout_with_its_reason() -> None:
     task = load("terminal", "heldout")[0]
-    result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": "bash -c ':(){ :|:& };: ; wait'"})],
-                                                             IDLE)))
+    # the shell stays up while the bomb grows (as in tests/rollout/test_sandbox.py): after `wait`, which
+    # waits only for its own child, it could exit and the sandbox kill the tree before a fork failed
+    bomb = "bash -c ':(){ :|:& };: ; sleep 5'"
+    result = asyncio.run(terminal.solve(task, ScriptedClient([("run", {"command": bomb})], IDLE)))
     assert terminal.verify(task, result) == 0.0
     assert result["failure"] and result["failure"].startswith("processes"), result
 
