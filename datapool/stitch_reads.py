@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, or_, select
+from sqlalchemy import Row, Select, and_, func, or_, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.canonical import Message, Prepared
-from datapool.edits import is_pair_index, is_system_free_index
-from datapool.db import as_utc, chunked
+from datapool.edits import TAIL_INDEX, is_pair_index, is_system_free_index
+from datapool.db import BIND_CHUNK, as_utc, chunked
 from datapool.models import Session, Turn, TurnContinuation
 from base.vocab import TurnKind, TurnStatus
 
@@ -65,6 +65,32 @@ _COLUMNS = (
     Turn.parent_turn_id,
     Turn.next_state.is_(None).label("open"),
 )
+# the stored turns read per continuation hash and kind, over the pool and per named session: the
+# earliest wins (datapool.sessions._find_parent); one more in case the earliest is the record itself
+PARENTS_KEPT = 2
+
+
+def _first_parents(hashes: list[str], named: list[str] | None) -> Select[Any]:
+    """The query of KnownTurns.load_parents: for each hash, the first PARENTS_KEPT turns by
+    (created_at, id) of each kind (system-free continuation or not, answered or not), over the
+    pool and within each of the *named* sessions (None: within every session)."""
+    kind = (TurnContinuation.hash, and_(TurnContinuation.choice_index > TAIL_INDEX,
+                                        TurnContinuation.choice_index <= -2), Turn.status == TurnStatus.OK)
+    order = (Turn.created_at, Turn.id)
+    ranked = (
+        select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS,
+               func.row_number().over(partition_by=kind, order_by=order).label("rank"),
+               func.row_number().over(partition_by=(*kind, Turn.session_id), order_by=order).label("rank_in"))
+        .join(Turn, Turn.id == TurnContinuation.turn_id)
+        .where(TurnContinuation.hash.in_(hashes))
+        .subquery()
+    )
+    kept = or_(ranked.c.rank <= PARENTS_KEPT, ranked.c.rank_in <= PARENTS_KEPT) if named is None else (
+        or_(ranked.c.rank <= PARENTS_KEPT, and_(ranked.c.session_id.in_(named), ranked.c.rank_in <= PARENTS_KEPT))
+        if named else ranked.c.rank <= PARENTS_KEPT)
+    columns = [c for c in ranked.c if c.name not in ("rank", "rank_in")]
+    return select(*columns).where(kept)
+
 
 
 class KnownTurns:
@@ -130,16 +156,21 @@ class KnownTurns:
                 self.sources[row.session_id] = row.source
 
     def load_parents(self, hashes: Iterable[str]) -> None:
-        """The stored turns that requests starting with these hashes would continue."""
+        """The stored turns that requests starting with these hashes could continue.
+
+        Not every turn of a hash: a parent is the earliest turn of the hash (datapool.sessions:
+        of any session, or of the record's named session), with or without its system messages,
+        answered or failed. So per hash only the first PARENTS_KEPT of each of those four kinds
+        are read, over the whole pool and within each session this batch names. The same
+        opening sent by thousands of agents (every environment of a rollout starts alike) is
+        then a few rows per batch, not thousands: the read stays bounded as the pool grows."""
         todo = set(hashes) - self.fetched
         self.fetched |= todo
+        named: list[str] | None = sorted({p.record.session_id for p in self.prepared if p.record.session_id})
+        if named is not None and len(named) > BIND_CHUNK:
+            named = None  # more than one IN list holds: every session's first turns, still bounded
         for chunk in chunked(todo):
-            rows = self.db.execute(
-                select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS)
-                .join(Turn, Turn.id == TurnContinuation.turn_id)
-                .where(TurnContinuation.hash.in_(chunk))
-            )
-            for row in rows:
+            for row in self.db.execute(_first_parents(chunk, named)):
                 self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
                 if is_system_free_index(row.choice_index):
                     self.system_left_out.add((row.hash, row.id))
