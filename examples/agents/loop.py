@@ -45,18 +45,22 @@ class Episode:
 
 
 async def run_tools(client: Any, task: dict[str, Any], system: str, user: str, tools: list[dict[str, Any]],
-                    execute: Execute, *, max_turns: int, max_tokens: int = 128, text_ends: bool = False) -> Episode:
+                    execute: Execute, *, max_turns: int, max_tokens: int = 128, text_ends: bool = False,
+                    last_tool: str | None = None) -> Episode:
     """Up to *max_turns* model turns; stops when *execute* says the episode is over. Sampling:
     ``task["temperature"]`` (default 1.0) and ``task["seed"]`` if given. *text_ends*: after the
     first turn the model may also reply in words (``tool_choice="auto"``), which ends the episode
-    with that reply as :attr:`Episode.text`."""
+    with that reply as :attr:`Episode.text`. *last_tool*: the last turn of the budget must call
+    this tool (a named ``tool_choice``): an agent whose steps run out must still submit."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": user}]
     episode = Episode()
     sampling: dict[str, Any] = {"temperature": float(task.get("temperature", 1.0))}
     if task.get("seed") is not None:
         sampling["seed"] = int(task["seed"])
     for turn in range(max_turns):
-        choice = "auto" if text_ends and turn > 0 else "required"
+        choice: Any = "auto" if text_ends and turn > 0 else "required"
+        if last_tool is not None and turn == max_turns - 1:
+            choice = {"type": "function", "function": {"name": last_tool}}
         reply = await client.chat.completions.create(
             model="policy", messages=messages, tools=tools, tool_choice=choice, max_tokens=max_tokens, **sampling)
         message = reply.choices[0].message

@@ -6,6 +6,12 @@
 The tools are pure functions of their arguments (no sandbox needed); the episode ends when the
 model answers: in words after its first (forced) tool call — the last number of its reply — or
 with the ``answer`` tool. The outcome is 1.0 when that number equals the task's, else 0.0.
+
+A task has a budget of model turns (``STEPS`` by level: a level-1 question one tool call and the
+answer, level 2 up to four turns), and the last turn of the budget must call ``answer`` (a named
+``tool_choice``), as an agent whose steps run out must still submit. Without that rule the base
+SmolLM2-135M-Instruct, on the GPU, passed 1.6 % of the held-out questions: it made the right
+calculator call in most level-1 tasks, then replied in words about something else.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ TOOLS = [
     tool("answer", "Give the final answer (a number) and end.", value="the number"),
 ]
 MAX_TURNS = 4
+STEPS = {1: 2, 2: MAX_TURNS}  # model turns per task level, the last one a forced `answer` call
 
 # unit -> (the smaller unit, how many)
 UNITS = {"hour": ("minutes", 60), "minute": ("seconds", 60), "day": ("hours", 24), "week": ("days", 7),
@@ -137,7 +144,8 @@ async def solve(task: dict[str, Any], client: Any) -> dict[str, Any]:
         return f"error: unknown tool {name!r}", False
 
     episode = await run_tools(client, task, SYSTEM, task["question"], TOOLS, execute,
-                              max_turns=int(task.get("max_turns", MAX_TURNS)), text_ends=True)
+                              max_turns=int(task.get("max_turns") or STEPS.get(task.get("level"), MAX_TURNS)),
+                              text_ends=True, last_tool="answer")
     if not answered and episode.text is not None:
         answered.append(last_number(episode.text))
     return episode.as_result() | {"answer": answered[-1] if answered else None}

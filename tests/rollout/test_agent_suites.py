@@ -32,8 +32,9 @@ class ScriptedClient:
 
     async def _create(self, **request: Any) -> Any:
         self.requests.append(request)
+        named = {"type": "function", "function": {"name": "answer"}}  # the last turn of a tool-call budget
         assert request["tools"] and request["tool_choice"] in (("required",) if len(self.requests) == 1
-                                                               else ("required", "auto"))
+                                                               else ("required", "auto", named))
         name, args = self.calls.pop(0) if self.calls else self.idle
         if name == "text":  # a reply in words
             message = SimpleNamespace(content=args["content"], tool_calls=None, model_dump=lambda **_: {
@@ -96,12 +97,28 @@ def test_toolcall_tools_and_verifier() -> None:
                 assert str(int(task["answer"]) // n) in observation
     assert toolcall.verify(tasks[0], asyncio.run(toolcall.solve(tasks[0], ScriptedClient([("answer", {"value": "-1"})])))) == 0.0
     # after the first (forced) tool call, a reply in words ends the episode: its last number is the answer
-    calc = next(t for t in tasks if t["kind"] == "calc")
-    first = reference_toolcall(calc)[0]
-    for words, score in ((f"The answer is {calc['answer']}.", 1.0), ("I am not sure.", 0.0)):
-        result = asyncio.run(toolcall.solve(calc, ScriptedClient([first, ("text", {"content": words})])))
-        assert (toolcall.verify(calc, result), result["finished"], result["text"]) == (score, True, words)
+    lookup = next(t for t in tasks if t["level"] == 2)
+    first = reference_toolcall(lookup)[0]
+    for words, score in ((f"The answer is {lookup['answer']}.", 1.0), ("I am not sure.", 0.0)):
+        result = asyncio.run(toolcall.solve(lookup, ScriptedClient([first, ("text", {"content": words})])))
+        assert (toolcall.verify(lookup, result), result["finished"], result["text"]) == (score, True, words)
     assert toolcall.verify(tasks[0], {"answer": None}) == 0.0
+
+
+def test_toolcall_budget_ends_with_a_forced_answer() -> None:
+    """A level-1 question has two turns, the second a forced `answer`; level 2 has four, the
+    last forced. The model's value is what is verified, whatever it is."""
+    tasks = load("toolcall", "heldout")
+    named = {"type": "function", "function": {"name": "answer"}}
+    calc = next(t for t in tasks if t["level"] == 1)
+    client = ScriptedClient([reference_toolcall(calc)[0], ("answer", {"value": "95 + 13"})])
+    result = asyncio.run(toolcall.solve(calc, client))
+    assert [r["tool_choice"] for r in client.requests] == ["required", named]
+    assert (toolcall.verify(calc, result), result["answer"]) == (0.0, "95 + 13")
+    lookup = next(t for t in tasks if t["level"] == 2)
+    client = ScriptedClient([], idle=("calculator", {"expression": "1"}))
+    asyncio.run(toolcall.solve(lookup, client))
+    assert [r["tool_choice"] for r in client.requests] == ["required", "auto", "auto", named]
 
 
 def reference_command(task: dict[str, Any]) -> str:
