@@ -63,6 +63,11 @@ if ! up; then
   # tools: the agents' "auto" tool choice is parsed from hermes' <tool_call> format, as `nextstate vllm serve` does
   # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). Default: 48 for `learn` (set
   # while vLLM 0.26 + LoRA died under load, before the cause above was found), vLLM's own otherwise.
+  # VLLM_DTYPE: the server's compute dtype (default: the checkpoint's, bfloat16). float32 leaves no
+  # precision gap between an fp32 trainer (--trainer-dtype fp32) and the served policy, for the
+  # train/serve agreement check; SmolLM2's 135M parameters cost little either way.
+  dtype=()
+  [ -n "${VLLM_DTYPE:-}" ] && dtype=(--dtype "$VLLM_DTYPE")
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
   [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")
@@ -80,7 +85,7 @@ if ! up; then
       echo "[supervisor] vLLM exited ($rc); restarting in $d s ($n/$limit)"; sleep $d
     done' vllm-supervisor "${VLLM_RESTARTS:-5}" \
     env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
-    "${lora[@]}" --enable-auto-tool-choice --tool-call-parser hermes \
+    "${lora[@]}" "${dtype[@]}" --enable-auto-tool-choice --tool-call-parser hermes \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
