@@ -210,7 +210,12 @@ class AgentRun:
 
 class PythonAgent:
     """White-box: ``async def agent(task, client) -> result``; ``client`` is an
-    ``openai.AsyncOpenAI`` whose base_url is the session's ``/s/{session}/v1``."""
+    ``openai.AsyncOpenAI`` whose base_url is the session's ``/s/{session}/v1``.
+
+    The rollouts of one event loop share one HTTP client (OpenAI's default httpx settings): a
+    client of its own per rollout built an SSL context and a connection pool every time, ~50 ms
+    of CPU per episode (py-spy on `benchmarks.agents.run --calibrate`), and opened new
+    connections to the gateway. :meth:`close` closes it; the Runner calls it at the end."""
 
     def __init__(self, spec: str, *, api_key: str | None):
         self.spec = spec
@@ -218,11 +223,26 @@ class PythonAgent:
         if not inspect.iscoroutinefunction(self.fn):
             raise RolloutError(f"--agent {spec}: must be an async function (task, client) -> result")
         self.api_key = api_key
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _shared_http(self) -> httpx.AsyncClient:
+        import openai
+
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop or self._http.is_closed:
+            self._http, self._loop = openai.DefaultAsyncHttpxClient(), loop  # a client is bound to its loop
+        return self._http
+
+    async def close(self) -> None:
+        http, self._http, self._loop = self._http, None, None
+        if http is not None and not http.is_closed:
+            await http.aclose()
 
     async def run(self, task: Task, *, base_url: str, sid: str, workdir: Path, timeout_s: float) -> AgentRun:
         import openai
 
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=self.api_key or "unused")
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=self.api_key or "unused", http_client=self._shared_http())
         try:
             result = await asyncio.wait_for(self.fn(task, client), timeout_s)
             return AgentRun("ok", result)
@@ -232,8 +252,6 @@ class PythonAgent:
             raise _AgentInfraError(f"{type(exc).__name__}: {exc}") from exc
         except Exception as exc:  # the agent's own failure: recorded, not retried
             return AgentRun("failed", None, f"{type(exc).__name__}: {exc}")
-        finally:
-            await client.close()
 
 
 class CommandAgent:
@@ -410,6 +428,8 @@ class Runner:
             raise eg.exceptions[0] from None
         finally:
             await self.api.close()
+            if isinstance(self.agent, PythonAgent):
+                await self.agent.close()
         order = {(t["id"], i): k for k, (t, i) in enumerate((t, i) for t in tasks for i in range(self.cfg.n))}
         summary.records.sort(key=lambda r: order[(r.task_id, r.index)])
         return summary

@@ -81,3 +81,8 @@ async def sandboxed_fork_bomb(task: dict[str, Any], client: openai.AsyncOpenAI) 
 
 def zero(task: dict[str, Any], result: dict[str, Any], session: dict[str, Any]) -> float:
     return 0.0
+
+
+async def http_client_of(task: dict[str, Any], client: openai.AsyncOpenAI) -> dict[str, Any]:
+    """No model call: which HTTP client the rollout's OpenAI client sends with, and its base URL."""
+    return {"http": client._client, "base_url": str(client.base_url)}
