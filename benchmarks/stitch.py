@@ -54,15 +54,16 @@ BASELINE = "d8199f465e5103ba476dfa8fb92ce915c51d66fe"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def load_baseline(rev: str, directory: Path) -> types.ModuleType:
-    """datapool/sessions.py as of ``rev``, written to ``directory`` and imported from there as
-    a module of its own (not in sys.modules)."""
+def load_baseline(rev: str, directory: Path, source_path: str = "datapool/sessions.py") -> types.ModuleType:
+    """*source_path* (default datapool/sessions.py) as of ``rev``, written to ``directory`` and
+    imported from there as a module of its own (not in sys.modules)."""
     source = subprocess.run(
-        ["git", "show", f"{rev}:datapool/sessions.py"], cwd=ROOT, check=True, capture_output=True, text=True
+        ["git", "show", f"{rev}:{source_path}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
-    path = directory / "baseline_sessions.py"
+    name = "baseline_" + Path(source_path).stem
+    path = directory / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("baseline_sessions", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while it executes

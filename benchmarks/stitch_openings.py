@@ -17,8 +17,6 @@ batch's reads do not grow with the pool.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,14 +24,13 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sqlalchemy.orm import Session as OrmSession  # noqa: E402
 
-from benchmarks.stitch import database_maker  # noqa: E402
+from benchmarks.stitch import database_maker, load_baseline  # noqa: E402
 from datapool import sessions  # noqa: E402
 from datapool.db import make_engine  # noqa: E402
 from tests.support.records import turn_record  # noqa: E402
@@ -42,20 +39,6 @@ from tests.support.records import turn_record  # noqa: E402
 BASELINE = "070b645"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 MESSAGES = [{"role": "user", "content": "Say hello."}]
-
-
-def known_turns_at(rev: str, directory: Path) -> Any:
-    """datapool/stitch_reads.py's KnownTurns as of *rev*, imported from *directory*."""
-    source = subprocess.run(["git", "show", f"{rev}:datapool/stitch_reads.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
-    path = directory / "stitch_reads_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("stitch_reads_baseline", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.KnownTurns
 
 
 def run(url: str, turns: int, batch: int) -> list[tuple[float, float]]:
@@ -100,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     current = sessions.KnownTurns
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-openings-")))
-        implementations = {f"{args.baseline} (every turn of a hash)": known_turns_at(args.baseline, work),
+        baseline = load_baseline(args.baseline, work, "datapool/stitch_reads.py")
+        implementations = {f"{args.baseline} (every turn of a hash)": baseline.KnownTurns,
                            "this tree (first turns per kind)": current}
         fresh = database_maker(stack, work)
         for kind in args.databases:

@@ -74,8 +74,9 @@ def _first_parents(hashes: list[str], named: list[str] | None) -> Select[Any]:
     """The query of KnownTurns.load_parents: for each hash, the first PARENTS_KEPT turns by
     (created_at, id) of each kind (system-free continuation or not, answered or not), over the
     pool and within each of the *named* sessions (None: within every session)."""
-    kind = (TurnContinuation.hash, and_(TurnContinuation.choice_index > TAIL_INDEX,
-                                        TurnContinuation.choice_index <= -2), Turn.status == TurnStatus.OK)
+    # datapool.edits.is_system_free_index, in SQL
+    system_free = and_(TurnContinuation.choice_index > TAIL_INDEX, TurnContinuation.choice_index <= -2)
+    kind = (TurnContinuation.hash, system_free, Turn.status == TurnStatus.OK)
     order = (Turn.created_at, Turn.id)
     ranked = (
         select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS,
@@ -85,12 +86,11 @@ def _first_parents(hashes: list[str], named: list[str] | None) -> Select[Any]:
         .where(TurnContinuation.hash.in_(hashes))
         .subquery()
     )
-    kept = or_(ranked.c.rank <= PARENTS_KEPT, ranked.c.rank_in <= PARENTS_KEPT) if named is None else (
-        or_(ranked.c.rank <= PARENTS_KEPT, and_(ranked.c.session_id.in_(named), ranked.c.rank_in <= PARENTS_KEPT))
-        if named else ranked.c.rank <= PARENTS_KEPT)
+    in_session = ranked.c.rank_in <= PARENTS_KEPT
+    if named is not None:
+        in_session = and_(ranked.c.session_id.in_(named), in_session)
     columns = [c for c in ranked.c if c.name not in ("rank", "rank_in")]
-    return select(*columns).where(kept)
-
+    return select(*columns).where(or_(ranked.c.rank <= PARENTS_KEPT, in_session))
 
 
 class KnownTurns:
@@ -167,7 +167,7 @@ class KnownTurns:
         todo = set(hashes) - self.fetched
         self.fetched |= todo
         named: list[str] | None = sorted({p.record.session_id for p in self.prepared if p.record.session_id})
-        if named is not None and len(named) > BIND_CHUNK:
+        if len(named) > BIND_CHUNK:
             named = None  # more than one IN list holds: every session's first turns, still bounded
         for chunk in chunked(todo):
             for row in self.db.execute(_first_parents(chunk, named)):

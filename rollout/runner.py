@@ -264,6 +264,9 @@ class CommandAgent:
         self.api_key = api_key
         self.model = model
 
+    async def close(self) -> None:
+        """Nothing to close: each rollout's process is waited for (or killed) by :meth:`run`."""
+
     def command(self, values: dict[str, str]) -> str:
         cmd = self.template
         for key, value in values.items():
@@ -428,8 +431,7 @@ class Runner:
             raise eg.exceptions[0] from None
         finally:
             await self.api.close()
-            if isinstance(self.agent, PythonAgent):
-                await self.agent.close()
+            await self.agent.close()
         order = {(t["id"], i): k for k, (t, i) in enumerate((t, i) for t in tasks for i in range(self.cfg.n))}
         summary.records.sort(key=lambda r: order[(r.task_id, r.index)])
         return summary

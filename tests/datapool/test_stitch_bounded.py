@@ -35,7 +35,8 @@ def _opening(i: int, session: str | None, status: str = "ok") -> TurnRecord:
                        status=status, session_id=session)
 
 
-def _write(engine: Any, records: list[TurnRecord], loaded: list[int]) -> None:
+def _write(engine: Any, records: list[TurnRecord]) -> int:
+    """Stitch *records* in one batch; the stored turns the batch read (KnownTurns.known calls)."""
     before = KnownTurns.known
     count = [0]
 
@@ -49,7 +50,7 @@ def _write(engine: Any, records: list[TurnRecord], loaded: list[int]) -> None:
             Stitcher(db).write(records)
     finally:
         KnownTurns.known = before  # type: ignore[method-assign]
-    loaded.append(count[0])
+    return count[0]
 
 
 def _turn(engine: Any, turn_id: str) -> Turn:
@@ -68,7 +69,7 @@ def test_stored_turns_read_per_batch_do_not_grow_with_identical_openings(databas
     for total in (20, 200):
         openings = [_opening(stored + i, f"env-{stored + i}" if named else None) for i in range(total - stored)]
         for at in range(0, len(openings), 50):
-            _write(engine, openings[at:at + 50], [])
+            _write(engine, openings[at:at + 50])
         stored = total
         # the next call of three environments: each continues its own opening (named), or the
         # pool's earliest one (inferred: the same history and reply, nothing else tells them apart)
@@ -76,9 +77,7 @@ def test_stored_turns_read_per_batch_do_not_grow_with_identical_openings(databas
         result = {"role": "user", "content": f"exit 0 ({total} stored)"}  # unlike any earlier request
         nexts = [turn_record([SYSTEM, TASK, CALL, result], "done", at=T0 + timedelta(hours=1, seconds=total + k),
                              session_id=s) for k, s in enumerate(sessions)]
-        loaded: list[int] = []
-        _write(engine, nexts, loaded)
-        reads[total] = loaded[0]
+        reads[total] = _write(engine, nexts)
         with OrmSession(engine) as db:
             first = db.scalars(select(Turn).order_by(Turn.created_at, Turn.id).limit(1)).one()
             for record, session in zip(nexts, sessions):
@@ -97,15 +96,14 @@ def test_stored_turns_read_per_batch_do_not_grow_with_identical_openings(databas
 
 def test_a_retry_finds_the_failed_call_among_many_answered(database_url: str) -> None:
     engine = make_engine(database_url)
-    _write(engine, [_opening(i, None) for i in range(60)], [])
+    _write(engine, [_opening(i, None) for i in range(60)])
     failed = _opening(100, None, status="cancelled")
-    _write(engine, [failed], [])
-    _write(engine, [_opening(i, None) for i in range(101, 160)], [])
+    _write(engine, [failed])
+    _write(engine, [_opening(i, None) for i in range(101, 160)])
     # the same messages again: a retry of the call that failed, not of any answered one
     retry = turn_record([SYSTEM, TASK], CALL, at=T0 + timedelta(seconds=200))
-    loaded: list[int] = []
-    _write(engine, [retry], loaded)
+    loaded = _write(engine, [retry])
     turn = _turn(engine, retry.id)
     assert turn.parent_turn_id == failed.id
-    assert loaded[0] <= 16, loaded
+    assert loaded <= 16, loaded
     engine.dispose()
