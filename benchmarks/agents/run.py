@@ -14,7 +14,9 @@ sandbox; every turn scored from its next state by ``scoring.score.score_turn`` (
 runs); the local trainer trained on the iteration's turns by ``trainer.offline.train_offline``
 (what `nextstate train` runs), the adapter published and served; then the held-out tasks
 answered greedily by the new version (`nextstate rollout --eval`: mode eval, never trained
-on) — its pass@1 is the curve's next point.
+on) — its pass@1 is the curve's next point. That evaluation runs beside the next iteration's
+rollouts, which sample the same version, and ends before the next version is published
+(``--no-eval-overlap``: before the next rollouts start).
 
 Arms (the reward each turn is trained on; the trainer standardizes it within the task's group):
 
@@ -69,7 +71,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -373,14 +375,30 @@ class Job:
             if is_async(self.arm):
                 self.pipelined(gw.url, batches, heldout, row, t0)
             else:
-                for it, tasks in enumerate(batches, 1):
-                    if self.past_deadline(row):
-                        break
-                    self.learn(gw.url, it, self.collect(gw.url, it, tasks), heldout, row, t0)
+                self.in_turn(gw.url, batches, heldout, row, t0)
         finally:
             gw.stop()
             self.unload()
         return row
+
+    def in_turn(self, gw_url: str, batches: list[list[dict[str, Any]]], heldout: list[dict[str, Any]],
+                row: dict[str, Any], t0: float) -> None:
+        """Synchronous: each iteration's rollouts run on the version the previous one published. With
+        --eval-overlap (the default) version k's held-out evaluation runs beside iteration k+1's rollouts,
+        which sample the same version; it ends before version k+1 is published, so every held-out
+        answer comes from the version it is reported for (``heldout.by_version``)."""
+        overlap = getattr(self.args, "eval_overlap", False)
+        with ThreadPoolExecutor(1) as evals:
+            pending: Future[None] | None = None
+            for it, tasks in enumerate(batches, 1):
+                if self.past_deadline(row):
+                    break
+                point = self.collect(gw_url, it, tasks)
+                if pending is not None:
+                    pending.result()
+                pending = self.learn(gw_url, it, point, heldout, row, t0, evals if overlap else None)
+            if pending is not None:
+                pending.result()
 
     def pipelined(self, gw_url: str, batches: list[list[dict[str, Any]]], heldout: list[dict[str, Any]],
                   row: dict[str, Any], t0: float) -> None:
@@ -435,8 +453,9 @@ class Job:
                 "sandbox_failures": dict(tally.failures)}
 
     def learn(self, gw_url: str, it: int, point: dict[str, Any], heldout: list[dict[str, Any]],
-              row: dict[str, Any], t0: float) -> None:
-        """Score the iteration's turns, train on them, publish the version, evaluate it held out."""
+              row: dict[str, Any], t0: float, evals: ThreadPoolExecutor | None = None) -> Future[None] | None:
+        """Score the iteration's turns, train on them, publish the version, evaluate it held out: here,
+        or on ``evals`` (then the evaluation's future is returned)."""
         run, since, until = point.pop("run"), point.pop("since"), point.pop("until")
         started = time.monotonic()
         point["scoring"] = self.score(run)
@@ -457,15 +476,27 @@ class Job:
                                                    openai_base(self.args.teacher or self.args.upstream),
                                                    run_id=result.run_id)
             result.trainer = None  # its model is not needed any more
+        if evals is not None:
+            return evals.submit(self.evaluated, gw_url, run, point, heldout, row, t0, result.steps)
+        self.evaluated(gw_url, run, point, heldout, row, t0, result.steps)
+        return None
+
+    def evaluated(self, gw_url: str, run: str, point: dict[str, Any], heldout: list[dict[str, Any]],
+                  row: dict[str, Any], t0: float, steps: int) -> None:
+        """The published version's held-out pass@1, recorded as the curve's next point."""
+        it = point["iteration"]
         started = time.monotonic()
         ev = evaluate(gw_url, f"{run}-eval", self.suite, heldout, self.args, self.work, engine=self.engine)
         point |= {"heldout": ev, "eval_s": round(time.monotonic() - started, 1)}
+        if len(ev["by_version"]) > 1:
+            log.warning("%s %s seed %d iteration %d: held-out answers came from %s", self.suite, self.arm,
+                        self.seed, it, sorted(ev["by_version"]))
         row["pass_at_1"].append(ev["pass_at_1"])
         row["t_s"].append(round(time.monotonic() - t0, 1))
         row["iterations"].append(point)
         log.info("%s %s seed %d iteration %d: held-out pass@1 %.3f at %.0f s (train success %.3f, %d steps)",
                  self.suite, self.arm, self.seed, it, ev["pass_at_1"], row["t_s"][-1], point["train_success"] or 0,
-                 result.steps)
+                 steps)
         (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
 
     def unload(self) -> None:
@@ -829,6 +860,9 @@ def main() -> None:
     p.add_argument("--trainer-dtype", choices=("auto", "bf16", "fp32"), default="auto",
                    help="the trainer's compute dtype (LoRA masters stay fp32; auto: bf16 on a GPU that has it, fp32 "
                         "on the CPU). fp32 leaves the train/serve gap to the server's bf16 alone")
+    p.add_argument("--eval-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate version k held out while iteration k+1's rollouts (on the same version) run; "
+                        "--no-eval-overlap evaluates before the next rollouts start")
     p.add_argument("--deadline-min", type=float,
                    help="minutes after which no job starts another iteration; the report then covers the "
                         "iterations done (rows marked partial): for a machine lent for a limited time")

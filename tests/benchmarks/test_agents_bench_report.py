@@ -57,6 +57,44 @@ def test_pipelined_overlaps_the_next_rollouts_with_learning(tmp_path: Path) -> N
     assert ("collect-start", 4) not in at
 
 
+def test_in_turn_evaluates_beside_the_next_rollouts_and_before_the_next_publish(tmp_path: Path) -> None:
+    job = bench.Job(argparse.Namespace(upstream="http://127.0.0.1:9/v1", teacher=None, eval_overlap=True), tmp_path,
+                    "terminal", "integrated", seed=0)
+    events: list[tuple[str, int, float]] = []
+    lock = threading.Lock()
+
+    def mark(what: str, it: int) -> None:
+        with lock:
+            events.append((what, it, time.monotonic()))
+
+    def collect(gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        mark("collect-start", it)
+        time.sleep(0.2)
+        mark("collect-end", it)
+        return {"iteration": it}
+
+    def evaluated(it: int) -> None:
+        mark("eval-start", it)
+        time.sleep(0.3)
+        mark("eval-end", it)
+
+    def learn(gw_url: str, it: int, point: dict[str, Any], heldout: list[Any], row: dict[str, Any], t0: float,
+              evals: Any = None) -> Any:
+        mark("publish", it)
+        return evals.submit(evaluated, it)
+
+    job.collect, job.learn = collect, learn  # type: ignore[method-assign]
+    job.in_turn("http://gw", [[{"id": f"t{i}"}] for i in (1, 2, 3)], [], {}, time.monotonic())
+    at = {(w, i): t for w, i, t in events}
+    for it in (1, 2):
+        # version it is evaluated while iteration it+1's rollouts (on the same version) run ...
+        assert at[("eval-start", it)] < at[("collect-end", it + 1)]
+        assert at[("collect-start", it + 1)] < at[("eval-end", it)]
+        # ... and its evaluation ends before version it+1 is published
+        assert at[("eval-end", it)] <= at[("publish", it + 1)]
+    assert ("eval-end", 3) in at  # the last evaluation is waited for
+
+
 def _row(suite: str, arm: str, seed: int, curve: list[float], t: list[float]) -> dict[str, Any]:
     return {"suite": suite, "arm": arm, "seed": seed, "pass_at_1": curve, "t_s": t, "iterations": []}
 
