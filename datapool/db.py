@@ -66,8 +66,8 @@ def chunked(values: Iterable[T], size: int = BIND_CHUNK) -> Iterator[list[T]]:
 
 def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     """An engine for ``url`` tuned for the pool: WAL and a busy timeout on SQLite,
-    short connect timeouts, pre-ping (so a restarted server is noticed), no JIT and SSD-priced
-    random reads on PostgreSQL."""
+    short connect timeouts, pre-ping (so a restarted server is noticed), no JIT, SSD-priced
+    random reads and no generic plans on PostgreSQL."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -92,8 +92,11 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         # compiling one whose estimate crosses jit_above_cost took 60 ms of an 85 ms UI page; and
         # random reads priced as on SSD or cache (the server default prices a disk seek): the
         # planner then walks the 2,500 turns of 500 eval sessions by index (18 ms) rather than
-        # scanning 50,000 (89 ms)
-        connect["options"] = "-c jit=off -c random_page_cost=1.1"
+        # scanning 50,000 (89 ms); and every execution planned for its own values (psycopg prepares a
+        # statement on its 5th run, and the server's generic plan for it, made while the pool was
+        # empty, kept scanning the turns by sequence as they grew: `SELECT ... WHERE id IN (50 ids)`
+        # took 10 ms at 10,000 turns against 0.2 ms planned anew; benchmarks.stitch_openings)
+        connect["options"] = "-c jit=off -c random_page_cost=1.1 -c plan_cache_mode=force_custom_plan"
     return create_engine(
         url,
         json_serializer=dumps_str,  # the JSON columns by orjson: a captured turn is mostly JSON

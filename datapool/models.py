@@ -169,6 +169,15 @@ class TurnContinuation(Base):
         ForeignKey("turns.id", ondelete="CASCADE"), primary_key=True
     )
     choice_index: Mapped[int] = mapped_column(Integer, primary_key=True, default=0)
+    # the turn's time and kind, copied here (they never change) so that the first turns of a hash
+    # of each kind are one index range (datapool.stitch_reads.first_in_pool), however many share it
+    created_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    answered: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # the turn's status is ok
+    system_free: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # datapool.edits.is_system_free_index
+
+    __table_args__ = (
+        Index("ix_turn_continuations_first", "hash", "system_free", "answered", "created_at", "turn_id"),
+    )
 
 
 class ToolCallArguments(Base):

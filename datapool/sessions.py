@@ -56,7 +56,7 @@ from datapool.records import TurnRecord
 from datapool.judgements import end_session, mark_pending
 from datapool.stitch_edits import Edited, EditedTurns
 from datapool.stitch_reads import KnownTurns, StitchTurn, clock
-from datapool.stitch_writes import PendingWrites, session_row, store_sent_arguments
+from datapool.stitch_writes import PendingWrites, fill_continuation_keys, session_row, store_sent_arguments
 from base.vocab import Endpoint, TurnKind, TurnStatus
 
 
@@ -80,6 +80,7 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
               else literal(None, String).label("tenant"))
     columns = (turns.c.id, turns.c.endpoint, turns.c.status, turns.c.turn_type, turns.c.request,
                turns.c.response, turns.c.link_hash, tenant)
+    keyed = "created_at" in {c["name"] for c in inspect(conn).get_columns("turn_continuations")}
     seen = changed = 0
     last = ""
     while True:
@@ -91,7 +92,8 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
         seen += len(rows)
         ids = [row.id for row in rows]
         stored: dict[str, set[tuple[str, int]]] = {}
-        for c in conn.execute(select(continuations).where(continuations.c.turn_id.in_(ids))):
+        keys = (continuations.c.turn_id, continuations.c.hash, continuations.c.choice_index)
+        for c in conn.execute(select(*keys).where(continuations.c.turn_id.in_(ids))):
             stored.setdefault(c.turn_id, set()).add((c.hash, c.choice_index))
         links: list[dict[str, Any]] = []
         redo: list[str] = []  # turns whose continuations changed
@@ -116,6 +118,8 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
             conn.execute(delete(continuations).where(continuations.c.turn_id.in_(redo)))
             if conts:
                 conn.execute(insert(continuations), conts)
+                if keyed:  # migration 0020 on: the rows carry their turn's time and kind
+                    fill_continuation_keys(conn, redo)
 
 
 class _Batch:

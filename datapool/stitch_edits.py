@@ -26,8 +26,8 @@ from datapool.edits import (
     text_of,
     transcript_overlap,
 )
-from datapool.models import Session, Turn, TurnContinuation
-from datapool.stitch_reads import _COLUMNS, KnownTurns, StitchTurn, clock
+from datapool.models import Session, Turn
+from datapool.stitch_reads import _COLUMNS, KnownTurns, StitchTurn, clock, per_hash
 from base.vocab import TurnKind, TurnStatus
 
 # at most this many stored turns are read (newest first) for one request's reply pairs, and for a
@@ -73,16 +73,18 @@ class EditedTurns:
         self.fetched |= todo
         if not todo:
             return
-        rows = self.known.db.execute(
-            select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS, Turn.request, Turn.response,
-                   Session.client)
-            .join(Turn, Turn.id == TurnContinuation.turn_id)
-            .join(Session, Session.id == Turn.session_id)
-            .where(TurnContinuation.hash.in_(sorted(todo)), TurnContinuation.choice_index <= TAIL_INDEX)
-            .order_by(Turn.created_at.desc(), Turn.id.desc())
-            .limit(CANDIDATES)
-        )
-        for row in rows:
+        # the latest CANDIDATES pair and tail rows of these keys: the latest of each key, then of all
+        rows: list[Any] = []
+        for statement in per_hash(self.known.db, sorted(todo), ((False, False), (False, True)), limit=CANDIDATES,
+                                  latest=True, where=f"c.choice_index <= {TAIL_INDEX}"):
+            pairs = statement.subquery("pairs")
+            rows += self.known.db.execute(
+                select(pairs.c.hash, pairs.c.choice_index, *_COLUMNS, Turn.request, Turn.response, Session.client)
+                .join(Turn, Turn.id == pairs.c.turn_id)
+                .join(Session, Session.id == Turn.session_id)
+            )
+        rows.sort(key=lambda row: (clock(row.created_at), row.id), reverse=True)
+        for row in rows[:CANDIDATES]:
             turn = self._loaded(row)
             self.by_pair.setdefault(row.hash, {})[turn.id] = (turn, choice_of(row.choice_index))
 

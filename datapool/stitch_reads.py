@@ -6,16 +6,16 @@ datapool.sessions decides the links over these turns; datapool.stitch_writes wri
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, Select, and_, func, or_, select
-from sqlalchemy.orm import Session as OrmSession
+from sqlalchemy import Integer, Row, Select, String, column, func, or_, select, text
+from sqlalchemy.orm import Session as OrmSession, aliased
 
 from datapool.canonical import Message, Prepared
-from datapool.edits import TAIL_INDEX, is_pair_index, is_system_free_index
+from datapool.edits import is_pair_index, is_system_free_index
 from datapool.db import BIND_CHUNK, as_utc, chunked
 from datapool.models import Session, Turn, TurnContinuation
 from base.vocab import TurnKind, TurnStatus
@@ -68,29 +68,62 @@ _COLUMNS = (
 # the stored turns read per continuation hash and kind, over the pool and per named session: the
 # earliest wins (datapool.sessions._find_parent); one more in case the earliest is the record itself
 PARENTS_KEPT = 2
+# a kind of parent: (system-free continuation, answered), TurnContinuation's copies of its turn's
+KINDS = ((False, False), (False, True), (True, False), (True, True))
+# SQLite: hashes per statement of per_hash (one LIMIT subquery per hash and kind; its compound
+# SELECT holds at most 500), padded up to one of these counts so that a few statement texts repeat
+_SQLITE_BUCKETS = (1, 4, 16, 64, 100)
+_per_hash_columns = (column("hash", String), column("choice_index", Integer), column("turn_id", String))
 
 
-def _first_parents(hashes: list[str], named: list[str] | None) -> Select[Any]:
-    """The query of KnownTurns.load_parents: for each hash, the first PARENTS_KEPT turns by
-    (created_at, id) of each kind (system-free continuation or not, answered or not), over the
-    pool and within each of the *named* sessions (None: within every session)."""
-    # datapool.edits.is_system_free_index, in SQL
-    system_free = and_(TurnContinuation.choice_index > TAIL_INDEX, TurnContinuation.choice_index <= -2)
-    kind = (TurnContinuation.hash, system_free, Turn.status == TurnStatus.OK)
-    order = (Turn.created_at, Turn.id)
-    ranked = (
-        select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS,
-               func.row_number().over(partition_by=kind, order_by=order).label("rank"),
-               func.row_number().over(partition_by=(*kind, Turn.session_id), order_by=order).label("rank_in"))
-        .join(Turn, Turn.id == TurnContinuation.turn_id)
-        .where(TurnContinuation.hash.in_(hashes))
-        .subquery()
-    )
-    in_session = ranked.c.rank_in <= PARENTS_KEPT
-    if named is not None:
-        in_session = and_(ranked.c.session_id.in_(named), in_session)
-    columns = [c for c in ranked.c if c.name not in ("rank", "rank_in")]
-    return select(*columns).where(or_(ranked.c.rank <= PARENTS_KEPT, in_session))
+def per_hash(db: OrmSession, hashes: list[str], kinds: Sequence[tuple[bool, bool]], *, limit: int,
+             latest: bool = False, where: str = "TRUE") -> list[Any]:
+    """Statements reading, for each hash and kind (system_free, answered), the first *limit*
+    continuation rows by their turn's (created_at, id), or the last with *latest*, that also meet
+    *where* (SQL on the row ``c``): one range of ix_turn_continuations_first each, however many
+    rows share the hash. Each yields (hash, choice_index, turn_id); use it as a subquery."""
+    order = "DESC" if latest else "ASC"
+    probe = ("SELECT c.hash, c.choice_index, c.turn_id FROM turn_continuations c WHERE c.hash = {h} "
+             "AND c.system_free = {free} AND c.answered = {ok} AND " + where +
+             f" ORDER BY c.created_at {order}, c.turn_id {order} LIMIT {limit}")
+    if db.get_bind().dialect.name == "postgresql":
+        values = ", ".join(f"({str(free).lower()}, {str(ok).lower()})" for free, ok in kinds)
+        sql = (f"SELECT f.hash, f.choice_index, f.turn_id FROM unnest(CAST(:hashes AS varchar[])) AS h(hash) "
+               f"CROSS JOIN (VALUES {values}) AS k(free, ok) CROSS JOIN LATERAL ("
+               + probe.format(h="h.hash", free="k.free", ok="k.ok") + ") AS f")
+        return [text(sql).bindparams(hashes=chunk).columns(*_per_hash_columns) for chunk in chunked(hashes)]
+    statements = []
+    for chunk in chunked(hashes, _SQLITE_BUCKETS[-1]):  # SQLite has no LATERAL: one member per probe
+        count = next(b for b in _SQLITE_BUCKETS if b >= len(chunk))
+        padded = chunk + chunk[-1:] * (count - len(chunk))  # a repeated hash finds the same rows
+        members = [f"SELECT * FROM ({probe.format(h=f':h{i}', free=int(free), ok=int(ok))})"
+                   for i in range(count) for free, ok in kinds]
+        statements.append(text(" UNION ALL ".join(members)).bindparams(**{f"h{i}": h for i, h in enumerate(padded)})
+                          .columns(*_per_hash_columns))
+    return statements
+
+
+def first_in_pool(db: OrmSession, hashes: list[str]) -> Iterator[Row[Any]]:
+    """For each hash, the first PARENTS_KEPT turns by (created_at, id) of each kind over the
+    whole pool."""
+    for statement in per_hash(db, hashes, KINDS, limit=PARENTS_KEPT):
+        firsts = statement.subquery("firsts")
+        yield from db.execute(select(firsts.c.hash, firsts.c.choice_index, *_COLUMNS)
+                              .join(Turn, Turn.id == firsts.c.turn_id))
+
+
+def first_in_sessions(hashes: list[str], named: list[str] | None) -> Select[Any]:
+    """For each hash, the first PARENTS_KEPT turns of each kind within each of the *named*
+    sessions (None: within every session, which reads every turn of the hash)."""
+    kind = (TurnContinuation.hash, TurnContinuation.system_free, TurnContinuation.answered, Turn.session_id)
+    query = select(TurnContinuation.hash, TurnContinuation.choice_index, *_COLUMNS,
+                   func.row_number().over(partition_by=kind, order_by=(Turn.created_at, Turn.id)).label("rank"))
+    query = query.join(Turn, Turn.id == TurnContinuation.turn_id).where(TurnContinuation.hash.in_(hashes))
+    if named is not None:  # the named sessions' turns first: a few, however many share the hash
+        member = aliased(Turn)
+        query = query.where(TurnContinuation.turn_id.in_(select(member.id).where(member.session_id.in_(named))))
+    ranked = query.subquery()
+    return select(*[c for c in ranked.c if c.name != "rank"]).where(ranked.c.rank <= PARENTS_KEPT)
 
 
 class KnownTurns:
@@ -161,19 +194,26 @@ class KnownTurns:
         Not every turn of a hash: a parent is the earliest turn of the hash (datapool.sessions:
         of any session, or of the record's named session), with or without its system messages,
         answered or failed. So per hash only the first PARENTS_KEPT of each of those four kinds
-        are read, over the whole pool and within each session this batch names. The same
-        opening sent by thousands of agents (every environment of a rollout starts alike) is
-        then a few rows per batch, not thousands: the read stays bounded as the pool grows."""
-        todo = set(hashes) - self.fetched
-        self.fetched |= todo
+        are read, over the whole pool (an index range per hash and kind, first_in_pool) and
+        within each session this batch names (first_in_sessions). The same opening sent by
+        thousands of agents (every environment of a rollout starts alike) is then a few rows
+        per batch, not thousands, and a few index probes: the read stays bounded as the pool
+        grows."""
+        todo = sorted(set(hashes) - self.fetched)
+        self.fetched.update(todo)
+        if not todo:
+            return
         named: list[str] | None = sorted({p.record.session_id for p in self.prepared if p.record.session_id})
-        if len(named) > BIND_CHUNK:
-            named = None  # more than one IN list holds: every session's first turns, still bounded
-        for chunk in chunked(todo):
-            for row in self.db.execute(_first_parents(chunk, named)):
-                self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
-                if is_system_free_index(row.choice_index):
-                    self.system_left_out.add((row.hash, row.id))
+        if named is not None and len(named) > BIND_CHUNK:
+            named = None  # more than one IN list holds: every session's first turns
+        rows = list(first_in_pool(self.db, todo))
+        if named is None or named:
+            for chunk in chunked(todo):
+                rows += self.db.execute(first_in_sessions(chunk, named))
+        for row in rows:
+            self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
+            if is_system_free_index(row.choice_index):
+                self.system_left_out.add((row.hash, row.id))
 
     def prefetch_parents(self) -> None:
         """Loads, in two rounds of queries, the stored turns the records may continue: first each

@@ -10,15 +10,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, insert, update
+from sqlalchemy import Connection, and_, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.canonical import Prepared
-from datapool.db import dialect_insert
+from datapool.db import chunked, dialect_insert
+from datapool.edits import TAIL_INDEX, is_system_free_index
 from datapool.models import Session, ToolCallArguments, Turn, TurnContinuation
 from datapool.records import TurnRecord
 from datapool.stitch_reads import StitchTurn, clock
-from base.vocab import WireFormat
+from base.vocab import TurnStatus, WireFormat
 
 _turns = Turn.__table__
 _sessions = Session.__table__
@@ -35,6 +36,25 @@ _touch_session = (
     .where(_sessions.c.id == bindparam("b_id"), _sessions.c.updated_at < bindparam("b_at"))
     .values(updated_at=bindparam("b_at"))
 )
+
+
+def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = None) -> None:
+    """Copies each continuation row's turn time and kind onto it (``TurnContinuation.created_at``,
+    ``answered``, ``system_free``, as ``PendingWrites.flush`` writes them): migration 0020 for every
+    row, ``datapool.sessions.rehash`` for the rows it rewrites (*turn_ids*)."""
+    tc = TurnContinuation.__table__
+
+    def of_turn(value: Any) -> Any:
+        return select(value).where(_turns.c.id == tc.c.turn_id).scalar_subquery()
+
+    fill = update(tc).values(created_at=of_turn(_turns.c.created_at),
+                             answered=of_turn(_turns.c.status == TurnStatus.OK),
+                             system_free=and_(tc.c.choice_index > TAIL_INDEX, tc.c.choice_index <= -2))
+    if turn_ids is None:
+        conn.execute(fill)
+        return
+    for chunk in chunked(turn_ids):
+        conn.execute(fill.where(tc.c.turn_id.in_(chunk)))
 
 
 class PendingWrites:
@@ -73,7 +93,8 @@ class PendingWrites:
         if self.unstored:
             self.db.execute(insert(_turns), [turn_row(p, t) for p, t in self.unstored])
             continuations = [
-                {"hash": c.hash, "turn_id": t.id, "choice_index": c.choice_index}
+                {"hash": c.hash, "turn_id": t.id, "choice_index": c.choice_index, "created_at": t.created_at,
+                 "answered": t.status == TurnStatus.OK, "system_free": is_system_free_index(c.choice_index)}
                 for p, t in self.unstored
                 for c in p.continuations
             ]
