@@ -70,7 +70,8 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
     of this version, so that requests arriving from now on find the turns stored before the
     form changed (migration 0007 runs it; so does ``nextstate db rehash``). Links already made
     stay as they are. Reads the turns in chunks ordered by id; returns (turns read,
-    turns whose hashes changed)."""
+    turns whose hashes changed). Continuation rows without their turn's time and kind (written
+    by a gateway older than migration 0020) get them."""
     turns = Turn.__table__
     continuations = TurnContinuation.__table__
     # a tenant's turns hash with their tenant (tenant_hash); migration 0007 runs this before the
@@ -87,6 +88,8 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
         rows = conn.execute(select(*columns).select_from(turns.join(sessions, sessions.c.id == turns.c.session_id))
                             .where(turns.c.id > last).order_by(turns.c.id).limit(chunk)).all()
         if not rows:
+            if keyed:  # and rows an older gateway wrote without their turn's time and kind
+                fill_continuation_keys(conn, missing=True)
             return seen, changed
         last = rows[-1].id
         seen += len(rows)

@@ -38,10 +38,11 @@ _touch_session = (
 )
 
 
-def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = None) -> None:
+def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = None, *, missing: bool = False) -> None:
     """Copies each continuation row's turn time and kind onto it (``TurnContinuation.created_at``,
     ``answered``, ``system_free``, as ``PendingWrites.flush`` writes them): migration 0020 for every
-    row, ``datapool.sessions.rehash`` for the rows it rewrites (*turn_ids*)."""
+    row, ``datapool.sessions.rehash`` for the rows it rewrites (*turn_ids*) and for those an older
+    gateway wrote without them (*missing*)."""
     tc = TurnContinuation.__table__
 
     def of_turn(value: Any) -> Any:
@@ -50,6 +51,8 @@ def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = No
     fill = update(tc).values(created_at=of_turn(_turns.c.created_at),
                              answered=of_turn(_turns.c.status == TurnStatus.OK),
                              system_free=and_(tc.c.choice_index > TAIL_INDEX, tc.c.choice_index <= -2))
+    if missing:
+        fill = fill.where(tc.c.created_at.is_(None))
     if turn_ids is None:
         conn.execute(fill)
         return

@@ -176,6 +176,7 @@ def test_continuation_keys_are_copied_from_their_turns_by_the_writer_and_by_migr
     from datapool.db import alembic_config
     from datapool.edits import is_system_free_index
     from datapool.models import TurnContinuation
+    from datapool.sessions import rehash
 
     engine = make_engine(database_url)
     _write(engine, [_opening(i, f"s{i % 3}", status="ok" if i % 4 else "cancelled") for i in range(12)])
@@ -196,9 +197,11 @@ def test_continuation_keys_are_copied_from_their_turns_by_the_writer_and_by_migr
     for turn_id, _, index, at, answered, free in written:
         assert (at, answered, free) == (turns[turn_id].created_at, turns[turn_id].status == "ok",
                                         is_system_free_index(index))
-    with engine.begin() as conn:  # a pool of 0019: the columns empty, then gone; 0020 fills them
+    with engine.begin() as conn:  # rows an older gateway wrote: `nextstate db rehash` fills them
         conn.execute(update(TurnContinuation).values(created_at=None, answered=None, system_free=None))
-    engine.dispose()
+        assert rehash(conn) == (18, 0)
+    assert keys() == written
+    engine.dispose()  # a pool of 0019: the columns gone; 0020 fills them
     cfg = alembic_config(database_url)
     command.downgrade(cfg, "0019")
     command.upgrade(cfg, "head")
