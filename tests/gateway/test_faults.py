@@ -284,7 +284,7 @@ def test_upstream_dying_mid_stream(pg_url: str, upstream: UpstreamProcess, tmp_p
 
 # --- the gateway SIGKILLed -----------------------------------------------------------------------
 
-FLUSH_S = 0.05  # NEXTSTATE_CAPTURE_FLUSH_INTERVAL_S, the default
+FLUSH_S = 0.05  # NEXTSTATE_CAPTURE_FLUSH_INTERVAL_S: a short window, so that the kill lands between flushes
 
 
 @pytest.mark.parametrize("pool", ["down", "up"])

