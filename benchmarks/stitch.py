@@ -54,12 +54,19 @@ BASELINE = "d8199f465e5103ba476dfa8fb92ce915c51d66fe"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
+# modules the baselines import that have moved since (old name -> where it lives now)
+MOVED = {"datapool.scoring": "datapool.judgements"}
+
+
 def load_baseline(rev: str, directory: Path, source_path: str = "datapool/sessions.py") -> types.ModuleType:
     """*source_path* (default datapool/sessions.py) as of ``rev``, written to ``directory`` and
-    imported from there as a module of its own (not in sys.modules)."""
+    imported from there as a module of its own (not in sys.modules); its imports of modules
+    that moved since (MOVED) point to where they are now."""
     source = subprocess.run(
         ["git", "show", f"{rev}:{source_path}"], cwd=ROOT, check=True, capture_output=True, text=True
     ).stdout
+    for old, new in MOVED.items():
+        source = source.replace(f"from {old} import", f"from {new} import")
     name = "baseline_" + Path(source_path).stem
     path = directory / f"{name}.py"
     path.write_text(source)
