@@ -286,6 +286,10 @@ class OnlineConfig:
     min_turns: int = 1
     poll_s: float = 2.0
     updates_per_round: int = 1  # optimizer steps over each round's batch
+    #: also train each round on the turns of the last N rounds (kept in the trainer's memory, their
+    #: loss weighted by the capped importance ratio as stale turns are): a few scored turns a round
+    #: teach more than once, and a round whose candidate the gate held back still teaches. 0: none
+    replay_rounds: int = 0
     lease_s: float = 600.0
     staleness: int = 2  # S: turns more than S versions behind are stale
     stale_policy: Literal["correct", "drop"] = "correct"

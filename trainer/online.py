@@ -44,6 +44,7 @@ import pkgutil
 import secrets
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ from trainer.local import LocalConfig, LocalTrainer, StepProgress
 from trainer.monitor import LiveMonitor
 from trainer.objectives import ObjectiveConfig
 from publishing.publish import PublishRequest, publish
-from trainer.samples import load_samples
+from trainer.samples import Sample, load_samples
 
 log = logging.getLogger("nextstate.online")
 
@@ -178,6 +179,8 @@ class OnlineTrainer:
                                    threshold=config.rollback_threshold)
         self.run_id = self._run()
         self.step = leases.last_step(engine, self.run_id)
+        # the samples of the last replay_rounds rounds, trained on again (OnlineConfig.replay_rounds)
+        self.replay: deque[list[Sample]] = deque(maxlen=config.replay_rounds)
         self.failures = 0  # rounds in a row a vLLM could not take
         self.last_error: str | None = None
 
@@ -296,13 +299,20 @@ class OnlineTrainer:
             leases.record_step(self.engine, self.run_id, self.step, ids, metrics)
             return self._done(RoundResult(self.step, ids, dropped, corrected, None, None, metrics))
         flags = [(s.sibling_of or s.turn_id) in stale for s in train]
+        # earlier rounds' turns again: sampled by an older policy, so corrected as stale turns are
+        replayed = [s for past in self.replay for s in past]
+        batch, batch_flags = train + replayed, flags + [True] * len(replayed)
+        metrics["replayed"] = len(replayed)
         updates = self.cfg.updates_per_round
-        log.info("round %d: training on %d turns (%s tokens), %d update%s", self.step, len(train),
-                 f"{sum(len(s.prompt_ids) + len(s.response_ids) for s in train):,}", updates, "s" * (updates > 1))
+        log.info("round %d: training on %d turns (%s tokens; %d replayed), %d update%s", self.step, len(batch),
+                 f"{sum(len(s.prompt_ids) + len(s.response_ids) for s in batch):,}", len(replayed), updates,
+                 "s" * (updates > 1))
         report = RoundProgress(self.step, updates)
         for update in range(updates):
-            step_metrics = trainer.step(train, correct=flags, ratio_cap=self.cfg.ratio_cap,
+            step_metrics = trainer.step(batch, correct=batch_flags, ratio_cap=self.cfg.ratio_cap,
                                         progress=lambda p, u=update: report(u, p))
+        if self.cfg.replay_rounds:
+            self.replay.append(train)
         log.info("round %d: trained in %s; publishing the candidate", self.step, _duration(report.elapsed_s))
         metrics |= {k: v for k, v in step_metrics.items() if isinstance(v, float)}
         if self.cfg.drift_metrics:

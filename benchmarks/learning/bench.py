@@ -42,7 +42,8 @@ holds back a candidate whose on-topic share on :data:`GATE` (greedy) falls more 
 untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures the version
 still serving); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
-(``rl+siblings``; ``datapool.siblings``). Every arm and seed is its own process with its own
+(``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
+turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``). Every arm and seed is its own process with its own
 pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
 the shared vLLM(s). Each training round's drift from the base policy (``trainer.drift``: KL on
 the round's tokens, entropy, the teacher's top-k mass) and the gate's decision are kept per
@@ -323,7 +324,7 @@ class Job:
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
-                            drift_metrics=True, **gate)
+                            drift_metrics=True, replay_rounds=self.spec.replay, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -436,6 +437,9 @@ SIBLINGS_DEFAULT = 4
 #: the topicality check's margin of an arm that says ``+topic`` without one: a candidate whose
 #: on-topic share on GATE falls more than this below the base's is held back
 TOPIC_DEFAULT = 0.05
+#: earlier rounds an arm that says ``+replay`` without a number trains on again: with k = 6, a
+#: round then trains on up to 18 turns (the last 18 interactions)
+REPLAY_DEFAULT = 2
 #: the round metrics kept per round (``rounds`` in the JSON): the drift instruments and the loss's
 ROUND_KEYS = ("drift_kl_k1", "drift_kl_k3", "entropy_behaviour", "entropy_candidate", "teacher_topk_mass",
               "student_topk_mass", "sampled_in_topk", "loss", "pg_loss", "kl", "kl_loss", "topk_kl",
@@ -457,6 +461,8 @@ class Arm:
     updates: int | None = None
     #: the python judge (benchmarks.learning.preference): its hint names the question (+ask) or not
     judge: str = "judge"
+    #: each round also trains on the turns of the last N rounds (OnlineConfig.replay_rounds)
+    replay: int = 0
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -476,8 +482,10 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
     margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
     and trained as its group, default :data:`SIBLINGS_DEFAULT`), ``lr=X`` and ``steps=N`` (the arm's
-    learning rate and optimizer steps per round instead of the preset's), ``ask`` (the python
-    judge's hint names the question: ``preference.judge_naming_the_question``). Raises ValueError
+    learning rate and optimizer steps per round instead of the preset's), ``replay[=N]`` (each
+    round also trains on the turns of the last N rounds, default :data:`REPLAY_DEFAULT`:
+    ``OnlineConfig.replay_rounds``), ``ask`` (the python judge's hint names the question:
+    ``preference.judge_naming_the_question``). Raises ValueError
     for an unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
@@ -490,6 +498,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     top_k = n_siblings = 0
     margin = lr = steps = None
     judge = "judge"
+    replay = 0
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -517,12 +526,16 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             steps = int(value)
             if not 1 <= steps <= 64:
                 raise ValueError(f"steps is 1 to 64 optimizer steps per round, not {value!r}")
+        elif name == "replay":
+            replay = int(value) if eq else REPLAY_DEFAULT
+            if not 1 <= replay <= 16:
+                raise ValueError(f"replay is 1 to 16 earlier rounds, not {value!r}")
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M], "
-                             "siblings[=N], lr=X, steps=N or ask")
+                             "siblings[=N], lr=X, steps=N, replay[=N] or ask")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
-    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge)
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -632,7 +645,8 @@ def main() -> None:
                         f"{KL_DEFAULT} by default: opd+topk+kl), topic[=M] (hold back a candidate whose on-topic share "
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
-                        "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), ask "
+                        "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
+                        f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by default), ask "
                         "(the python judge's hint names the question the reply was to answer: opd+topk+ask)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "

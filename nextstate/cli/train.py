@@ -160,6 +160,9 @@ def online_options() -> Any:
                      help="online: train on fewer than --k turns once this long has passed."),
         click.option("--updates-per-round", type=int, default=_oc("updates_per_round"), show_default=True,
                      help="online: optimizer steps over each round's batch."),
+        click.option("--replay-rounds", type=click.IntRange(min=0), default=_oc("replay_rounds"), show_default=True,
+                     help="online: also train each round on the turns of the last N rounds (kept in memory, "
+                          "corrected with the capped importance ratio as stale turns are); 0: only the new ones."),
         click.option("--staleness", type=int, default=_oc("staleness"), show_default=True,
                      help="online: turns more than this many versions behind are stale."),
         click.option("--stale", "stale_policy", type=click.Choice(["correct", "drop"]), default=_oc("stale_policy"),
@@ -274,6 +277,7 @@ class TrainOptions:
     online_k: int
     max_wait_s: float
     updates_per_round: int
+    replay_rounds: int
     staleness: int
     stale_policy: str
     ratio_cap: float
@@ -394,7 +398,8 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
     except (ValueError, ImportError, AttributeError) as exc:
         raise click.UsageError(f"--eval-scorer: {exc}") from exc
     online_cfg = OnlineConfig(
-        k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round, lease_s=o.lease_s,
+        k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
+        replay_rounds=o.replay_rounds, lease_s=o.lease_s,
         staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,

@@ -254,3 +254,13 @@ def test_run_jobs_stops_at_the_deadline_and_reports_the_checkpoints_so_far(tmp_p
     assert got == [{"arm": "rl", "seed": 0, "curve": [0.0, 0.25], "latencies_s": [], "stopped_after": 6,
                     "partial": True, "stopped": "stopped"}]
     assert not (tmp_path / "rl-1").exists()
+
+
+def test_an_arm_may_replay_earlier_rounds():
+    """``replay[=N]`` trains each round on the last N rounds' turns too (OnlineConfig.replay_rounds)."""
+    assert arm_spec("combined+topk+kl").replay == 0
+    assert arm_spec("combined+topk+kl+replay").replay == bench.REPLAY_DEFAULT
+    assert arm_spec("opd+replay=3").replay == 3
+    for bad in ("opd+replay=0", "opd+replay=17", "opd+replay=x"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)

@@ -436,6 +436,48 @@ def test_stale_turns_are_corrected_with_the_capped_ratio_or_dropped(pg: str, ser
     online.engine.dispose()
 
 
+def test_replay_trains_each_round_on_the_last_rounds_turns_too(pg: str, servers: list[str], model_dir: Path,
+                                                               tmp_path: Path) -> None:
+    """OnlineConfig.replay_rounds: a round trains on its new turns and, corrected as stale turns
+    are (sampled by an older policy), on those of the rounds before it, N at most."""
+    from trainer.local import LocalTrainer
+
+    engine = make_engine(pg)
+    with OrmSession(engine) as db, db.begin():
+        db.add(Session(id="replay", source="header"))
+        db.flush()
+        for i in range(6):
+            db.add(Turn(id=f"replay-{i}", session_id="replay", endpoint="chat", status="ok", model="policy",
+                        created_at=datetime.now(timezone.utc), capture="white-box", request={"messages": []},
+                        prompt_token_ids=[1, 2, 3], token_ids=[4, 5], logprobs=[-1.0, -1.0]))
+            db.flush()
+            db.add(Judgement(turn_id=f"replay-{i}", status="scored", reward=float(i % 2), attempts=1))
+    engine.dispose()
+    # staleness 10: the new turns (answered by the base, versions ago by round 3) count as fresh here
+    online = _online(pg, servers, model_dir, tmp_path, k=2, replay_rounds=1, staleness=10)
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir), ObjectiveConfig())
+    steps: list[dict[str, bool]] = []  # per optimizer step: turn id -> corrected as stale
+    real_step = trainer.step
+
+    def step(samples: Any, *, correct: Any = None, **kw: Any) -> Any:
+        steps.append(dict(zip([s.turn_id for s in samples], correct, strict=True)))
+        return real_step(samples, correct=correct, **kw)
+
+    trainer.step = step  # type: ignore[method-assign]
+    online.trainer, online.trainer_version = trainer, None
+    rounds = [online.run_round() for _ in range(3)]
+    assert all(r is not None and r.candidate for r in rounds)
+    first, second, third = (r.turn_ids for r in rounds)  # type: ignore[union-attr]
+    assert len(set(first + second + third)) == 6
+    assert steps == [
+        dict.fromkeys(first, False),
+        dict.fromkeys(second, False) | dict.fromkeys(first, True),
+        dict.fromkeys(third, False) | dict.fromkeys(second, True),  # one round back, not two
+    ]
+    assert [r.metrics["replayed"] for r in rounds] == [0, 2, 2]  # type: ignore[union-attr]
+    online.engine.dispose()
+
+
 # --- a vLLM that goes down mid-run --------------------------------------------------------------
 
 
