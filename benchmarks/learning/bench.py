@@ -350,7 +350,7 @@ class Job:
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
-                    **curves,
+                    "replay": self.spec.replay, **curves,
                     "latencies_s": latencies,
                     "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns,
                     "rounds": rounds, "held_back": sum(r["decision"] == "refuse" for r in rounds)}
