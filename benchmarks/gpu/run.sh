@@ -89,8 +89,14 @@ if ! up; then
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
-  for _ in $(seq 600); do up && break; kill -0 "$(cat $pidf)" 2>/dev/null || break; sleep 0.5; done
-  up || { log "vLLM did not come up"; tail -40 $vlog; cp $vlog "$out/vllm-$port.log"; exit 3; }
+  # a vLLM that exits while starting (the supervisor's first restart line) fails the start at once,
+  # with its log: waiting out the supervisor's restarts spent a lease's last minutes with nothing shown
+  for _ in $(seq 600); do
+    up && break; kill -0 "$(cat $pidf)" 2>/dev/null || break
+    grep -q '^\[supervisor\] vLLM exited' $vlog && break; sleep 0.5
+  done
+  up || { log "vLLM did not come up"; tail -60 $vlog; cp $vlog "$out/vllm-$port.log"
+          kill -- -"$(cat $pidf)" 2>/dev/null; rm -f $pidf; exit 3; }
   log "vLLM up in $(( $(date +%s) - t0 )) s"
 else
   log "vLLM already up on $url"
