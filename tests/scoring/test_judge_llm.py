@@ -32,7 +32,10 @@ def test_llm_judge_votes_on_a_turn(vllm_server: RunningVLLM, teacher_server: Run
         turn_id = raw.headers["x-turn-id"]
 
         def judged() -> dict[str, Any] | None:
-            t = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=10).json()
+            r = httpx.get(f"{gw.url}/api/turns/{turn_id}", timeout=10)
+            if r.status_code == 404:
+                return None  # not stored yet: capture is write-behind (up to a flush interval)
+            t = r.json()
             j = t["judgement"]
             done = j["status"] in ("scored", "tie", "unparsable")
             # a hinted turn's teacher logprobs are computed right after its reward
