@@ -20,22 +20,33 @@ def test_arm_names() -> None:
     assert bench.short("integrated+opd@async") == "opda" and bench.short("outcome") == "out"
 
 
+class Timeline:
+    """When each phase of a job began and ended, from any thread (``mark``); ``collect`` stands
+    in for Job.collect: 0.2 s of rollouts."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int, float]] = []
+        self.lock = threading.Lock()
+
+    def mark(self, what: str, it: int) -> None:
+        with self.lock:
+            self.events.append((what, it, time.monotonic()))
+
+    def collect(self, gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        self.mark("collect-start", it)
+        time.sleep(0.2)
+        self.mark("collect-end", it)
+        return {"iteration": it, "tasks": tasks}
+
+    def at(self) -> dict[tuple[str, int], float]:
+        return {(w, i): t for w, i, t in self.events}
+
+
 def test_pipelined_overlaps_the_next_rollouts_with_learning(tmp_path: Path) -> None:
     job = bench.Job(argparse.Namespace(upstream="http://127.0.0.1:9/v1", teacher=None), tmp_path, "toolcall",
                     "integrated@async", seed=0)
-    events: list[tuple[str, int, float]] = []
-    lock = threading.Lock()
-
-    def mark(what: str, it: int) -> None:
-        with lock:
-            events.append((what, it, time.monotonic()))
-
-    def collect(gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
-        mark("collect-start", it)
-        time.sleep(0.2)
-        mark("collect-end", it)
-        return {"iteration": it, "tasks": tasks}
-
+    timeline = Timeline()
+    mark = timeline.mark
     learned: list[dict[str, Any]] = []
 
     def learn(gw_url: str, it: int, point: dict[str, Any], heldout: list[Any], row: dict[str, Any],
@@ -46,9 +57,9 @@ def test_pipelined_overlaps_the_next_rollouts_with_learning(tmp_path: Path) -> N
         learned.append(point)
         mark("learn-end", it)
 
-    job.collect, job.learn = collect, learn  # type: ignore[method-assign]
+    job.collect, job.learn = timeline.collect, learn  # type: ignore[method-assign]
     job.pipelined("http://gw", [[{"id": f"t{i}"}] for i in (1, 2, 3)], [], {}, time.monotonic())
-    at = {(w, i): t for w, i, t in events}
+    at = timeline.at()
     assert [p["iteration"] for p in learned] == [1, 2, 3]
     for it in (1, 2):
         # the next rollouts started before this iteration's learning ended, after its own rollouts
@@ -60,18 +71,8 @@ def test_pipelined_overlaps_the_next_rollouts_with_learning(tmp_path: Path) -> N
 def test_in_turn_evaluates_beside_the_next_rollouts_and_before_the_next_publish(tmp_path: Path) -> None:
     job = bench.Job(argparse.Namespace(upstream="http://127.0.0.1:9/v1", teacher=None, eval_overlap=True), tmp_path,
                     "terminal", "integrated", seed=0)
-    events: list[tuple[str, int, float]] = []
-    lock = threading.Lock()
-
-    def mark(what: str, it: int) -> None:
-        with lock:
-            events.append((what, it, time.monotonic()))
-
-    def collect(gw_url: str, it: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
-        mark("collect-start", it)
-        time.sleep(0.2)
-        mark("collect-end", it)
-        return {"iteration": it}
+    timeline = Timeline()
+    mark = timeline.mark
 
     def evaluated(it: int) -> None:
         mark("eval-start", it)
@@ -83,9 +84,9 @@ def test_in_turn_evaluates_beside_the_next_rollouts_and_before_the_next_publish(
         mark("publish", it)
         return evals.submit(evaluated, it)
 
-    job.collect, job.learn = collect, learn  # type: ignore[method-assign]
+    job.collect, job.learn = timeline.collect, learn  # type: ignore[method-assign]
     job.in_turn("http://gw", [[{"id": f"t{i}"}] for i in (1, 2, 3)], [], {}, time.monotonic())
-    at = {(w, i): t for w, i, t in events}
+    at = timeline.at()
     for it in (1, 2):
         # version it is evaluated while iteration it+1's rollouts (on the same version) run ...
         assert at[("eval-start", it)] < at[("collect-end", it + 1)]
