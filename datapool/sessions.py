@@ -88,7 +88,7 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
         rows = conn.execute(select(*columns).select_from(turns.join(sessions, sessions.c.id == turns.c.session_id))
                             .where(turns.c.id > last).order_by(turns.c.id).limit(chunk)).all()
         if not rows:
-            if keyed:  # and rows an older gateway wrote without their turn's time and kind
+            if keyed:  # migration 0020 on: the rows rewritten here, and any an older gateway wrote
                 fill_continuation_keys(conn, missing=True)
             return seen, changed
         last = rows[-1].id
@@ -121,8 +121,6 @@ def rehash(conn: Connection, *, chunk: int = 500) -> tuple[int, int]:
             conn.execute(delete(continuations).where(continuations.c.turn_id.in_(redo)))
             if conts:
                 conn.execute(insert(continuations), conts)
-                if keyed:  # migration 0020 on: the rows carry their turn's time and kind
-                    fill_continuation_keys(conn, redo)
 
 
 class _Batch:

@@ -204,7 +204,7 @@ class KnownTurns:
         if not todo:
             return
         named: list[str] | None = sorted({p.record.session_id for p in self.prepared if p.record.session_id})
-        if named is not None and len(named) > BIND_CHUNK:
+        if len(named) > BIND_CHUNK:
             named = None  # more than one IN list holds: every session's first turns
         rows = list(first_in_pool(self.db, todo))
         if named is None or named:

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, and_, bindparam, delete, insert, select, upda
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.canonical import Prepared
-from datapool.db import chunked, dialect_insert
+from datapool.db import dialect_insert
 from datapool.edits import TAIL_INDEX, is_system_free_index
 from datapool.models import Session, ToolCallArguments, Turn, TurnContinuation
 from datapool.records import TurnRecord
@@ -38,11 +38,11 @@ _touch_session = (
 )
 
 
-def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = None, *, missing: bool = False) -> None:
+def fill_continuation_keys(conn: Connection, *, missing: bool = False) -> None:
     """Copies each continuation row's turn time and kind onto it (``TurnContinuation.created_at``,
     ``answered``, ``system_free``, as ``PendingWrites.flush`` writes them): migration 0020 for every
-    row, ``datapool.sessions.rehash`` for the rows it rewrites (*turn_ids*) and for those an older
-    gateway wrote without them (*missing*)."""
+    row; ``datapool.sessions.rehash`` for the rows without them (*missing*: those it rewrote, and
+    those a gateway older than 0020 wrote)."""
     tc = TurnContinuation.__table__
 
     def of_turn(value: Any) -> Any:
@@ -51,13 +51,7 @@ def fill_continuation_keys(conn: Connection, turn_ids: Sequence[str] | None = No
     fill = update(tc).values(created_at=of_turn(_turns.c.created_at),
                              answered=of_turn(_turns.c.status == TurnStatus.OK),
                              system_free=and_(tc.c.choice_index > TAIL_INDEX, tc.c.choice_index <= -2))
-    if missing:
-        fill = fill.where(tc.c.created_at.is_(None))
-    if turn_ids is None:
-        conn.execute(fill)
-        return
-    for chunk in chunked(turn_ids):
-        conn.execute(fill.where(tc.c.turn_id.in_(chunk)))
+    conn.execute(fill.where(tc.c.created_at.is_(None)) if missing else fill)
 
 
 class PendingWrites:

@@ -311,8 +311,7 @@ class OnlineTrainer:
         for update in range(updates):
             step_metrics = trainer.step(batch, correct=batch_flags, ratio_cap=self.cfg.ratio_cap,
                                         progress=lambda p, u=update: report(u, p))
-        if self.cfg.replay_rounds:
-            self.replay.append(train)
+        self.replay.append(train)  # kept for the next replay_rounds rounds (none when 0)
         log.info("round %d: trained in %s; publishing the candidate", self.step, _duration(report.elapsed_s))
         metrics |= {k: v for k, v in step_metrics.items() if isinstance(v, float)}
         if self.cfg.drift_metrics:

@@ -26,35 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.support.agreement import CHAT_REPLIES, chat_samples, draw_lora_b  # noqa: E402
 from trainer.agreement import measure  # noqa: E402
 from trainer.config import LocalConfig, ObjectiveConfig  # noqa: E402
-from trainer.samples import Sample  # noqa: E402
 from vllm_client.adapters import ensure_loaded, unload  # noqa: E402
-
-PAIRS = [
-    ("What is a calorie?", "A calorie is a unit of energy, the heat that warms a gram of water by one degree."),
-    ("Name a prime number.", "Seven is a prime number: it has no divisor but one and itself."),
-    ("How do I list files in a shell?", "Run ls in the directory; ls -la also shows hidden files."),
-    ("Copy notes.txt to backup.txt.", '{"command": "cp notes.txt backup.txt"}'),
-    ("Sort names.txt into sorted.txt.", '{"command": "sort names.txt > sorted.txt"}'),
-    ("What is 95 + 13?", '{"expression": "95 + 13"}'),
-    ("Why is the sky blue?", "Air scatters blue light more than red, so the sky looks blue from every side."),
-    ("Count the lines of entries.txt.", '{"command": "wc -l < entries.txt"}'),
-]
-
-
-def samples(tokenizer: object) -> list[Sample]:
-    out = []
-    for i, (question, answer) in enumerate(PAIRS):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],  # type: ignore[attr-defined]
-                                             add_generation_prompt=True, tokenize=False)
-        out.append(Sample(turn_id=f"t{i}", session_id=f"s{i}", group_id=None, step_index=0,
-                          prompt_ids=tokenizer.encode(text, add_special_tokens=False),  # type: ignore[attr-defined]
-                          response_ids=tokenizer.encode(answer, add_special_tokens=False),  # type: ignore[attr-defined]
-                          behaviour_logprobs=None, teacher_logprobs=None, reward=1.0, integrated_reward=None,
-                          capture="white_box", masked=()))
-    return out
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks/gpu/agreement.py", description=__doc__,
@@ -70,22 +45,14 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = LocalTrainer(LocalConfig(model_dir=args.model_dir, device=args.device, lora=True, compile=False,
                                        bf16=args.trainer_dtype == "bf16"), ObjectiveConfig())
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator).to(param) * 0.02)
-    with httpx.Client(timeout=30) as http:
-        served = http.get(f"{args.upstream}/models").json()["data"]
-    server_dtype = next((m.get("dtype") for m in served if m["id"] == args.model), None)
-    result: dict[str, object] = {"trainer_dtype": args.trainer_dtype, "server": args.upstream,
-                                 "server_dtype_reported": server_dtype}
+    draw_lora_b(trainer.model)
+    result: dict[str, object] = {"trainer_dtype": args.trainer_dtype, "server": args.upstream}
     with tempfile.TemporaryDirectory() as tmp:
         adapter = trainer.save(Path(tmp) / "agreement-probe")
         name = f"agreement-probe-{int(time.time())}"
         ensure_loaded(name, adapter, [args.upstream])
         try:
-            tokens = samples(trainer.tokenizer)
+            tokens = chat_samples(trainer.tokenizer, CHAT_REPLIES)
             result["adapter"] = measure(trainer, tokens, args.upstream, name, k=len(tokens))
             result["base"] = measure(trainer, tokens, args.upstream, args.model, k=len(tokens))
         finally:

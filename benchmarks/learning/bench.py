@@ -43,8 +43,8 @@ untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures
 still serving); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
 (``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
-turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``). Every arm and seed is its own process with its own
-pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
+turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``). Every arm and seed is its
+own process with its own pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
 the shared vLLM(s). Each training round's drift from the base policy (``trainer.drift``: KL on
 the round's tokens, entropy, the teacher's top-k mass) and the gate's decision are kept per
 arm and seed (``rounds``), printed as it goes and tabled at the end. The base policy's held-out answers use the same per-request seeds at every checkpoint,
@@ -646,7 +646,8 @@ def main() -> None:
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
-                        f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by default), ask "
+                        f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "
+                        "default), ask "
                         "(the python judge's hint names the question the reply was to answer: opd+topk+ask)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "

@@ -11,22 +11,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from trainer.agreement import choose, compare, measure
 from trainer.config import LocalConfig, ObjectiveConfig
 from trainer.samples import Sample
+from tests.support.agreement import CHAT_REPLIES, chat_samples, draw_lora_b
+from tests.support.agreement import sample as _sample
 from vllm_client.adapters import ensure_loaded, unload
 
 finite = st.floats(min_value=-30, max_value=0, allow_nan=False)
-
-
-def _sample(i: int, prompt: list[int], response: list[int], masked: tuple[int, ...] = ()) -> Sample:
-    return Sample(turn_id=f"t{i}", session_id=f"s{i}", group_id=None, step_index=0, prompt_ids=prompt,
-                  response_ids=response, behaviour_logprobs=None, teacher_logprobs=None, reward=1.0,
-                  integrated_reward=None, capture="white_box", masked=masked)
 
 
 @given(st.lists(st.lists(finite, min_size=1, max_size=8), min_size=1, max_size=5), st.data())
@@ -57,26 +52,13 @@ def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
     trainer = LocalTrainer(LocalConfig(model_dir=model_dir, device="cpu", lora=True, compile=False),
                            ObjectiveConfig())
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in trainer.model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    draw_lora_b(trainer.model)
     out = trainer.save(tmp_path_factory.mktemp("adapter") / "ok")
     return trainer, out
 
 
 def _samples(trainer: object) -> list[Sample]:
-    tok = trainer.tokenizer  # type: ignore[attr-defined]
-    pairs = [("What is a calorie?", "A calorie is a unit of energy, the heat that warms a gram of water by one degree."),
-             ("Name a prime number.", "Seven is a prime number: it has no divisor but one and itself."),
-             ("How do I list files in a shell?", "Run ls in the directory; ls -la also shows hidden files.")]
-    out = []
-    for i, (question, answer) in enumerate(pairs):
-        text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                       tokenize=False)
-        out.append(_sample(i, tok.encode(text, add_special_tokens=False), tok.encode(answer, add_special_tokens=False)))
-    return out
+    return chat_samples(trainer.tokenizer, CHAT_REPLIES[:3])  # type: ignore[attr-defined]
 
 
 def test_a_correct_adapter_agrees_and_a_wrongly_scaled_one_does_not(trained: tuple[object, Path], teacher_server,

@@ -398,6 +398,21 @@ def test_trainer_killed_mid_step_loses_and_duplicates_nothing(
     print(json.dumps(versions))
 
 
+def _stored_scored_turns(engine: Any, session: str, rewards: list[float], **turn: Any) -> None:
+    """Session *session* with one scored white-box turn per reward, ``{session}-{i}``, each with
+    token ids and logprobs to train on (*turn* overrides its columns)."""
+    with OrmSession(engine) as db, db.begin():
+        db.add(Session(id=session, source="header"))
+        db.flush()
+        for i, reward in enumerate(rewards):
+            db.add(Turn(**{"id": f"{session}-{i}", "session_id": session, "endpoint": "chat", "status": "ok",
+                           "model": "policy", "created_at": datetime.now(timezone.utc), "capture": "white-box",
+                           "request": {"messages": []}, "prompt_token_ids": [1, 2], "token_ids": [3, 4],
+                           "logprobs": [-1.0, -1.0]} | turn))
+            db.flush()
+            db.add(Judgement(turn_id=f"{session}-{i}", status="scored", reward=reward, attempts=1))
+
+
 def test_stale_turns_are_corrected_with_the_capped_ratio_or_dropped(pg: str, servers: list[str], model_dir: Path,
                                                                      tmp_path: Path) -> None:
     from trainer.local import LocalTrainer
@@ -416,15 +431,7 @@ def test_stale_turns_are_corrected_with_the_capped_ratio_or_dropped(pg: str, ser
 
     # --stale drop: turns more than S versions behind are acked without training
     engine = make_engine(pg)
-    with OrmSession(engine) as db, db.begin():
-        db.add(Session(id="old", source="header"))
-        db.flush()
-        for i in range(3):
-            db.add(Turn(id=f"old-{i}", session_id="old", endpoint="chat", status="ok", model="policy",
-                        created_at=datetime.now(timezone.utc), policy_version="a-retired-branch", capture="white-box",
-                        request={"messages": []}, prompt_token_ids=[1, 2], token_ids=[3, 4], logprobs=[-1.0, -1.0]))
-            db.flush()
-            db.add(Judgement(turn_id=f"old-{i}", status="scored", reward=1.0, attempts=1))
+    _stored_scored_turns(engine, "old", [1.0] * 3, policy_version="a-retired-branch")
     online = _online(pg, servers, model_dir, tmp_path, k=3, staleness=0, stale_policy="drop")
     online.trainer, online.trainer_version = trainer, None
     result = online.run_round()
@@ -443,15 +450,7 @@ def test_replay_trains_each_round_on_the_last_rounds_turns_too(pg: str, servers:
     from trainer.local import LocalTrainer
 
     engine = make_engine(pg)
-    with OrmSession(engine) as db, db.begin():
-        db.add(Session(id="replay", source="header"))
-        db.flush()
-        for i in range(6):
-            db.add(Turn(id=f"replay-{i}", session_id="replay", endpoint="chat", status="ok", model="policy",
-                        created_at=datetime.now(timezone.utc), capture="white-box", request={"messages": []},
-                        prompt_token_ids=[1, 2, 3], token_ids=[4, 5], logprobs=[-1.0, -1.0]))
-            db.flush()
-            db.add(Judgement(turn_id=f"replay-{i}", status="scored", reward=float(i % 2), attempts=1))
+    _stored_scored_turns(engine, "replay", [float(i % 2) for i in range(6)], prompt_token_ids=[1, 2, 3], token_ids=[4, 5])
     engine.dispose()
     # staleness 10: the new turns (answered by the base, versions ago by round 3) count as fresh here
     online = _online(pg, servers, model_dir, tmp_path, k=2, replay_rounds=1, staleness=10)
