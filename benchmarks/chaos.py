@@ -18,6 +18,11 @@ lost_turns: replies answered 200 whose X-Turn-Id the pool does not hold. engine_
 exits the supervisor saw. recovered_s: from the kill to the end of the first reply, started
 after it, that the active version served. Prints a table and writes JSON (--out).
 
+--replicas 2 serves the model group from two supervised vLLMs (a warm standby: the gateway's
+model list names both, each holds the active version); the kill goes to the first, and
+recovered_s is then how long until the survivor answers for it (the gateway routes around a
+replica its watch sees down or loading). restart_answering_s is the killed one's own restart.
+
     .venv/bin/python benchmarks/chaos.py --out benchmarks/gateway/results/chaos-cpu.json
     benchmarks/gpu/run.sh chaos      # on a GPU machine (its vLLM and /tmp/smollm2)
 """
@@ -157,6 +162,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", type=Path, help="python with vLLM (default: nextstate's vLLM venv)")
     ap.add_argument("--model-dir", type=Path, help="the model vLLM serves (default: the converted SmolLM2)")
     ap.add_argument("--database-url", help="the pool (default: SQLite in a temporary directory)")
+    ap.add_argument("--replicas", type=int, default=1, choices=(1, 2, 3, 4),
+                    help="vLLMs serving the model group, the gateway routing around a dead one (the kill goes "
+                         "to the first)")
     ap.add_argument("--vllm-args", default="", help="extra vLLM arguments, one string (e.g. '--enforce-eager')")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
@@ -172,21 +180,32 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="nextstate-chaos-"))
     database_url = args.database_url or f"sqlite:///{work / 'pool.db'}"
     upgrade(database_url)
-    server = VLLMServer(python, model_dir, served_name="smollm2", port=free_port(), log_path=work / "vllm.log",
-                        extra_args=shlex.split(args.vllm_args))
+    servers = [VLLMServer(python, model_dir, served_name="smollm2", port=free_port(),
+                          log_path=work / ("vllm.log" if i == 0 else f"vllm-{i}.log"),
+                          extra_args=shlex.split(args.vllm_args), name="vllm" if i == 0 else f"vllm-{i}")
+               for i in range(args.replicas)]
+    server = servers[0]  # the one killed
     supervisor = Supervisor(echo=lambda line: print(f"[supervisor] {line}", flush=True),
                             policy=RestartPolicy(limit=5))
-    supervisor.add(server)
+    for each in servers:
+        supervisor.add(each)
     gw_port = free_port()
     gateway = None
     clients = None
     started = time.monotonic()
     try:
         print(f"starting vLLM (log {work / 'vllm.log'}) ...", flush=True)
-        assert supervisor.start(), supervisor.fatal
+        for each in servers:  # one after another: two vLLMs profiling one GPU's memory at once disagree
+            assert supervisor.start(each.name), supervisor.fatal
         first_start_s = time.monotonic() - started
+        upstream = ["--upstream", server.base_url]
+        if len(servers) > 1:
+            (work / "models.yaml").write_text(json.dumps({"model_list": [
+                {"model_name": "smollm2", "litellm_params": {"model": "hosted_vllm/smollm2", "api_base": s.base_url}}
+                for s in servers]}))
+            upstream = ["--model-list", str(work / "models.yaml")]
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "nextstate.cli", "gateway", "--upstream", server.base_url, "--port", str(gw_port),
+            [sys.executable, "-m", "nextstate.cli", "gateway", *upstream, "--port", str(gw_port),
              "--database-url", database_url],
             env={**os.environ, "NEXTSTATE_DATA_DIR": str(work), "NEXTSTATE_UPSTREAM_MODEL": "smollm2"},
             stdout=open(work / "gateway.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -202,7 +221,7 @@ def main() -> None:
         engine = make_engine(database_url)
         name = "chaos-" + time.strftime("%H%M%S")
         publish(engine, PublishRequest(random_adapter(model_dir, work / "adapter"), base_model="smollm2",
-                                       vllm_urls=[server.base_url], kind=VersionKind.LORA, name=name,
+                                       vllm_urls=[s.base_url for s in servers], kind=VersionKind.LORA, name=name,
                                        store=work / "policies", actor="chaos", reason="the active version"))
         print(f"active version {name}; {args.clients} + {args.messages_clients} clients for {args.warmup_s:.0f} s",
               flush=True)
@@ -276,7 +295,8 @@ def main() -> None:
         supervisor.stop()
     counts = {k: sum(o.kind == k for o in clients.outcomes) for k in ("ok", "unavailable", "interrupted", "failed")}
     result = {
-        "engine_deaths": sum(report["vllm"]["exits"].values()),
+        "engine_deaths": sum(sum(report[s.name]["exits"].values()) for s in servers),
+        "replicas": len(servers),
         "requests": len(clients.outcomes),
         "failed": counts["failed"],
         "recovered_s": round(recovered_s, 2) if recovered_s is not None else None,
@@ -286,7 +306,7 @@ def main() -> None:
         "vllm_startup_log": _startup_lines(work / "vllm.log"),
         **{k: counts[k] for k in ("ok", "unavailable", "interrupted")},
         "lost_turns": len(lost),
-        "restarts": report["vllm"]["restarts"],
+        "restarts": sum(report[s.name]["restarts"] for s in servers),
         "gateway_upstream_restarts": [line for line in metrics.splitlines()
                                       if line.startswith("nextstate_upstream_restarts_total")],
         "failures": [o.detail for o in clients.outcomes if o.kind == "failed"][:10],

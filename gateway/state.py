@@ -135,6 +135,7 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
                  policy_read=asyncio.Condition(), traces=exporter)
     gw.vllm_watch = VLLMWatch(engine, http, metrics, bases=lambda: vllm_bases(upstreams),
                               active=lambda: upstreams.active_version)
+    upstreams.out_of_service = gw.vllm_watch.out_of_service
     writer.start()
     wake = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +72,10 @@ def load_model_list(path: Path) -> tuple[list[dict[str, Any]], str | None]:
     return doc["model_list"], doc.get("policy_model")
 
 
+def _base(deployment: dict[str, Any]) -> str:
+    return str(deployment["litellm_params"].get("api_base") or "").rstrip("/")
+
+
 def _secret(value: str | None) -> str | None:
     # LiteLLM's convention: "os.environ/NAME" reads the key from the environment at call time
     if value and value.startswith("os.environ/"):
@@ -99,8 +105,13 @@ class Upstreams:
         self._router: Router | None = None
         self._groups: dict[str, bool] = {}  # group -> white-box
         self._single: dict[str, dict[str, Any]] = {}  # group -> its only deployment
+        self._by_group: dict[str, list[dict[str, Any]]] = {}  # group -> its deployments
         self._lock = asyncio.Lock()
         self.active_version: ActiveVersion | None = None
+        #: whether a vLLM base URL (``…/v1``) is out of service now (the gateway's VLLMWatch: down,
+        #: or loading the active version after a restart); a group of several deployments sends
+        #: its requests to the others meanwhile
+        self.out_of_service: Callable[[str], bool] | None = None
         if model_list:
             self._build(model_list)
 
@@ -114,6 +125,7 @@ class Upstreams:
         # A group of one deployment has nothing to choose: skip the Router's selection (its
         # cooldown and tracing bookkeeping cost more than the rest of the request path).
         self._single = {g: d[0] for g, d in by_group.items() if len(d) == 1}
+        self._by_group = by_group
         # The Router where it has work, built (and its config checked) now: a group to choose
         # from, or a provider reached through its acompletion. vLLM alone needs none.
         if len(self._single) < len(by_group) or not all(self._groups.values()):
@@ -197,6 +209,11 @@ class Upstreams:
         if deployment is None:
             assert self._router is not None  # built for every group of several deployments
             deployment = await self._router.select(group, {})
+            if self.out_of_service is not None and self.out_of_service(_base(deployment)):
+                # a replica that died or is loading the active version again: the others serve
+                # (a warm standby); with none left, the picked one answers 503 + Retry-After
+                serving = [d for d in self._by_group[group] if not self.out_of_service(_base(d))]
+                deployment = random.choice(serving) if serving else deployment
         params = deployment["litellm_params"]
         white = str(params["model"]).startswith(VLLM_PREFIX)
         upstream_name = str(params["model"]).removeprefix(VLLM_PREFIX)

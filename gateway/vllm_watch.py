@@ -58,6 +58,10 @@ class VLLMWatch:
     def state(self, base: str | None) -> State:
         return self.states.get((base or "").rstrip("/"), State.OK)
 
+    def out_of_service(self, base: str) -> bool:
+        """Whether *base* is down or loading the active version (Upstreams routes around it)."""
+        return self.states.get(base.rstrip("/"), State.OK) != State.OK
+
     def refuse(self, base: str | None, served_name: str, group: str) -> None:
         """Raise the 503 for a request for the active version to *base* while it is loading it
         (one to a server that is down fails to connect at once and gets the same)."""

@@ -258,6 +258,15 @@ MAX_LORAS = 4
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+#: vLLM's compute dtypes for ``nextstate vllm serve --dtype``. The checkpoint's bfloat16 is the
+#: default. Against an fp32 trainer (``--compute-dtype fp32``) the served policy agrees best in
+#: float16 on the GPU: mean |Δ log-prob| 0.006 nats on an H200, against 0.016-0.047 in bfloat16
+#: (benchmarks/gpu/agreement.py). vLLM's GPU LoRA kernels refuse float32 (0.26: an assertion in
+#: lora_shrink_op at start-up); the CPU build serves LoRA in float32 (0.000009 nats), slower.
+SERVE_DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_DTYPE = "bfloat16"
+
+
 def serve_command(
     python: Path,
     model_dir: Path,
@@ -266,6 +275,7 @@ def serve_command(
     host: str = "127.0.0.1",
     port: int,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    dtype: str = DEFAULT_DTYPE,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The command line that starts vLLM's OpenAI-compatible server with LoRA enabled.
@@ -273,7 +283,8 @@ def serve_command(
     *max_model_len* is ``--max-model-len``: the longest prompt plus reply one request may hold
     (vLLM answers a longer one with a 400 that the gateway relays as OpenAI's
     ``context_length_exceeded``). The KV cache (see :func:`serve_env`) holds ~46k tokens of
-    this model, so one 8,192-token request always fits. Measured on a 24 GiB, 2-core machine
+    this model, so one 8,192-token request always fits. *dtype* is ``--dtype``, one of
+    :data:`SERVE_DTYPES`. Measured on a 24 GiB, 2-core machine
     with the policy server and the teacher both at 8,192 after serving ~10k-token prompts:
     3.1–3.2 GB proportional set size per server (API process 0.56, engine 0.5, worker 2.0 GB,
     the 1 GiB KV cache included), within the 0.15 share (3.6 GB) reserved below; 9.3 GB used
@@ -299,7 +310,7 @@ def serve_command(
         "--max-model-len",
         str(max_model_len),
         "--dtype",
-        "bfloat16",
+        dtype,
         "--gpu-memory-utilization",
         "0.15",
         "--enable-lora",
@@ -394,6 +405,7 @@ class VLLMServer:
         port: int = 0,
         log_path: Path,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        dtype: str = DEFAULT_DTYPE,
         extra_args: Sequence[str] = (),
         dev_mode: bool = False,
         name: str = "vllm",
@@ -406,6 +418,9 @@ class VLLMServer:
         self.port = port or free_port(host)
         self.log_path = log_path
         self.max_model_len = max_model_len
+        if dtype not in SERVE_DTYPES:
+            raise ValueError(f"dtype must be one of {SERVE_DTYPES}, got {dtype!r}")
+        self.dtype = dtype
         self.extra_args = tuple(extra_args)
         self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1, see serve_env
         self._process: subprocess.Popen[bytes] | None = None
@@ -445,6 +460,7 @@ class VLLMServer:
             host=self.host,
             port=self.port,
             max_model_len=self.max_model_len,
+            dtype=self.dtype,
             extra_args=self.extra_args,
         )
         with open(self.log_path, "ab") as log_file:

@@ -63,9 +63,12 @@ if ! up; then
   # tools: the agents' "auto" tool choice is parsed from hermes' <tool_call> format, as `nextstate vllm serve` does
   # MAX_NUM_SEQS: how many requests vLLM runs at once (the rest queue). Default: 48 for `learn` (set
   # while vLLM 0.26 + LoRA died under load, before the cause above was found), vLLM's own otherwise.
-  # VLLM_DTYPE: the server's compute dtype (default: the checkpoint's, bfloat16). float32 leaves no
-  # precision gap between an fp32 trainer (--trainer-dtype fp32) and the served policy, for the
-  # train/serve agreement check; SmolLM2's 135M parameters cost little either way.
+  # VLLM_DTYPE: the server's compute dtype (default: float16 for `agents`, else the checkpoint's
+  # bfloat16). Against an fp32 trainer (--trainer-dtype fp32) float16 serves the trained policy to
+  # 0.006 nats mean |Δ log-prob| (bfloat16: 0.016-0.047; benchmarks/gpu/agreement.py), inside the 0.02 the
+  # agents benchmark checks after every publish. float32 does not start with LoRA: vLLM 0.26's
+  # GPU LoRA kernels take only float16/bfloat16 (an assertion in lora_shrink_op).
+  [ "$what" = agents ] && : "${VLLM_DTYPE:=float16}"
   dtype=()
   [ -n "${VLLM_DTYPE:-}" ] && dtype=(--dtype "$VLLM_DTYPE")
   seqs=()

@@ -9,9 +9,11 @@ from pathlib import Path
 import click
 
 from nextstate.modelserver import (
+    DEFAULT_DTYPE,
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_PORT,
     DEFAULT_SERVED_NAME,
+    SERVE_DTYPES,
     TEACHER_ARGS,
     VLLMServer,
     default_cache_dir,
@@ -78,6 +80,15 @@ def setup_command(cache_dir: Path) -> None:
     "SmolLM2 was trained at 8192; a longer request is answered 400 context_length_exceeded.",
 )
 @click.option(
+    "--dtype",
+    type=click.Choice(SERVE_DTYPES),
+    default=DEFAULT_DTYPE,
+    show_default=True,
+    help="vLLM's compute dtype. float16 on a GPU serves the policy closest to an fp32 trainer "
+    "(`nextstate train --compute-dtype fp32`): 0.006 nats mean |Δ log-prob| on an H200, against 0.016-0.047 "
+    "in bfloat16. vLLM's GPU LoRA kernels refuse float32; the CPU build takes it (slower).",
+)
+@click.option(
     "--teacher",
     is_flag=True,
     help="Serve as the teacher replica for scoring: one request at a time (--max-num-seqs 1).",
@@ -97,7 +108,7 @@ def setup_command(cache_dir: Path) -> None:
     help="Restarts in a row of a vLLM that died before giving up (exit 1).",
 )
 def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, max_model_len: int,
-                      teacher: bool, dev_mode: bool, restarts: int) -> None:
+                      dtype: str, teacher: bool, dev_mode: bool, restarts: int) -> None:
     """Run vLLM in the foreground, restarted when it dies; Ctrl-C (or SIGTERM, SIGHUP) stops it.
 
     Serves the OpenAI-compatible API with runtime LoRA loading (POST
@@ -120,6 +131,7 @@ def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, m
         port=port,
         log_path=log_path,
         max_model_len=max_model_len,
+        dtype=dtype,
         extra_args=TEACHER_ARGS if teacher else (),
         dev_mode=dev_mode,
     )

@@ -76,3 +76,40 @@ def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused()
     watch._set(base, State.OK, "the active version b loaded")
     watch.refuse(base, "b", "policy")
     assert watch.loading == {}
+
+
+def test_a_group_of_two_vllm_replicas_keeps_serving_while_one_is_down(tmp_path: Path) -> None:
+    """A warm standby: the `fixed` group is served by two vLLM deployments. Once the watch sees
+    one gone, every request goes to the other (none gets the 503); when it is back it serves
+    again. Without routing around the dead replica, the Router would send it about half."""
+    import yaml
+
+    replicas = [UpstreamProcess(tmp_path / f"upstream-{i}.log").start() for i in range(2)]
+    model_list = tmp_path / "models.yaml"
+    model_list.write_text(yaml.safe_dump({"model_list": [
+        {"model_name": "fixed", "litellm_params": {"model": "hosted_vllm/fixed", "api_base": r.base_url}}
+        for r in replicas]}))
+    try:
+        with GatewayProcess(tmp_path, database_url=f"sqlite:///{tmp_path / 'pool.db'}",
+                            model_list=model_list) as gw, httpx.Client(timeout=30) as http:
+            chat = {"model": "fixed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+            assert http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200
+            dead = replicas[0]
+            dead.stop()
+            down = f'nextstate_upstream_up{{upstream="{dead.base_url}"}} 0.0'
+            wait_for(lambda: down in http.get(f"{gw.url}/metrics").text, timeout=30)
+            statuses = [http.post(f"{gw.base_url}/chat/completions", json=chat).status_code for _ in range(24)]
+            statuses += [http.post(f"{gw.base_url}/chat/completions", json=dict(chat, stream=True)).status_code
+                         for _ in range(8)]
+            assert statuses == [200] * 32, statuses
+            turns = [gw.stored_turn(http.post(f"{gw.base_url}/responses",
+                                              json={"model": "fixed", "input": "hi"}).headers["x-turn-id"])]
+            assert turns[0]["status"] == "ok"
+
+            dead.start()
+            up = f'nextstate_upstream_up{{upstream="{dead.base_url}"}} 1.0'
+            wait_for(lambda: up in http.get(f"{gw.url}/metrics").text, timeout=30)
+            assert all(http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200 for _ in range(8))
+    finally:
+        for r in replicas:
+            r.stop()

@@ -78,6 +78,9 @@ def test_serve_command_and_env() -> None:
     ):
         assert flag in joined
     assert "lm_head" not in joined
+    assert "--dtype float16" in " ".join(serve_command(Path("/p"), Path("/m"), port=1, dtype="float16"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        VLLMServer(Path("/p"), Path("/m"), log_path=Path("/l"), dtype="fp8")
     assert cmd[-1] == "--x"
     env = serve_env({"PATH": "/bin"})
     assert env["PATH"] == "/bin"
