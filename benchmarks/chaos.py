@@ -165,7 +165,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1, choices=(1, 2, 3, 4),
                     help="vLLMs serving the model group, the gateway routing around a dead one (the kill goes "
                          "to the first)")
-    ap.add_argument("--vllm-args", default="", help="extra vLLM arguments, one string (e.g. '--enforce-eager')")
+    ap.add_argument("--vllm-args", default="",
+                    help="extra vLLM arguments, one string given with '=' (--vllm-args=--enforce-eager): "
+                         "argparse takes a separate value that starts with '-' for an option")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args()
 
