@@ -279,7 +279,7 @@ def trainer_command(args: argparse.Namespace, mode: str, pool: str) -> list[str]
            "--lr", str(args.lr_full if full else args.lr_lora), "--model-dir", str(args.model_dir),
            "--vllm-url", args.upstream, "--database-url", pool, "--publish"]
     if full:
-        cmd.append("--full")
+        cmd += ["--full", "--pause-mode", args.pause_mode]
     if args.backend == "verl":
         cmd += ["--gpus", "1", "--push-every", str(args.push_every)]
     return cmd
@@ -480,7 +480,8 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             cmd = [sys.executable, str(ROOT / "benchmarks/gpu/publish_load.py"), "--upstream", args.upstream,
                    "--model", args.model, "--model-dir", str(args.model_dir), "--kind", "full",
                    "--publishes", str(args.full_publishes), "--concurrency", str(args.concurrency),
-                   "--gateways", str(args.gateways), "--max-tokens", str(args.max_tokens), "--out", str(args.out)]
+                   "--gateways", str(args.gateways), "--max-tokens", str(args.max_tokens), "--out", str(args.out),
+                   "--pause-mode", args.pause_mode]
             log(f"full publish under load: {' '.join(cmd[1:])}")
             t = time.time()
             done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True,
@@ -583,6 +584,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--push-every", type=int, default=1, help="verl: push (publish) every N steps")
+    p.add_argument("--pause-mode", choices=["wait", "keep"], default="wait",
+                   help="full weights: vLLM's pause while it reloads them (keep: the streams in flight are frozen, "
+                        "not drained, and continue on the new weights)")
     p.add_argument("--lr-lora", type=float, default=1e-4)
     p.add_argument("--lr-full", type=float, default=1e-5)
     p.add_argument("--warmup-s", type=float, default=5.0)

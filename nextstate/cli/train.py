@@ -13,7 +13,7 @@ from vllm_client.http import policy_servers
 from datapool.db import as_utc
 from datapool.leases import Filters
 from base.settings import Settings
-from base.vocab import Objective, TrainBackend, VersionKind
+from base.vocab import Objective, PauseMode, TrainBackend, VersionKind
 from nextstate.cli import options as opt
 from trainer.config import (
     COMPUTE_DTYPES,
@@ -144,6 +144,7 @@ def run_options() -> Any:
                      help="Hot-load the new version into vLLM and make it the active `policy`."),
         opt.vllm_urls("vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher "
                       "replica."),
+        opt.pause_mode,
         opt.database_url(),
     )
 
@@ -271,6 +272,7 @@ class TrainOptions:
     model_dir: Path | None
     publish: bool
     vllm_urls: tuple[str, ...]
+    pause_mode: str
     database_url: str | None
     # online_options
     online: bool
@@ -458,7 +460,7 @@ def _train_offline(o: TrainOptions, settings: Settings, engine: Any, cfg: Object
             # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
             version = publish(engine, PublishRequest(
                 result.output_dir, base_model=base_model, vllm_urls=urls, parent=result.parent, stats=stats,
-                kind=VersionKind.FULL if o.full else VersionKind.LORA))
+                kind=VersionKind.FULL if o.full else VersionKind.LORA, pause_mode=PauseMode(o.pause_mode)))
         except PublishError as exc:
             raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
@@ -483,7 +485,7 @@ def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: Objective
         # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
         version = publish(engine, PublishRequest(
             Path(written["path"]), base_model=base_model, vllm_urls=urls,
-            kind=VersionKind.FULL if o.full else VersionKind.LORA,
+            kind=VersionKind.FULL if o.full else VersionKind.LORA, pause_mode=PauseMode(o.pause_mode),
             parent=current["name"] if current else None, stats={"backend": "verl", "step": written.get("step")}))
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
         return version

@@ -280,7 +280,10 @@ def test_checkpoint_engine_writes_an_adapter_vllm_serves(model_dir: Path, vllm_s
 def test_checkpoint_engine_writes_full_weights_transformers_loads(model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    from safetensors import safe_open
+
+    # veRL's FSDP actor hands over fp32 masters; the checkpoint keeps the base's bf16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.add_(0.01)
     state = model.state_dict()
@@ -288,8 +291,12 @@ def test_checkpoint_engine_writes_full_weights_transformers_loads(model_dir: Pat
     written = PoolCheckpointEngine(is_master=True, out_dir=str(tmp_path), model_dir=str(model_dir)).write(
         iter(state.items()), global_steps=1)
     assert written["kind"] == "full"
-    again = AutoModelForCausalLM.from_pretrained(written["path"], dtype=torch.bfloat16)
-    assert torch.equal(again.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+    assert written["bytes"] == sum(t.numel() for t in state.values()) * 2
+    with safe_open(Path(written["path"]) / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    again = AutoModelForCausalLM.from_pretrained(written["path"], dtype=torch.float32)
+    assert torch.equal(again.model.layers[0].mlp.up_proj.weight,
+                       model.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float())
     assert (Path(written["path"]) / "tokenizer.json").is_file()
 
 

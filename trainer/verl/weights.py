@@ -19,6 +19,20 @@ from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 BACKEND = "nextstate"
 
 
+def checkpoint_dtype(model_dir: Path | None) -> torch.dtype | None:
+    """The floating dtype the base checkpoint is stored in (its ``config.json``'s ``dtype``, or
+    ``torch_dtype`` of older transformers), None when unknown."""
+    if model_dir is None:
+        return None
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
@@ -33,7 +47,10 @@ class PoolCheckpointEngine(CheckpointEngine):
     Every rank consumes the weight generator (gathering a sharded tensor is collective); rank 0
     writes. LoRA (``peft_config`` given): ``adapter_model.safetensors`` + ``adapter_config.json``
     in PEFT's layout, which vLLM's ``/v1/load_lora_adapter`` reads. Full weights:
-    ``model.safetensors`` in Hugging Face layout with the base model's config and tokenizer.
+    ``model.safetensors`` in Hugging Face layout with the base model's config and tokenizer,
+    its floating tensors in the base checkpoint's dtype (:func:`checkpoint_dtype`): an fp32
+    master's weights would double the file the servers reload (vLLM casts to what it serves
+    anyway) — 0.61 GiB against 0.27 for SmolLM2, and most of a 1.8 s ``reload_weights``.
     """
 
     def __init__(self, bucket_size: int = 0, is_master: bool = False, out_dir: str = "verl-weights",
@@ -42,6 +59,7 @@ class PoolCheckpointEngine(CheckpointEngine):
         self.is_master = is_master
         self.out_dir = Path(out_dir)
         self.model_dir = Path(model_dir) if model_dir else None
+        self.full_dtype = checkpoint_dtype(self.model_dir)
 
     def prepare(self) -> dict[str, Any]:
         return {}
@@ -84,6 +102,8 @@ class PoolCheckpointEngine(CheckpointEngine):
                 adapter_cfg, indent=2, default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)))
         else:
             kind = "full"
+            if self.full_dtype is not None:
+                tensors = {k: v.to(self.full_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
             _write_safetensors(tmp / "model.safetensors", tensors)
             if self.model_dir is not None:
                 for f in self.model_dir.iterdir():
