@@ -251,3 +251,14 @@ class Upstreams:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 results[base] = f"unreachable: {type(exc).__name__}"
         return results
+
+    def groups_without_replica(self, checked: dict[str, str]) -> list[str]:
+        """The model groups none of whose vLLM deployments answered in *checked* (:meth:`check`'s
+        result): a group of replicas keeps serving while one of them is down, so only these
+        make the gateway unready."""
+        if self._model_list is None:  # nothing discovered: the one --upstream is the group
+            return [] if all(v == "ok" for v in checked.values()) else list(checked)
+        return sorted(group for group, deployments in self._by_group.items()
+                      if (bases := {_base(d) for d in deployments
+                                    if str(d["litellm_params"]["model"]).startswith(VLLM_PREFIX) and _base(d)})
+                      and not any(checked.get(b) == "ok" or checked.get(b + "/") == "ok" for b in bases))

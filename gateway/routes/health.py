@@ -25,8 +25,9 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
-    """The pool and every vLLM upstream answer, and under `nextstate up` every process it runs
-    is running. 503 (with the reason) when one does not."""
+    """The pool answers, every model group has a vLLM deployment that answers (a group of
+    replicas serves while one is down: the one down is listed, the gateway stays ready), and
+    under `nextstate up` every process it runs is running. 503 (with the reason) when not."""
     gw = gateway_of(request)
 
     def ping() -> None:
@@ -46,7 +47,10 @@ async def readyz(request: Request) -> JSONResponse:
     # and nothing is lost while the spool takes what memory cannot hold)
     checks["capture"] = {"queued": gw.writer.depth, "spooled": spool.waiting,
                          "oldest_unstored_s": round(gw.writer.oldest_unstored_s(), 3)}
-    ready = checks["pool"] == "ok" and all(v == "ok" for v in checks["upstreams"].values())
+    unserved = gw.upstreams.groups_without_replica(checks["upstreams"])
+    if unserved:
+        checks["unserved_models"] = unserved
+    ready = checks["pool"] == "ok" and not unserved
     processes = request.app.state.processes
     if processes is not None:  # the children of `nextstate up`
         checks["processes"] = {name: _process_check(state) for name, state in processes().items()}

@@ -102,10 +102,19 @@ def test_a_group_of_two_vllm_replicas_keeps_serving_while_one_is_down(tmp_path: 
             statuses += [http.post(f"{gw.base_url}/chat/completions", json=dict(chat, stream=True)).status_code
                          for _ in range(8)]
             assert statuses == [200] * 32, statuses
+            # the gateway stays ready (a load balancer keeps sending to it); the replica down is named
+            ready = http.get(f"{gw.url}/readyz")
+            assert ready.status_code == 200, ready.text
+            assert ready.json()["checks"]["upstreams"][dead.base_url].startswith("unreachable")
+            assert "unserved_models" not in ready.json()["checks"]
             turns = [gw.stored_turn(http.post(f"{gw.base_url}/responses",
                                               json={"model": "fixed", "input": "hi"}).headers["x-turn-id"])]
             assert turns[0]["status"] == "ok"
 
+            replicas[1].stop()  # none left: unready, and the model says which
+            ready = wait_for(lambda: r if (r := http.get(f"{gw.url}/readyz")).status_code == 503 else None, timeout=30)
+            assert ready.json()["checks"]["unserved_models"] == ["fixed"]
+            replicas[1].start()
             dead.start()
             up = f'nextstate_upstream_up{{upstream="{dead.base_url}"}} 1.0'
             wait_for(lambda: up in http.get(f"{gw.url}/metrics").text, timeout=30)
