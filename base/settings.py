@@ -422,6 +422,12 @@ class Settings(BaseSettings):
         "plus reply) one request may hold. SmolLM2 was trained at 8192; a longer request is answered "
         "400 `context_length_exceeded`.",
     )
+    vllm_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16",
+        description="vLLM --dtype of the servers `nextstate up` starts (`nextstate vllm serve --dtype`). float16 "
+        "on a GPU serves the policy closest to an fp32 trainer (0.006 nats mean |Δ log-prob| against "
+        "0.016-0.047 in bfloat16); vLLM's GPU LoRA kernels refuse float32, which the CPU build takes.",
+    )
     teacher_vllm_port: int = Field(
         default=8402, description="Port of the teacher vLLM replica `nextstate up` starts."
     )

@@ -58,7 +58,7 @@ class Up:
         python = ensure_vllm_env(settings.cache_dir, log=echo)
         self.model_dir = ensure_model(settings.cache_dir, python, log=echo)
         common = dict(served_name=settings.vllm_served_name, host="127.0.0.1", dev_mode=settings.vllm_dev_mode,
-                      max_model_len=settings.vllm_max_model_len)
+                      max_model_len=settings.vllm_max_model_len, dtype=settings.vllm_dtype)
         self.policy = VLLMServer(python, self.model_dir, name="vllm", port=settings.vllm_port,
                                  log_path=self.logs / "vllm.log", **common)
         self.teacher = VLLMServer(python, self.model_dir, name="vllm-teacher", port=settings.teacher_vllm_port,
