@@ -271,6 +271,12 @@ class VerlConfig:
     #: veRL's dynamic micro-batches (``use_dynamic_bsz``): micro-batches packed up to this many
     #: tokens per GPU (prompt + response) instead of ``micro_batch_size`` samples; 0: off
     max_tokens_per_gpu: int = 0
+    #: veRL's no-grad log-prob pass over each batch before the update (π_old): "auto" skips it where
+    #: nothing reads it — an ``rl`` objective on turns that all carry vLLM's captured log-probs, whose
+    #: PPO ratio divides by those (trainer.verl.batch.add_advantages), as the local backend's does; the
+    #: pass is a forward over the batch, a fifth to a quarter of a step. "always": veRL's every step
+    #: (OPD reads it as the student's log-probs; black-box turns as their own π_old).
+    old_logprob_pass: str = "auto"
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0

@@ -32,8 +32,10 @@ Columns: tok/s = batch × (prompt + response) tokens ÷ mean timed step seconds;
 that ÷ GPUs; scaling = (tok/s on N GPUs) ÷ (N × tok/s of the same backend, mode and variant on 1
 GPU); MFU (6N) = bench.py's definition (``bench.mfu``: 6 · N · tok/s per GPU ÷ the card's peak
 dense bf16 rate, N = matrix-product parameters, ``bench.matmul_params``); "MFU + no-grad fwd" =
-8N where the step also ran a no-grad forward over the batch (veRL always recomputes the current
-policy's log-probs before the update; the local backend does for ``rl`` only with stale turns);
+8N where the step also ran a no-grad forward over the batch (veRL's log-prob pass before the update:
+under ``VerlConfig.old_logprob_pass`` "auto" it is skipped for this job, an ``rl`` objective on turns
+with captured log-probs, and the ``fused-always`` variant runs it every step, as veRL did before; the
+local backend runs one for ``rl`` only with stale turns);
 log-prob pass / update / other = veRL's ``timing_s/old_log_prob``, ``timing_s/update_actor`` and
 the rest of the step's wall time (driver: batch building, advantages, Ray round trips); peak
 memory: ``torch.cuda.max_memory_allocated()`` of the local process, veRL's
@@ -108,6 +110,8 @@ VARIANTS: dict[str, list[str]] = {
     "plain": ["--no-fused-kernels", "--remove-padding", "off"],
     "fused": ["--fused-kernels", "--remove-padding", "off"],
     "fused-rmpad": ["--fused-kernels", "--remove-padding", "on"],
+    # veRL's log-prob pass every step, as before VerlConfig.old_logprob_pass "auto" skipped it here
+    "fused-always": ["--fused-kernels", "--remove-padding", "off", "--old-logprob-pass", "always"],
 }
 
 
@@ -139,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
     model_dir = Path(args.model_dir)
     lora = args.mode == "lora"
     started = time.perf_counter()
-    no_grad_pass = args.backend == "verl"  # veRL recomputes the current policy's log-probs every step
+    no_grad_pass = args.backend == "verl"  # veRL's log-prob pass; "auto" skips it for this rl job (below)
     if args.backend == "local":
         from trainer.local import LocalConfig, LocalTrainer
 
@@ -160,6 +164,7 @@ def run(args: argparse.Namespace) -> None:
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
                          gradient_checkpointing=args.gradient_checkpointing, fused_kernels=args.fused_kernels,
                          remove_padding=remove_padding, max_tokens_per_gpu=args.max_tokens_per_gpu,
+                         old_logprob_pass=args.old_logprob_pass,
                          overrides=tuple(args.override),
                          output_dir=Path(args.json).parent / f"verl-{args.mode}-{args.variant or 'x'}-{gpus}",
                          ray_address=None)
@@ -172,17 +177,22 @@ def run(args: argparse.Namespace) -> None:
           f"{setup_s:.1f}s", flush=True)
     steps = []
     for i in range(args.warmup + args.steps):
-        lp, mask = logprobs() if args.backend == "local" else (None, None)
+        # the policy before this step's update, outside the timing: veRL's own pass gives it in the step,
+        # unless VerlConfig.old_logprob_pass "auto" skips that pass (this rl job of captured turns)
+        lp, mask = logprobs() if args.backend == "local" or args.old_logprob_pass == "auto" else (None, None)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         m = trainer.step(samples)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        if args.backend != "local":  # the current policy's logprobs veRL computed in the step
+        if args.backend != "local" and m.get("actor/old_log_prob_pass", 1.0):
+            # the current policy's logprobs veRL computed in the step
             done = trainer.trainer.last_batch
             order = {tid: k for k, tid in enumerate(done.non_tensor_batch["turn_id"])}
             idx = torch.tensor([order[s.turn_id] for s in samples])
             lp, mask = done.batch["current_log_probs"][idx], done.batch["response_mask"][idx]
+        elif args.backend != "local":  # the pass skipped: lp, mask from before the step
+            no_grad_pass = False
         else:
             no_grad_pass = bool(getattr(trainer, "last_step_no_grad_pass", False))
         pos, neg = _direction(lp, mask, rewards)
@@ -454,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remove-padding", default="auto", choices=["auto", "on", "off"],
                    help="veRL: VerlConfig.remove_padding (auto: with flash-attn only)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=0, help="veRL: dynamic micro-batches of this many tokens")
+    p.add_argument("--old-logprob-pass", default="auto", choices=["auto", "always"],
+                   help="veRL: VerlConfig.old_logprob_pass (auto: skipped for this rl job of captured turns)")
     p.add_argument("--override", action="append", default=[], help="veRL: a Hydra key=value (VerlConfig.overrides)")
     p.add_argument("--local-compile", action="store_true", help="local: LocalConfig.compile")
     p.add_argument("--push", action="store_true", help="veRL: write the weights through the checkpoint engine")

@@ -150,6 +150,48 @@ def test_pool_batch_matches_local_samples_token_for_token(samples: list[Sample],
     assert torch.allclose(verl_lp, local_lp.detach() * local_mask, atol=2e-4), (verl_lp - local_lp).abs().max()
 
 
+def test_the_old_logprob_pass_is_skipped_only_where_nothing_reads_it(samples: list[Sample], local: LocalTrainer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``rl`` batch of captured turns: veRL's no-grad pass would give π_old, which
+    add_advantages replaces by vLLM's captured log-probs, so skipping it changes no advantage and
+    no ratio. OPD (the student's log-probs) and a black-box turn (its own π_old) still run it."""
+    from verl.experimental.separation.ray_trainer import SeparateRayPPOTrainer
+
+    from trainer.verl.ppo import PoolPPOTrainer, old_logprob_pass_needed
+
+    pad = local.tokenizer.pad_token_id
+    white = [s for s in samples if s.behaviour_logprobs is not None]
+    rl = ObjectiveConfig(objective="rl", grpo=False)
+    assert not old_logprob_pass_needed(samples_to_batch(white, pad), rl)
+    assert old_logprob_pass_needed(samples_to_batch(samples, pad), rl)  # one black-box turn
+    for other in (ObjectiveConfig(objective="combined"), ObjectiveConfig(objective="opd"),
+                  ObjectiveConfig(objective="combined", opd_topk=True)):
+        assert old_logprob_pass_needed(samples_to_batch(white, pad), other)
+
+    # the same update either way: advantages and π_old after a recompute (any values) and after the skip
+    recomputed, skipped = samples_to_batch(white, pad), samples_to_batch(white, pad)
+    recomputed.batch["old_log_probs"] = -torch.rand_like(recomputed.batch["rollout_log_probs"]) * 5
+    skipped.batch["old_log_probs"] = skipped.batch["rollout_log_probs"].clone()
+    a, b = add_advantages(recomputed, rl).batch, add_advantages(skipped, rl).batch
+    assert torch.equal(a["advantages"], b["advantages"]) and torch.equal(a["old_log_probs"], b["old_log_probs"])
+
+    # the trainer's step: veRL's pass (stubbed: it needs the Ray workers) runs only where needed
+    ran: list[object] = []
+    monkeypatch.setattr(SeparateRayPPOTrainer, "_fit_compute_log_prob", lambda self, batch: ran.append(batch) or batch)
+    trainer = object.__new__(PoolPPOTrainer)
+    trainer.objective, trainer.old_logprob_pass, trainer.metrics = rl, "auto", {}
+    out = trainer._fit_compute_log_prob(samples_to_batch(white, pad))
+    assert ran == [] and trainer.metrics["actor/old_log_prob_pass"] == 0.0
+    assert torch.equal(out.batch["old_log_probs"], out.batch["rollout_log_probs"])
+    trainer._fit_compute_log_prob(samples_to_batch(samples, pad))
+    assert len(ran) == 1 and trainer.metrics["actor/old_log_prob_pass"] == 1.0
+    trainer.old_logprob_pass = "always"
+    trainer._fit_compute_log_prob(samples_to_batch(white, pad))
+    assert len(ran) == 2
+    with pytest.raises(ValueError, match="old_logprob_pass is one of"):
+        build_config(VerlConfig(model_dir=Path("/m"), old_logprob_pass="never"), rl, batch_size=4, total_steps=1)
+
+
 @pytest.mark.parametrize("objective", ["rl", "opd", "combined"])
 def test_registered_objectives_give_local_advantages_and_losses(samples: list[Sample], local: LocalTrainer,
                                                                 objective: str, model_dir: Path) -> None:

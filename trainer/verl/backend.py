@@ -44,7 +44,8 @@ class VerlTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_dir)
         conf = build_config(self.cfg, self.objective, batch_size=self.batch_size, total_steps=self.total_steps)
         ray_init(self.cfg.ray_address)
-        self.trainer = PoolPPOTrainer(conf, self.tokenizer, self.objective, publish=self.publish)
+        self.trainer = PoolPPOTrainer(conf, self.tokenizer, self.objective, publish=self.publish,
+                                      old_logprob_pass=self.cfg.old_logprob_pass)
         self.trainer.init_workers()
 
     @property

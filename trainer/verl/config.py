@@ -11,6 +11,10 @@ from trainer.config import VerlConfig
 from trainer.verl.weights import BACKEND, PoolCheckpointManager
 
 
+#: VerlConfig.old_logprob_pass: when veRL's no-grad log-prob pass runs (trainer.verl.ppo.PoolPPOTrainer)
+OLD_LOGPROB_PASS = ("auto", "always")
+
+
 def build_config(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batch_size: int,
                  total_steps: int) -> Any:
     """veRL's own ``ppo_trainer`` config (Hydra) with our settings: no rollout, no critic, no
@@ -47,6 +51,8 @@ def _check(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batch_size
     if objective.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not supported on the veRL backend yet (it needs a reference worker); "
                          "use the local backend or kl_coef 0")
+    if cfg.old_logprob_pass not in OLD_LOGPROB_PASS:
+        raise ValueError(f"old_logprob_pass is one of {OLD_LOGPROB_PASS}, not {cfg.old_logprob_pass!r}")
     world = cfg.n_gpus_per_node * cfg.nnodes
     if batch_size % world:
         raise ValueError(f"batch size {batch_size} must be a multiple of the GPU count {world}")

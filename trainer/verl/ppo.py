@@ -59,13 +59,15 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
     """veRL's separation-style PPO trainer whose batches come from the pool, not a rollout."""
 
     def __init__(self, config: Any, tokenizer: Any, objective: objectives.ObjectiveConfig,
-                 publish: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None, **kwargs: Any):
+                 publish: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+                 old_logprob_pass: str = "always", **kwargs: Any):
         pool = "global_pool"
         manager = ResourcePoolManager(
             resource_pool_spec={pool: [config.trainer.n_gpus_per_node] * config.trainer.nnodes},
             mapping={Role.ActorRollout: pool})
         self.objective = objective
         self._publish = publish
+        self.old_logprob_pass = old_logprob_pass  # VerlConfig.old_logprob_pass
         super().__init__(config, tokenizer, role_worker_mapping={Role.ActorRollout: ray.remote(PoolActorWorker)},
                          resource_pool_manager=manager, **kwargs)
 
@@ -111,6 +113,17 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
         batch.meta_info["images_seqlens"] = []
         return batch
 
+    def _fit_compute_log_prob(self, batch: DataProto) -> DataProto:
+        """veRL's no-grad log-prob pass (π_old), skipped under ``old_logprob_pass="auto"`` where
+        nothing reads it (:func:`old_logprob_pass_needed`): ``old_log_probs`` is then vLLM's
+        captured log-probs, which :func:`~trainer.verl.batch.add_advantages` puts there anyway."""
+        if self.old_logprob_pass == "auto" and not old_logprob_pass_needed(batch, self.objective):
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"].clone()
+            self.metrics["actor/old_log_prob_pass"] = 0.0
+            return batch
+        self.metrics["actor/old_log_prob_pass"] = 1.0
+        return super()._fit_compute_log_prob(batch)
+
     def _fit_compute_reward(self, batch: DataProto) -> DataProto:
         self.reward_tensor = batch.batch["token_level_scores"]
         self.reward_extra_infos_dict = {}
@@ -153,6 +166,16 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
 
     def push_weights(self) -> dict[str, Any]:
         return self.checkpoint_manager.update_weights(self.global_steps)
+
+
+def old_logprob_pass_needed(batch: DataProto, objective: objectives.ObjectiveConfig) -> bool:
+    """Whether the step reads the current policy's log-probs before its update: OPD (the
+    student's log-probs of its advantage, top-k OPD's too) or a turn without vLLM's captured
+    log-probs (black-box: its own π_old). An ``rl`` batch of captured turns reads neither."""
+    if objective.objective != "rl":  # opd, combined (top-k OPD needs one of them)
+        return True
+    has = batch.non_tensor_batch.get("has_behaviour")
+    return has is None or not bool(has.all())
 
 
 def update_actor_batch(batch: DataProto, config: Any, objective: objectives.ObjectiveConfig) -> Any:
