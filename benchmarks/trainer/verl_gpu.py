@@ -112,6 +112,9 @@ VARIANTS: dict[str, list[str]] = {
     "fused-rmpad": ["--fused-kernels", "--remove-padding", "on"],
     # veRL's log-prob pass every step, as before VerlConfig.old_logprob_pass "auto" skipped it here
     "fused-always": ["--fused-kernels", "--remove-padding", "off", "--old-logprob-pass", "always"],
+    # FSDP2 keeps the gathered parameters from the forward to the backward (memory for fewer all-gathers)
+    "fused-noreshard": ["--fused-kernels", "--remove-padding", "off",
+                        "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
 }
 
 

@@ -278,6 +278,20 @@ def test_weak_scaling_plan() -> None:
     with pytest.raises(SystemExit, match="unknown veRL variant"):
         verl_gpu.parse_variants(["fast=1"], [1])
     assert verl_gpu.parse_variants(["fused-rmpad"], [1, 4]) == [("fused-rmpad", [1, 4])]
+    # every variant's options are `run` options: what each one sets
+    seen = {}
+    orig_run = verl_gpu.run
+    verl_gpu.run = lambda a: seen.__setitem__("args", a)
+    try:
+        for name, opts in verl_gpu.VARIANTS.items():
+            verl_gpu.main(["run", "--backend", "verl", "--model", "qwen3-1.5b", "--model-dir", "/m", "--samples", "/s",
+                           "--json", "/j.json", *opts])
+            seen[name] = seen.pop("args")
+    finally:
+        verl_gpu.run = orig_run
+    assert seen["fused"].old_logprob_pass == "auto" and seen["fused-always"].old_logprob_pass == "always"
+    assert seen["fused-noreshard"].override == ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
+    assert not seen["plain"].fused_kernels and seen["fused-rmpad"].remove_padding == "on"
 
 
 # ----------------------------------------------------------------------- top-k OPD on veRL
