@@ -115,6 +115,9 @@ VARIANTS: dict[str, list[str]] = {
     # FSDP2 keeps the gathered parameters from the forward to the backward (memory for fewer all-gathers)
     "fused-noreshard": ["--fused-kernels", "--remove-padding", "off",
                         "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
+    # veRL's torch.compile of the actor (trainer.verl.config turns it off: eager is what was measured)
+    "fused-compile": ["--fused-kernels", "--remove-padding", "off",
+                      "--override=actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"],
 }
 
 

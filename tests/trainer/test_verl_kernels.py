@@ -292,6 +292,7 @@ def test_weak_scaling_plan() -> None:
     assert seen["fused"].old_logprob_pass == "auto" and seen["fused-always"].old_logprob_pass == "always"
     assert seen["fused-noreshard"].override == ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
     assert not seen["plain"].fused_kernels and seen["fused-rmpad"].remove_padding == "on"
+    assert seen["fused-compile"].override == ["actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"]
 
 
 # ----------------------------------------------------------------------- top-k OPD on veRL
