@@ -256,7 +256,7 @@ class Upstreams:
         """The model groups none of whose vLLM deployments answered in *checked* (:meth:`check`'s
         result): a group of replicas keeps serving while one of them is down, so only these
         make the gateway unready."""
-        if self._model_list is None:  # nothing discovered: the one --upstream is the group
+        if self._model_list is None:  # nothing discovered: the one --upstream (its URL) is the group
             return [] if all(v == "ok" for v in checked.values()) else list(checked)
         return sorted(group for group, deployments in self._by_group.items()
                       if (bases := {_base(d) for d in deployments
