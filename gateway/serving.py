@@ -284,29 +284,8 @@ class _Call:
     # -- vLLM: OpenAI wire format, relayed as sent ---------------------------------------------
 
     async def vllm(self) -> Response:
-        t = self.target
-        url = f"{t.api_base}{_PATHS[self.endpoint]}"
-        auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
-        payload = white_box_body(self.endpoint, self.body, t.served_name)
-        data = _dumps(payload)
-        watch = self.gw.vllm_watch
-        try:
-            if watch is not None:
-                watch.refuse(t.api_base, t.served_name, t.group)
-        except RequestError as err:
-            raise self._fail(err.status, err.message, error=err) from None
-        try:
-            resp = await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
-        except TimeoutError as exc:
-            raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
-        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:  # refused, reset, dropped
-            # gone (died, restarting): the client is told when to come back
-            if watch is not None and isinstance(exc, aiohttp.ClientConnectorError):
-                watch.mark_down(t.api_base)
-            err = unavailable(t.group, f"is unreachable ({type(exc).__name__})")
-            raise self._fail(err.status, err.message, error=err) from exc
-        except aiohttp.ClientError as exc:
-            raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
+        resp = await self._post()
+        t = self.target  # the replica that took it (_post)
         self._observe_upstream()
         if resp.status >= 400:
             await self._upstream_error(resp)
@@ -336,6 +315,48 @@ class _Call:
             raw = _dumps(obj)
         return Response(raw, status_code=resp.status, media_type="application/json",
                         headers=self.headers)
+
+    async def _post(self, *, failover: bool = True) -> aiohttp.ClientResponse:
+        """The call sent to the target's vLLM. A server that refuses the connection (it died or is
+        restarting) is marked down; one that refuses, resets or drops it before any answer has the
+        call sent to another replica of the model group where there is one (a completion has no
+        effect beyond its answer, and none came). Otherwise the client is told when to come back
+        (503 + Retry-After)."""
+        t = self.target
+        url = f"{t.api_base}{_PATHS[self.endpoint]}"
+        auth = {"Authorization": f"Bearer {t.api_key}"} if t.api_key else {}
+        data = _dumps(white_box_body(self.endpoint, self.body, t.served_name))
+        watch = self.gw.vllm_watch
+        try:
+            if watch is not None:
+                watch.refuse(t.api_base, t.served_name, t.group)
+        except RequestError as err:
+            raise self._fail(err.status, err.message, error=err) from None
+        try:
+            return await self.gw.http.post(url, data=data, headers={**auth, **_JSON})
+        except TimeoutError as exc:
+            raise self._fail(504, f"upstream {t.group} timed out: {type(exc).__name__}") from exc
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:  # refused, reset, dropped
+            if watch is not None and isinstance(exc, aiohttp.ClientConnectorError):
+                watch.mark_down(t.api_base)
+            # no answer came: whatever the server got died with it (a completion has no other effect)
+            if failover and (other := await self._another_replica()) is not None:
+                self.target = other
+                self.record.upstream_model, self.record.policy_version = other.served_name, other.policy_version
+                return await self._post(failover=False)
+            err = unavailable(t.group, f"is unreachable ({type(exc).__name__})")
+            raise self._fail(err.status, err.message, error=err) from exc
+        except aiohttp.ClientError as exc:
+            raise self._fail(502, f"upstream {t.group} unreachable: {type(exc).__name__}: {exc}") from exc
+
+    async def _another_replica(self) -> Target | None:
+        """Another vLLM of the target's model group, one the watch does not see down, or None
+        (a group of one)."""
+        try:
+            other = await self.gw.upstreams.resolve(self.record.model, avoid=self.target.api_base)
+        except RequestError:
+            return None
+        return other if other.white_box and other.api_base != self.target.api_base else None
 
     async def _upstream_error(self, resp: aiohttp.ClientResponse) -> NoReturn:
         try:

@@ -188,8 +188,9 @@ class Upstreams:
         await self._ensure()
         return dict(self._groups)
 
-    async def resolve(self, model: str) -> Target:
-        """The deployment that serves ``model`` now; 404 for a model nobody serves."""
+    async def resolve(self, model: str, *, avoid: str | None = None) -> Target:
+        """The deployment that serves ``model`` now; 404 for a model nobody serves. *avoid*: a
+        vLLM base URL not to pick where the group has another (a replica that just failed)."""
         await self._ensure()
         group = model
         served: str | None = None
@@ -209,10 +210,12 @@ class Upstreams:
         if deployment is None:
             assert self._router is not None  # built for every group of several deployments
             deployment = await self._router.select(group, {})
-            if self.out_of_service is not None and self.out_of_service(_base(deployment)):
+            out = self.out_of_service or (lambda _base: False)
+            if out(_base(deployment)) or (avoid is not None and _base(deployment) == avoid.rstrip("/")):
                 # a replica that died or is loading the active version again: the others serve
                 # (a warm standby); with none left, the picked one answers 503 + Retry-After
-                serving = [d for d in self._by_group[group] if not self.out_of_service(_base(d))]
+                serving = [d for d in self._by_group[group]
+                           if not out(_base(d)) and (avoid is None or _base(d) != avoid.rstrip("/"))]
                 deployment = random.choice(serving) if serving else deployment
         params = deployment["litellm_params"]
         white = str(params["model"]).startswith(VLLM_PREFIX)

@@ -81,7 +81,9 @@ def test_a_version_activated_while_the_watch_loads_the_last_one_is_not_refused()
 def test_a_group_of_two_vllm_replicas_keeps_serving_while_one_is_down(tmp_path: Path) -> None:
     """A warm standby: the `fixed` group is served by two vLLM deployments. Once the watch sees
     one gone, every request goes to the other (none gets the 503); when it is back it serves
-    again. Without routing around the dead replica, the Router would send it about half."""
+    again. Without routing around the dead replica, the Router would send it about half; one
+    that dies between two looks of the watch costs no request either (failover on a refused
+    connection)."""
     import yaml
 
     replicas = [UpstreamProcess(tmp_path / f"upstream-{i}.log").start() for i in range(2)]
@@ -119,6 +121,13 @@ def test_a_group_of_two_vllm_replicas_keeps_serving_while_one_is_down(tmp_path: 
             up = f'nextstate_upstream_up{{upstream="{dead.base_url}"}} 1.0'
             wait_for(lambda: up in http.get(f"{gw.url}/metrics").text, timeout=30)
             assert all(http.post(f"{gw.base_url}/chat/completions", json=chat).status_code == 200 for _ in range(8))
+
+            # a replica that dies between two looks of the watch: the request the Router sends it
+            # finds the connection refused (nothing reached it) and is sent to the other one
+            dead.stop()
+            statuses = [http.post(f"{gw.base_url}/chat/completions", json=chat).status_code for _ in range(24)]
+            assert statuses == [200] * 24, statuses
+            assert f'nextstate_upstream_up{{upstream="{dead.base_url}"}} 0.0' in http.get(f"{gw.url}/metrics").text
     finally:
         for r in replicas:
             r.stop()
