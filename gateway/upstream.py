@@ -72,8 +72,14 @@ def load_model_list(path: Path) -> tuple[list[dict[str, Any]], str | None]:
     return doc["model_list"], doc.get("policy_model")
 
 
-def _base(deployment: dict[str, Any]) -> str:
+def base_of(deployment: dict[str, Any]) -> str:
+    """A deployment's ``api_base`` without a trailing slash ('' for none)."""
     return str(deployment["litellm_params"].get("api_base") or "").rstrip("/")
+
+
+def is_vllm(deployment: dict[str, Any]) -> bool:
+    """A vLLM deployment (``hosted_vllm/...``): white-box capture."""
+    return str(deployment["litellm_params"]["model"]).startswith(VLLM_PREFIX)
 
 
 def _secret(value: str | None) -> str | None:
@@ -119,7 +125,7 @@ class Upstreams:
         self._groups = {}
         by_group: dict[str, list[dict[str, Any]]] = {}
         for entry in model_list:
-            white = str(entry["litellm_params"]["model"]).startswith(VLLM_PREFIX)
+            white = is_vllm(entry)
             self._groups[entry["model_name"]] = self._groups.get(entry["model_name"], True) and white
             by_group.setdefault(entry["model_name"], []).append(entry)
         # A group of one deployment has nothing to choose: skip the Router's selection (its
@@ -210,15 +216,18 @@ class Upstreams:
         if deployment is None:
             assert self._router is not None  # built for every group of several deployments
             deployment = await self._router.select(group, {})
-            out = self.out_of_service or (lambda _base: False)
-            if out(_base(deployment)) or (avoid is not None and _base(deployment) == avoid.rstrip("/")):
+            skip, out = (avoid or "").rstrip("/"), self.out_of_service
+
+            def usable(d: dict[str, Any]) -> bool:
+                return (base := base_of(d)) != skip and not (out is not None and out(base))
+
+            if not usable(deployment):
                 # a replica that died or is loading the active version again: the others serve
                 # (a warm standby); with none left, the picked one answers 503 + Retry-After
-                serving = [d for d in self._by_group[group]
-                           if not out(_base(d)) and (avoid is None or _base(d) != avoid.rstrip("/"))]
+                serving = [d for d in self._by_group[group] if usable(d)]
                 deployment = random.choice(serving) if serving else deployment
         params = deployment["litellm_params"]
-        white = str(params["model"]).startswith(VLLM_PREFIX)
+        white = is_vllm(deployment)
         upstream_name = str(params["model"]).removeprefix(VLLM_PREFIX)
         served = served or upstream_name
         if white and version is None:
@@ -229,7 +238,7 @@ class Upstreams:
             group=group,
             white_box=white,
             served_name=served,
-            api_base=(params.get("api_base") or "").rstrip("/") or None,
+            api_base=base_of(deployment) or None,
             api_key=_secret(params.get("api_key")),
             policy_version=version if white else None,
         )
@@ -240,15 +249,11 @@ class Upstreams:
             deployments = await self._ensure()
         except RequestError as exc:
             return {self.upstream_url or "upstream": exc.message}
-        bases = {
-            d["litellm_params"].get("api_base")
-            for d in deployments
-            if str(d["litellm_params"]["model"]).startswith(VLLM_PREFIX)
-        }
+        bases = {base_of(d) for d in deployments if is_vllm(d)}
         results: dict[str, str] = {}
         for base in sorted(b for b in bases if b):
             try:
-                async with self.http.get(f"{base.rstrip('/')}/models",
+                async with self.http.get(f"{base}/models",
                                          timeout=aiohttp.ClientTimeout(total=2.0)) as r:
                     results[base] = "ok" if r.status == 200 else f"HTTP {r.status}"
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -261,7 +266,9 @@ class Upstreams:
         make the gateway unready."""
         if self._model_list is None:  # nothing discovered: the one --upstream (its URL) is the group
             return [] if all(v == "ok" for v in checked.values()) else list(checked)
-        return sorted(group for group, deployments in self._by_group.items()
-                      if (bases := {_base(d) for d in deployments
-                                    if str(d["litellm_params"]["model"]).startswith(VLLM_PREFIX) and _base(d)})
-                      and not any(checked.get(b) == "ok" or checked.get(b + "/") == "ok" for b in bases))
+        unserved = []
+        for group, deployments in self._by_group.items():
+            bases = [base_of(d) for d in deployments if is_vllm(d) and base_of(d)]
+            if bases and not any(checked.get(base) == "ok" for base in bases):
+                unserved.append(group)
+        return sorted(unserved)

@@ -28,7 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from datapool import versions
 from gateway.errors import unavailable
 from gateway.metrics import Metrics
-from gateway.upstream import VLLM_PREFIX, ActiveVersion, Upstreams
+from gateway.upstream import ActiveVersion, Upstreams, base_of, is_vllm
 from vllm_client.adapters import ensure_loaded
 from base.errors import AdminError
 
@@ -60,7 +60,7 @@ class VLLMWatch:
 
     def out_of_service(self, base: str) -> bool:
         """Whether *base* is down or loading the active version (Upstreams routes around it)."""
-        return self.states.get(base.rstrip("/"), State.OK) != State.OK
+        return self.state(base) != State.OK
 
     def refuse(self, base: str | None, served_name: str, group: str) -> None:
         """Raise the 503 for a request for the active version to *base* while it is loading it
@@ -144,8 +144,6 @@ def vllm_bases(upstreams: Upstreams) -> dict[str, bool]:
         return {upstreams.upstream_url: True} if upstreams.upstream_url else {}
     bases: dict[str, bool] = {}
     for d in deployments:
-        params = d["litellm_params"]
-        if str(params["model"]).startswith(VLLM_PREFIX) and params.get("api_base"):
-            base = str(params["api_base"]).rstrip("/")
+        if is_vllm(d) and (base := base_of(d)):
             bases[base] = bases.get(base, False) or d["model_name"] == upstreams.policy_model
     return bases

@@ -60,7 +60,7 @@ class PoolPPOTrainer(SeparateRayPPOTrainer):
 
     def __init__(self, config: Any, tokenizer: Any, objective: objectives.ObjectiveConfig,
                  publish: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
-                 old_logprob_pass: str = "always", **kwargs: Any):
+                 old_logprob_pass: str = "auto", **kwargs: Any):
         pool = "global_pool"
         manager = ResourcePoolManager(
             resource_pool_spec={pool: [config.trainer.n_gpus_per_node] * config.trainer.nnodes},
