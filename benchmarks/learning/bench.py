@@ -350,7 +350,7 @@ class Job:
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
-                    "replay": self.spec.replay, **curves,
+                    "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode, **curves,
                     "latencies_s": latencies,
                     "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns,
                     "rounds": rounds, "held_back": sum(r["decision"] == "refuse" for r in rounds)}
@@ -440,6 +440,12 @@ TOPIC_DEFAULT = 0.05
 #: earlier rounds an arm that says ``+replay`` without a number trains on again: with k = 6, a
 #: round then trains on up to 18 turns (the last 18 interactions)
 REPLAY_DEFAULT = 2
+#: the loss aggregation of an arm that says ``+seq``. Under token-mean every token weighs the same,
+#: so a round's long replies outweigh its short ones: early on, the long ones are the failures
+#: (advantage < 0), and the rounds' token-weighted advantage_mean is -0.1 to -0.5 although each
+#: reply's advantage is centred on the batch (full-python-60-replay.json). Averaging per reply
+#: first makes a failure and a success weigh alike, whatever their lengths.
+SEQ_AGG = "seq-mean-token-mean"
 #: the round metrics kept per round (``rounds`` in the JSON): the drift instruments and the loss's
 ROUND_KEYS = ("drift_kl_k1", "drift_kl_k3", "entropy_behaviour", "entropy_candidate", "teacher_topk_mass",
               "student_topk_mass", "sampled_in_topk", "loss", "pg_loss", "kl", "kl_loss", "topk_kl",
@@ -485,7 +491,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     learning rate and optimizer steps per round instead of the preset's), ``replay[=N]`` (each
     round also trains on the turns of the last N rounds, default :data:`REPLAY_DEFAULT`:
     ``OnlineConfig.replay_rounds``), ``ask`` (the python judge's hint names the question:
-    ``preference.judge_naming_the_question``). Raises ValueError
+    ``preference.judge_naming_the_question``), ``seq`` (the loss averaged per reply, then over the
+    replies: ``loss_agg_mode`` :data:`SEQ_AGG` instead of token-mean, so a long reply weighs as much
+    as a short one). Raises ValueError
     for an unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
@@ -522,6 +530,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
                 raise ValueError(f"lr is a learning rate in (0, 1), not {value!r}")
         elif name == "ask" and not eq:
             judge = "judge_naming_the_question"
+        elif name == "seq" and not eq:
+            kw["loss_agg_mode"] = SEQ_AGG
         elif name == "steps" and eq:
             steps = int(value)
             if not 1 <= steps <= 64:
@@ -532,7 +542,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
                 raise ValueError(f"replay is 1 to 16 earlier rounds, not {value!r}")
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M], "
-                             "siblings[=N], lr=X, steps=N, replay[=N] or ask")
+                             "siblings[=N], lr=X, steps=N, replay[=N], ask or seq")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay)
@@ -648,7 +658,8 @@ def main() -> None:
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
                         f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "
                         "default), ask "
-                        "(the python judge's hint names the question the reply was to answer: opd+topk+ask)")
+                        "(the python judge's hint names the question the reply was to answer: opd+topk+ask), seq "
+                        f"(the loss averaged per reply, then over replies: {SEQ_AGG} instead of token-mean)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")

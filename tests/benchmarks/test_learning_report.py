@@ -100,7 +100,9 @@ def test_arm_options_top_k_and_the_kl_guard():
     assert arm_spec("rl+kl=0.1").objective.kl_coef == 0.1
     assert arm_slug("combined:batch+topk=8+kl=0.05") == "combined-batch-topk-8-kl-0_05"
     assert (arm_spec("rl+siblings=4").siblings, plain.siblings) == (4, 0)
-    for bad in ("rl+topk", "opd+topk=0", "opd+topk=21", "opd+kl=-1", "opd+sft", "opd+topk=x",
+    assert (plain.objective.loss_agg_mode, arm_spec("combined+topk+seq").objective.loss_agg_mode) == (
+        "token-mean", bench.SEQ_AGG)
+    for bad in ("rl+seq=1", "rl+topk", "opd+topk=0", "opd+topk=21", "opd+kl=-1", "opd+sft", "opd+topk=x",
                 "rl+siblings=0", "rl+siblings=17", "opd+tau=2", "opd+topk+tau=0", "opd+topk+tail=-1", "opd+tau",
                 "opd+topic=x"):
         with pytest.raises(ValueError):

@@ -97,3 +97,21 @@ def test_the_split_and_checkpointing_learn_the_same(tiny_model: Path) -> None:
     assert m_split["loss"] == pytest.approx(m_one["loss"], abs=1e-5) and m_one["loss"] != 0
     assert w_one.keys() == w_split.keys() and w_one
     assert max(float((w_one[k] - w_split[k]).abs().max()) for k in w_one) < 1e-5
+
+
+def test_per_reply_averaging_is_the_same_split_or_whole(tiny_model: Path) -> None:
+    """``seq-mean-token-mean`` (the learning benchmark's ``+seq`` arms) over turns of different
+    lengths: each micro-batch's loss weighted by its share of the turns is the whole round's mean
+    of per-reply means, so the split learns what one forward learns."""
+    samples = _samples([(20, 12), (20, 3), (20, 12), (20, 3)], seed=5)
+    out = []
+    for budget in (0, 70):
+        trainer = LocalTrainer(LocalConfig(model_dir=tiny_model, device="cpu", lr=1e-2, seed=0, micro_batch_size=4,
+                                           max_tokens_per_micro_batch=budget, gradient_checkpointing=False),
+                               ObjectiveConfig(objective="rl", loss_agg_mode="seq-mean-token-mean"))
+        metrics = trainer.step(samples)
+        out.append((metrics, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}))
+    (m_one, w_one), (m_split, w_split) = out
+    assert m_one["micro_batches"] == 1 and m_split["micro_batches"] > 1
+    assert m_split["loss"] == pytest.approx(m_one["loss"], abs=1e-5) and m_one["loss"] != 0
+    assert max(float((w_one[k] - w_split[k]).abs().max()) for k in w_one) < 1e-5

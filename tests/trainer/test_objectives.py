@@ -545,3 +545,22 @@ def test_loss_terms_are_a_registry_that_adds_linearly() -> None:
         assert metrics["length_test"] == pytest.approx(1.5) and metrics["length_test_tokens"] == 2.0
         assert loss.item() == pytest.approx(base.item() + coef * 1.5)
     assert "length_test" not in base_metrics
+
+
+def test_per_reply_averaging_weighs_a_long_failure_as_a_short_success() -> None:
+    """A long failed reply (A = −1, 8 tokens) beside a short successful one (A = +1, 2 tokens):
+    under token-mean the failure's tokens take 4× the push of the success's, so the step lowers
+    the sampled tokens' probability overall (the entropy rise of the learning benchmark's early
+    rounds); per reply (seq-mean-token-mean) both replies get the same total push."""
+    mask = torch.tensor([[1.0] * 8, [1.0, 1.0] + [0.0] * 6])
+    adv = torch.tensor([[-1.0] * 8, [1.0] * 8]) * mask
+    pushes = {}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        logp = torch.full((2, 8), -1.0, requires_grad=True)
+        loss, _ = compute_loss(ObjectiveConfig(loss_agg_mode=mode), logp, logp.detach(), adv, mask)
+        loss.backward()
+        pushes[mode] = (-logp.grad * mask).sum(-1)  # each reply's total ascent on its log-probs
+    down, up = pushes["token-mean"].tolist()
+    assert down < 0 < up and math.isclose(-down / up, 4.0, rel_tol=1e-5)
+    down, up = pushes["seq-mean-token-mean"].tolist()
+    assert down < 0 < up and math.isclose(-down, up, rel_tol=1e-5)
