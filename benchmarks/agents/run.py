@@ -4,6 +4,7 @@
         [--arms outcome,integrated,integrated+opd] [--seeds N] [--iterations K]
         [--upstream http://HOST:PORT/v1] [--teacher http://HOST:PORT/v1] [--concurrency 128]
     python -m benchmarks.agents.run --calibrate [--suites ...] [--heldout 64]
+    python -m benchmarks.agents.run --merge A.json B.json --tag AB   # runs of one configuration, other seeds
 
 Per suite, arm and seed, everything is real and goes through the pool: a `nextstate gateway`
 process in front of the --upstream vLLM with its own SQLite pool; the suite's agent
@@ -783,7 +784,9 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, Any], minutes: float,
-          failed: list[str], escapes: dict[str, Any] | None = None) -> None:
+          failed: list[str], escapes: dict[str, Any] | None = None, runs: dict[str, Any] | None = None) -> None:
+    """The report: TAG.md (tables), TAG.json (config, base, rows, escapes; *runs*: what :func:`merge`
+    adds to the config) and TAG.png."""
     title = (f"SmolLM2-135M-Instruct, {args.iterations} iterations x {args.tasks} tasks x n={args.n}, "
              f"{args.heldout} held-out (greedy), {args.seeds} seed(s)")
     text = (f"{title} ({minutes:.1f} min)\n\nHeld-out pass@1 (mean ± std over seeds):\n\n"
@@ -794,9 +797,10 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, 
             + ("\n\nFailed jobs: " + ", ".join(failed) if failed else "")
             + (f"\n\nSandbox escapes tried beside the environments: {escape_line(escapes)}" if escapes else ""))
     print("\n" + text)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "merge"}
+    extra = {"minutes": round(minutes, 1), "failed": failed, "command": command(), "machine": machine()}
     (args.out / f"{args.tag}.json").write_text(json.dumps(
-        {"config": config | {"minutes": round(minutes, 1), "failed": failed, "command": command()},
+        {"config": config | extra | (runs or {}),
          "base": base, "results": rows, "escapes": escapes or {}}, indent=1, default=str))
     (args.out / f"{args.tag}.md").write_text(f"`{command()}`\n\n{text}\n")
     if rows:
@@ -817,6 +821,106 @@ def command() -> str:
     return "python -m benchmarks.agents.run " + " ".join(sys.argv[1:])
 
 
+def machine() -> str:
+    """Where the run ran: architecture, CPUs and GPUs (as torch sees them)."""
+    import platform
+
+    text = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            text += f", {n} x {torch.cuda.get_device_name(0)}" if n > 1 else f", {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return text
+
+
+class MergeError(ValueError):
+    """Runs that cannot be merged into one report."""
+
+
+#: what makes two runs the same experiment: a difference in any of these refuses the merge
+SAME_CONFIG = ("preset", "suites", "arms", "iterations", "tasks", "n", "heldout", "batch_size", "micro_batch_size",
+               "lr", "timeout", "temperature", "advantage_scope", "integrated_norm", "vote_weight", "kl_coef",
+               "warmup_steps", "max_grad_norm", "trainer_dtype", "eval_overlap", "model", "server_dtype")
+
+
+def merge_runs(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Runs of one configuration made apart (*runs*: name and results JSON each) as one: their rows
+    (a suite/arm/seed once: whole over partial; in two whole runs it is refused, since one seed's
+    second run is no new sample), the base and escapes of each, and under ``runs`` each run's
+    command, machine, minutes and seeds. Raises :class:`MergeError` for a configuration that
+    differs in a :data:`SAME_CONFIG` key (a key a run does not record counts as differing
+    from one that does: an older run without ``server_dtype`` merges only with its like)."""
+    if len(runs) < 2:
+        raise MergeError("give two or more results JSONs")
+    first_name, first = runs[0]
+    for name, data in runs[1:]:
+        for key in SAME_CONFIG:
+            a, b = first["config"].get(key), data["config"].get(key)
+            if a != b:
+                raise MergeError(f"{name} is another configuration than {first_name}: {key} {b!r} != {a!r}")
+        for suite, b in data["base"].items():
+            if suite not in first["base"]:
+                raise MergeError(f"{name} has suite {suite!r}, {first_name} does not")
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
+    source: dict[tuple[str, str, int], str] = {}
+    for name, data in runs:
+        for row in data["results"]:
+            key = (row["suite"], row["arm"], row["seed"])
+            seen = rows.get(key)
+            if seen is not None and not seen.get("partial") and not row.get("partial"):
+                raise MergeError(f"{'/'.join(map(str, key))} is in both {source[key]} and {name}: "
+                                 "run the second session's seeds with --first-seed")
+            if seen is None or (seen.get("partial") and not row.get("partial")):
+                rows[key], source[key] = row, name
+    arm_order = {arm: i for i, arm in enumerate(str(first["config"].get("arms") or "").split(","))}
+    tries: dict[str, list[Any]] = defaultdict(list)
+    escapes = [d.get("escapes") or {} for _, d in runs]
+    for e in escapes:
+        for kind, rs in (e.get("tries") or {}).items():
+            tries[kind] += rs
+    merged_escapes = ({"tries": dict(tries), "accepted_connections": sum(e.get("accepted_connections", 0)
+                                                                           for e in escapes),
+                       "contained": all(e.get("contained") for e in escapes if "tries" in e)} if tries else {})
+    return {
+        "rows": sorted(rows.values(), key=lambda r: (r["suite"], arm_order.get(r["arm"], len(arm_order)), r["seed"])),
+        "base": first["base"],
+        "escapes": merged_escapes,
+        "failed": [f for _, d in runs for f in d["config"].get("failed") or []],
+        "minutes": sum(d["config"].get("minutes") or 0.0 for _, d in runs),
+        "runs": [{"file": name, "command": d["config"].get("command"), "machine": d["config"].get("machine"),
+                  "minutes": d["config"].get("minutes"), "seeds": sorted({r["seed"] for r in d["results"]}),
+                  "base": {s: b.get("pass_at_1") for s, b in d["base"].items()}} for name, d in runs],
+    }
+
+
+def merge(args: argparse.Namespace) -> None:
+    """``--merge``: :func:`merge_runs` of the JSONs given, written as TAG under --out."""
+    if not args.tag:
+        raise MergeError("name the merged report: --tag")
+    runs = []
+    for path in args.merge:
+        try:
+            runs.append((path.name, json.loads(path.read_text())))
+        except (OSError, ValueError) as exc:
+            raise MergeError(f"{path}: {exc}") from exc
+    merged = merge_runs(runs)
+    config = dict(runs[0][1]["config"])
+    for key in ("iterations", "tasks", "n", "heldout"):
+        setattr(args, key, config[key])
+    args.seeds = len({r["seed"] for r in merged["rows"]})
+    for key in SAME_CONFIG:
+        if key != "server_dtype":
+            setattr(args, key, config.get(key))
+    args.server_dtype = config.get("server_dtype")
+    args.out.mkdir(parents=True, exist_ok=True)
+    write(args, merged["rows"], merged["base"], merged["minutes"], merged["failed"], merged["escapes"],
+          runs={"runs": merged["runs"]})
+
+
 # -- main -------------------------------------------------------------------------------------------
 
 
@@ -826,6 +930,9 @@ def main() -> None:
     p.add_argument("--suites", help=f"comma-separated, of {', '.join(SUITES)} (default: the preset's)")
     p.add_argument("--arms", help=f"comma-separated, of {', '.join(ARMS)} (default: the preset's)")
     p.add_argument("--seeds", type=int)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed: the jobs run seeds FIRST .. FIRST+SEEDS-1 (a later session's seeds, to be "
+                        "merged with --merge)")
     p.add_argument("--iterations", type=int, help="rollout -> score -> train -> publish -> evaluate, this many times")
     p.add_argument("--tasks", type=int, help="training tasks per iteration (each n times: one GRPO group)")
     p.add_argument("--n", type=int, help="samples per training task")
@@ -880,9 +987,22 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", help="served name of the base model")
     p.add_argument("--model-dir", help="the base model's directory (default: the converted SmolLM2)")
     p.add_argument("--calibrate", action="store_true", help="only measure the base model's held-out pass@1")
+    p.add_argument("--server-dtype", default=os.environ.get("NEXTSTATE_BENCH_SERVER_DTYPE"),
+                   help="the policy server's --dtype, recorded in the results (benchmarks/gpu/run.sh passes it): runs "
+                        "served in another dtype are another configuration for --merge")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="no run: one report (TAG.json, .md, .png) from the results of runs of the same configuration "
+                        "made apart (other seeds: --first-seed), each run's command and machine kept under "
+                        "config.runs; a configuration that differs, or a suite/arm/seed found in two runs, is refused")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     p.add_argument("--tag", help="file name of the results (default: PRESET, or calibration)")
     args = p.parse_args()
+    if args.merge:
+        try:
+            merge(args)
+        except MergeError as exc:
+            p.error(f"--merge: {exc}")
+        return
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -999,7 +1119,7 @@ def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path
              "base": base}, indent=1))
         return
     threads = None if torch.cuda.is_available() else max(1, (os.cpu_count() or 1) // args.jobs)
-    jobs = [(s, a, seed) for seed in range(args.seeds) for s in suites for a in arms]
+    jobs = [(s, a, seed) for seed in range(args.first_seed, args.first_seed + args.seeds) for s in suites for a in arms]
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
 

@@ -92,6 +92,7 @@ if ! up; then
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
+  echo "${VLLM_DTYPE:-bfloat16}" >/tmp/gpuloop-vllm-$port.dtype  # what the agents benchmark records it served in
   # a vLLM that exits while starting (the supervisor's first restart line) fails the start at once,
   # with its log: waiting out the supervisor's restarts spent a lease's last minutes with nothing shown
   for _ in $(seq 600); do
@@ -122,7 +123,8 @@ if [ "$what" = publish ] || [ "$what" = all ]; then
 fi
 if [ "$what" = agents ]; then
   log "agents benchmark $*"
-  python3 -m benchmarks.agents.run --preset gpu --upstream $url --teacher $url --model-dir $model --out "$out" "$@" \
+  python3 -m benchmarks.agents.run --preset gpu --upstream $url --teacher $url --model-dir $model --out "$out" \
+    --server-dtype "$(cat /tmp/gpuloop-vllm-$port.dtype 2>/dev/null || echo unknown)" "$@" \
     2>&1 | tee "$out/agents${TAG:+-$TAG}.log" | grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" | tail -80
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { log "agents benchmark failed ($rc); vLLM log tail:"; tail -30 $vlog; }

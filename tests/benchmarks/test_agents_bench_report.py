@@ -4,6 +4,7 @@ iteration k's learning in an ``@async`` arm, and the report's standard errors an
 from __future__ import annotations
 
 import argparse
+import json
 import threading
 import time
 from pathlib import Path
@@ -260,3 +261,67 @@ def test_the_kind_table_shows_a_kind_lost_and_another_learned() -> None:
     assert lines[0] == "| suite | arm | kind | base | 1 | 2 |"
     assert "| terminal | outcome | copy/L1 | 0.00 | 0.25 | 1.00 |" in lines
     assert "| terminal | outcome | sort/L1 | 1.00 | 0.00 | 0.50 |" in lines
+
+
+def _run(seeds: range, curves: dict[str, list[float]], **config: Any) -> dict[str, Any]:
+    """A results JSON as the benchmark writes it: one row per arm and seed (the seed added to the
+    last point, so that the merged means show which rows were taken)."""
+    base_config = {"preset": "gpu", "suites": "terminal", "arms": "outcome,integrated", "iterations": 2, "tasks": 16,
+                   "n": 8, "heldout": 64, "temperature": "terminal=0.3", "kl_coef": 0.05, "trainer_dtype": "fp32",
+                   "server_dtype": "float16", "minutes": 10.0, "failed": [], "command": f"run seeds {seeds}",
+                   "machine": "x86_64, 32 CPUs, NVIDIA H200"}
+    rows = [_row("terminal", arm, s, [*curve[:-1], curve[-1] + s / 100], [0, 10, 20])
+            for arm, curve in curves.items() for s in seeds]
+    return {"config": base_config | config, "base": {"terminal": {"pass_at_1": curves["outcome"][0]}},
+            "results": rows, "escapes": {"tries": {"fork_bomb": [{"contained": True, "violation": "processes"}]},
+                                         "accepted_connections": 0, "contained": True}}
+
+
+def test_merge_takes_the_seeds_of_runs_made_apart_and_keeps_each_runs_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds 0-2 of one session and 3-5 of another, one configuration: one report of 6 seeds per
+    arm (the table's seed count and mean read all six), each run's command, machine and seeds kept."""
+    curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_run(range(3), curves)))
+    b.write_text(json.dumps(_run(range(3, 6), curves, machine="x86_64, 16 CPUs, NVIDIA H200")))
+    monkeypatch.setattr("sys.argv", ["run", "--merge", str(a), str(b), "--tag", "ab", "--out", str(tmp_path)])
+    bench.main()
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert sorted((r["arm"], r["seed"]) for r in merged["results"]) == sorted(
+        (arm, s) for arm in curves for s in range(6))
+    assert [r["seeds"] for r in merged["config"]["runs"]] == [[0, 1, 2], [3, 4, 5]]
+    assert [r["command"] for r in merged["config"]["runs"]] == ["run seeds range(0, 3)", "run seeds range(3, 6)"]
+    assert merged["config"]["runs"][1]["machine"] == "x86_64, 16 CPUs, NVIDIA H200"
+    assert merged["config"]["minutes"] == 20.0 and merged["config"]["seeds"] == 6
+    assert len(merged["escapes"]["tries"]["fork_bomb"]) == 2 and merged["escapes"]["contained"]
+    # integrated's last point: 0.5 + mean(0..5)/100 = 0.525 over six seeds
+    assert "| terminal | integrated | 6 | 2 | 0.525 ±" in (tmp_path / "ab.md").read_text()
+
+
+@pytest.mark.parametrize("change", [{"server_dtype": "bfloat16"}, {"kl_coef": 0.0}, {"server_dtype": None},
+                                    {"iterations": 3}])
+def test_merge_refuses_another_configuration(change: dict[str, Any], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_run(range(3), curves)))
+    b.write_text(json.dumps(_run(range(3, 6), curves, **change)))
+    monkeypatch.setattr("sys.argv", ["run", "--merge", str(a), str(b), "--tag", "ab", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    key = next(iter(change))
+    assert e.value.code == 2 and f"another configuration than a.json: {key}" in capsys.readouterr().err
+    assert not (tmp_path / "ab.json").exists()
+
+
+def test_merge_refuses_a_seed_run_twice_and_takes_a_whole_row_over_a_partial_one() -> None:
+    curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
+    with pytest.raises(bench.MergeError, match="terminal/outcome/0 is in both a and b.*--first-seed"):
+        bench.merge_runs([("a", _run(range(3), curves)), ("b", _run(range(3), curves))])
+    partial = _run(range(1), curves)
+    for row in partial["results"]:
+        row["partial"] = True
+        row["pass_at_1"] = row["pass_at_1"][:2]
+    merged = bench.merge_runs([("p", partial), ("w", _run(range(2), curves))])
+    assert all(not r.get("partial") and len(r["pass_at_1"]) == 3 for r in merged["rows"]) and len(merged["rows"]) == 4
