@@ -70,10 +70,12 @@ from vllm_client.weights import (
     BASE_LABEL,
     BASE_LABELS,
     base_weights_path,
+    held_weights,
     require_weight_labels,
     switch_weights,
     weight_label,
 )
+from vllm_client.transfer import NcclWeights, transfer_weights
 from vllm_client.weights import check_checkpoint as check_weight_files
 
 log = logging.getLogger("nextstate.publish")
@@ -116,6 +118,9 @@ class PublishRequest:
     actor: str = "trainer"
     reason: str | None = None
     event_metrics: dict[str, Any] | None = None
+    #: a full version's weights over NCCL (``vllm_client.transfer``) instead of a reload from
+    #: *directory*, which is still checked, placed and recorded (promotion and rollback reload it)
+    transfer: NcclWeights | None = None
 
     def resolved_kind(self) -> VersionKind:
         """*kind*, or what the directory holds: an adapter config makes it a LoRA version."""
@@ -172,7 +177,7 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
     try:
         if activate:
             target = versions.Target(name, kind, str(path), request.base_model, versions.full_paths(engine))
-            metrics = serve(target, urls, pause_mode=pause_mode, timeout_s=timeout_s)
+            metrics = serve(target, urls, pause_mode=pause_mode, timeout_s=timeout_s, transfer=request.transfer)
         elif kind == VersionKind.LORA:  # a candidate adapter is loaded (so it can be evaluated)
             try:
                 report = ensure_loaded(name, path, urls, base_model=request.base_model,
@@ -302,16 +307,29 @@ def _full_target(name: str, path: str) -> Callable[[httpx.Client, str], tuple[st
     return target
 
 
-def serve(target: versions.Target, urls: Sequence[str], *, pause_mode: str, timeout_s: float) -> dict[str, Any]:
-    """Make every server serve *target*: a full version's weights reloaded in place; for a LoRA
-    version or the base, the original base weights (reloaded where a full version held the
-    server) and then the adapter. All servers or none: a failure puts back the weights each held
-    (found by name in ``target.full_paths``). Returns metrics for the event row; touches no pool."""
+def serve(target: versions.Target, urls: Sequence[str], *, pause_mode: str, timeout_s: float,
+          transfer: NcclWeights | None = None) -> dict[str, Any]:
+    """Make every server serve *target*: a full version's weights reloaded in place (with
+    *transfer*, sent over NCCL instead); for a LoRA version or the base, the original base
+    weights (reloaded where a full version held the server) and then the adapter. All servers or
+    none: a failure puts back the weights each held (found by name in ``target.full_paths``).
+    Returns metrics for the event row; touches no pool."""
     metrics: dict[str, Any] = {}
     kind, name, path = target.kind, target.name, target.path
     path_of = _path_of(target.full_paths)
     try:
-        if kind == VersionKind.FULL:
+        if kind == VersionKind.FULL and transfer is not None:
+            assert name is not None
+            if sorted(transfer.group.urls) != sorted(urls):
+                raise PublishError(f"the NCCL group holds {transfer.group.urls}, the version goes to {list(urls)}")
+            for url in urls:
+                with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False) as http:
+                    require_weight_labels(http, url)
+            reloads = transfer_weights(transfer.group, transfer.tensors(), name, pause_mode=pause_mode,
+                                       served_name=target.base_model,
+                                       held=lambda http, url: held_weights(http, url, path_of))
+            metrics["transfer"] = "nccl"
+        elif kind == VersionKind.FULL:
             assert name is not None and path is not None
             reloads = switch_weights(urls, _full_target(name, path), path_of=path_of, pause_mode=pause_mode,
                                      served_name=target.base_model, timeout_s=timeout_s)

@@ -4,6 +4,8 @@ vLLM's admin wire format itself:
 - :mod:`vllm_client.adapters` lists models, loads and unloads LoRA adapters;
 - :mod:`vllm_client.weights` pauses, resumes and reloads full weights in place, and keeps the
   label of the weights each server holds;
+- :mod:`vllm_client.transfer` sends full weights over NCCL from a trainer's GPU (vLLM's
+  weight-transfer engine) instead of a reload from disk;
 - :mod:`vllm_client.tokenizer` asks vLLM's ``/tokenize`` and ``/detokenize`` (the gateway's
   Messages ``count_tokens`` and token view, the judge's prompt fitting, the teacher);
 - :mod:`vllm_client.http` names servers, carries the errors and one JSON POST.

@@ -294,8 +294,8 @@ def reload_one(http: httpx.Client, url: str, path: str, label: str, *, pause_mod
     return result
 
 
-def _held(http: httpx.Client, url: str, path_of: Callable[[httpx.Client, str, str | None], str | None]
-          ) -> tuple[str, str]:
+def held_weights(http: httpx.Client, url: str, path_of: Callable[[httpx.Client, str, str | None], str | None]
+                 ) -> tuple[str, str]:
     """``(label, path)`` of the weights *url* holds now."""
     before = weight_label(http, url)
     path = path_of(http, url, before) if before not in BASE_LABELS else None
@@ -330,7 +330,7 @@ def switch_weights(
                 want = target(http, url)
                 if want is None:
                     continue
-                held = _held(http, url, path_of)
+                held = held_weights(http, url, path_of)
                 results.append(reload_one(http, url, want[1], want[0], pause_mode=pause_mode,
                                           served_name=served_name, fallback=held))
                 done.append((url, held))

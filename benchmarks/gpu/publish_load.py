@@ -18,6 +18,16 @@ publish_load.json to --out and prints a table.
 noise on the attention's q projections) and publishes it as a full version: every server
 pauses (``--pause-mode``), reloads the weights in place and resumes (vLLM needs
 ``VLLM_SERVER_DEV_MODE=1``); the load is the reload column. Files get ``-full`` (``--tag``).
+
+``--kind full --transfer nccl``: the same checkpoints, but the servers get the tensors over NCCL
+from this process (``vllm_client.transfer``: vLLM's weight-transfer engine, the server started
+with ``--weight-transfer-config '{"backend": "nccl"}'``; ``WEIGHT_TRANSFER=nccl`` in
+``benchmarks/gpu/run.sh``), this process holding the model on a GPU of its own: what a trainer
+on another GPU of the host does. The checkpoint is still written, and recorded as the version's
+directory. Files get ``-full-nccl``.
+
+    LORA=0 WEIGHT_TRANSFER=nccl PUBLISH_ARGS="--kind full --transfer nccl --pause-mode keep" \
+        bash benchmarks/gpu/run.sh publish
 """
 
 from __future__ import annotations
@@ -72,16 +82,17 @@ def write_adapter(model_dir: Path, out: Path, seed: int) -> None:
     model.save_pretrained(out)
 
 
-def write_checkpoint(model_dir: Path, out: Path, seed: int) -> None:
+def write_checkpoint(model_dir: Path, out: Path, seed: int, device: str = "cpu") -> Any:
     """A whole checkpoint of the base model whose q projections carry fixed noise: other weights
-    of the same architecture, as full fine-tuning would write (tests/publishing/test_publish_full.py)."""
+    of the same architecture, as full fine-tuning would write (tests/publishing/test_publish_full.py).
+    Returns the model (on *device*: the tensors a trainer there would send)."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("q_proj.weight"):
@@ -90,6 +101,7 @@ def write_checkpoint(model_dir: Path, out: Path, seed: int) -> None:
     for f in model_dir.iterdir():  # the tokenizer and chat template travel with the weights
         if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
             shutil.copy2(f, out / f.name)
+    return model
 
 
 class Load:
@@ -193,11 +205,24 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         load = Load(gateways, args.concurrency, args.max_tokens)
         task = asyncio.create_task(load.run())
         await asyncio.sleep(args.warmup_s)  # the load reaches its steady state first
+        group = None
+        if args.transfer == "nccl":  # this process is the trainer's end of the group (its own GPU)
+            from vllm_client.transfer import NcclWeights, TransferGroup
+
+            group = await asyncio.to_thread(TransferGroup([args.upstream]).connect)
         async with httpx.AsyncClient(timeout=30) as http:
             for k in range(args.publishes):
                 directory = work / f"{args.kind}-{k}"
-                write = write_adapter if args.kind == VersionKind.LORA else write_checkpoint
-                await asyncio.to_thread(write, Path(args.model_dir), directory, k)
+                if args.kind == VersionKind.LORA:
+                    await asyncio.to_thread(write_adapter, Path(args.model_dir), directory, k)
+                else:
+                    model = await asyncio.to_thread(write_checkpoint, Path(args.model_dir), directory, k,
+                                                    "cuda" if group is not None else "cpu")
+                transfer = None
+                if group is not None:
+                    tensors = [(n, t.detach()) for n, t in model.state_dict().items()
+                               if not (n == "lm_head.weight" and model.config.tie_word_embeddings)]
+                    transfer = NcclWeights(group, lambda tensors=tensors: tensors)
                 name = f"gpu-load-{args.kind}-{k}-{os.getpid()}"
                 t0 = time.perf_counter()  # the adapter is written
                 written_at = time.time()
@@ -205,7 +230,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 await asyncio.to_thread(publish, engine, PublishRequest(
                     directory=directory, base_model=args.model, vllm_urls=[args.upstream], name=name,
                     kind=VersionKind(args.kind), pause_mode=PauseMode(args.pause_mode),
-                    activate=True, copy=False, actor="bench", reason="publish under load"))
+                    activate=True, copy=False, actor="bench", reason="publish under load", transfer=transfer))
                 t_pool = time.perf_counter()
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), 60)
                 rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(engine, name),
@@ -284,13 +309,18 @@ def main() -> None:
                    help="publish LoRA adapters, or whole checkpoints (vLLM needs VLLM_SERVER_DEV_MODE=1)")
     p.add_argument("--pause-mode", choices=[m.value for m in PauseMode], default=PauseMode.WAIT,
                    help="full: what requests in flight do during a reload (base.vocab.PauseMode)")
-    p.add_argument("--tag", help="file name suffix (default: the kind, for full)")
+    p.add_argument("--transfer", choices=["disk", "nccl"], default="disk",
+                   help="full: the servers reload each checkpoint from disk, or get its tensors over NCCL from this "
+                        "process (on a GPU of its own; vLLM started with --weight-transfer-config)")
+    p.add_argument("--tag", help="file name suffix (default: the kind, and -nccl, for full)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/gpu/results"))
     args = p.parse_args()
+    if args.transfer == "nccl" and args.kind != VersionKind.FULL:
+        p.error("--transfer nccl sends full weights: use it with --kind full")
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="publish-load-"))
     res = asyncio.run(main_async(args, work))
-    tag = args.tag or ("" if args.kind == VersionKind.LORA else args.kind)
+    tag = args.tag or ("" if args.kind == VersionKind.LORA else args.kind + ("-nccl" if args.transfer == "nccl" else ""))
     stem = f"publish_load-{tag}" if tag else "publish_load"
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     text = table(res)

@@ -71,6 +71,10 @@ if ! up; then
   [ "$what" = agents ] && : "${VLLM_DTYPE:=float16}"
   dtype=()
   [ -n "${VLLM_DTYPE:-}" ] && dtype=(--dtype "$VLLM_DTYPE")
+  # WEIGHT_TRANSFER=nccl: vLLM's weight-transfer engine and dev mode, for full weights sent over NCCL
+  # from another GPU (PUBLISH_ARGS="--kind full --transfer nccl" with LORA=0)
+  transfer=()
+  [ "${WEIGHT_TRANSFER:-}" = nccl ] && { transfer=(--weight-transfer-config '{"backend": "nccl"}'); vllm_env+=(CUDA_VISIBLE_DEVICES=${VLLM_GPU:-0} VLLM_SERVER_DEV_MODE=1); }
   seqs=()
   [ "$what" = learn ] && seqs=(--max-num-seqs 48)
   [ -n "${MAX_NUM_SEQS:-}" ] && seqs=(--max-num-seqs "$MAX_NUM_SEQS")
@@ -88,7 +92,7 @@ if ! up; then
       echo "[supervisor] vLLM exited ($rc); restarting in $d s ($n/$limit)"; sleep $d
     done' vllm-supervisor "${VLLM_RESTARTS:-5}" \
     env "${vllm_env[@]}" python3 -m vllm.entrypoints.openai.api_server --model $model --served-model-name smollm2 \
-    "${lora[@]}" "${dtype[@]}" --enable-auto-tool-choice --tool-call-parser hermes \
+    "${lora[@]}" "${dtype[@]}" "${transfer[@]}" --enable-auto-tool-choice --tool-call-parser hermes \
     --max-model-len 4096 --gpu-memory-utilization ${GPU_MEM:-0.35} "${seqs[@]}" \
     --enforce-eager --port $port >$vlog 2>&1 &
   echo $! >$pidf
@@ -118,7 +122,9 @@ fi
 
 if [ "$what" = publish ] || [ "$what" = all ]; then
   log "publish under load"
-  python3 benchmarks/gpu/publish_load.py --upstream $url --model-dir $model --out "$out" \
+  # with WEIGHT_TRANSFER=nccl the publisher is the trainer's end of the NCCL group: a GPU of its own
+  gpu=(); [ "${WEIGHT_TRANSFER:-}" = nccl ] && gpu=(CUDA_VISIBLE_DEVICES=${TRAINER_GPU:-1})
+  env "${gpu[@]}" python3 benchmarks/gpu/publish_load.py --upstream $url --model-dir $model --out "$out" \
     ${PUBLISH_ARGS:-} 2>&1 | tee "$out/publish_load.log" | grep -v "^INFO" | tail -40
 fi
 if [ "$what" = agents ]; then

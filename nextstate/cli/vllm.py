@@ -21,6 +21,7 @@ from nextstate.modelserver import (
     ensure_vllm_env,
 )
 from nextstate.supervisor import RestartPolicy, Supervisor, on_stop_signals
+from vllm_client.transfer import SERVE_ARGS as TRANSFER_ARGS
 
 
 _cache_dir_option = click.option(
@@ -101,6 +102,15 @@ def setup_command(cache_dir: Path) -> None:
     "and run any worker method: never expose such a server beyond a private address.",
 )
 @click.option(
+    "--weight-transfer",
+    type=click.Choice(["none", "nccl"]),
+    default="none",
+    show_default=True,
+    help="nccl: vLLM's weight-transfer engine (--weight-transfer-config '{\"backend\": \"nccl\"}'; implies "
+    "--dev-mode): a trainer on another GPU of this host sends full weights straight into the server's GPU "
+    "memory (`vllm_client.transfer`, PublishRequest.transfer) instead of a reload from disk.",
+)
+@click.option(
     "--restarts",
     default=5,
     show_default=True,
@@ -108,7 +118,7 @@ def setup_command(cache_dir: Path) -> None:
     help="Restarts in a row of a vLLM that died before giving up (exit 1).",
 )
 def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, max_model_len: int,
-                      dtype: str, teacher: bool, dev_mode: bool, restarts: int) -> None:
+                      dtype: str, teacher: bool, dev_mode: bool, weight_transfer: str, restarts: int) -> None:
     """Run vLLM in the foreground, restarted when it dies; Ctrl-C (or SIGTERM, SIGHUP) stops it.
 
     Serves the OpenAI-compatible API with runtime LoRA loading (POST
@@ -132,9 +142,10 @@ def serve_cli_command(cache_dir: Path, host: str, port: int, served_name: str, m
         log_path=log_path,
         max_model_len=max_model_len,
         dtype=dtype,
-        extra_args=TEACHER_ARGS if teacher else (),
-        dev_mode=dev_mode,
+        extra_args=(*(TEACHER_ARGS if teacher else ()), *(TRANSFER_ARGS if weight_transfer == "nccl" else ())),
+        dev_mode=dev_mode or weight_transfer == "nccl",
     )
+    dev_mode = server.dev_mode
     if dev_mode and host not in ("127.0.0.1", "localhost", "::1"):
         click.echo(f"vllm: WARNING: development endpoints are on and reachable at {host}:{port}; "
                    "anyone who can connect can run worker methods", err=True)

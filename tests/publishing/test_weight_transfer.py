@@ -1,0 +1,277 @@
+"""Full weights over NCCL, the control plane: ``vllm_client.transfer`` and ``publish`` with a
+``transfer`` drive vLLM's weight-transfer routes in the order vLLM's layerwise reload needs
+(pause, start, update while the trainer broadcasts, finish, label, resume), and a transfer that
+fails puts back, from disk, the weights each server held before it resumes.
+
+NCCL needs GPUs, so the server here is a stand-in on real HTTP that replays the documented routes
+of vLLM 0.26's dev mode with ``--weight-transfer-config '{"backend": "nccl"}'``
+(``vllm/entrypoints/serve/dev/rlhf/api_router.py``: ``/get_world_size``,
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``; ``/pause``, ``/resume``, ``/is_paused``, ``/collective_rpc``), and the
+broadcast is a communicator that hands the tensors to it. The GPU run is
+``benchmarks/gpu/publish_load.py --kind full --transfer nccl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from base.errors import DevModeMissing, PublishError, WeightsError
+from base.vocab import VersionKind
+from tests.support.processes import free_port
+
+torch = pytest.importorskip("torch")
+
+from datapool.db import make_engine, upgrade  # noqa: E402
+from datapool.versions import active_version  # noqa: E402
+from publishing.publish import PublishRequest, publish  # noqa: E402
+from vllm_client.transfer import NcclWeights, TransferGroup, transfer_weights  # noqa: E402
+
+
+class StandIn:
+    """One vLLM server's weight-transfer routes: what it was asked, in order, and the weights it
+    holds (name → tensor) after each update. ``fail_update``: ``/update_weights`` answers 500
+    once the tensors arrived (a worker that failed to load them)."""
+
+    def __init__(self, base_dir: Path, workers: int = 1):
+        self.calls: list[str] = []
+        self.weights: dict[str, Any] = {}
+        self.label = "default"
+        self.paused = False
+        self.joined = threading.Event()
+        self.wire: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.workers = workers
+        self.fail_update = False
+        self.staged: dict[str, Any] | None = None
+        self.reloaded: list[tuple[str, str]] = []
+        app = FastAPI()
+        self.app = app
+
+        @app.get("/get_world_size")
+        def get_world_size() -> dict[str, int]:
+            return {"world_size": self.workers}
+
+        @app.post("/init_weight_transfer_engine")
+        async def init(request: Request) -> dict[str, str]:
+            body = await request.json()
+            self.calls.append(f"init {json.dumps(body['init_info'], sort_keys=True)}")
+            # vLLM's call returns once every member joined: here, once the trainer's end exists
+            for _ in range(200):
+                if self.joined.is_set():
+                    return {"message": "Weight transfer initialized"}
+                await asyncio.sleep(0.01)
+            return JSONResponse({"error": "the trainer never joined"}, status_code=500)  # type: ignore[return-value]
+
+        @app.post("/pause")
+        def pause(mode: str = "wait") -> dict[str, str]:
+            self.calls.append(f"pause {mode}")
+            self.paused = True
+            return {}
+
+        @app.post("/resume")
+        def resume() -> dict[str, str]:
+            self.calls.append("resume")
+            self.paused = False
+            return {}
+
+        @app.get("/is_paused")
+        def is_paused() -> dict[str, bool]:
+            return {"is_paused": self.paused}
+
+        @app.post("/start_weight_update")
+        def start() -> dict[str, str]:
+            self.calls.append("start")
+            self.staged = {}
+            return {}
+
+        @app.post("/update_weights")
+        def update(body: dict[str, Any]) -> Response:
+            info = body["update_info"]
+            self.calls.append(f"update {len(info['names'])} packed={info['packed']}")
+            assert self.staged is not None, "update_weights before start_weight_update"
+            for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+                got_name, tensor = self.wire.get(timeout=10)  # what the trainer broadcast, in order
+                assert (got_name, str(tensor.dtype), list(tensor.shape)) == (name, f"torch.{dtype}", shape)
+                self.staged[name] = tensor.clone()
+            if self.fail_update:
+                return JSONResponse({"error": "a worker failed loading"}, status_code=500)
+            return JSONResponse({"message": "Weights updated"})
+
+        @app.post("/finish_weight_update")
+        def finish() -> dict[str, str]:
+            self.calls.append("finish")
+            assert self.staged is not None
+            self.weights, self.staged = {**self.weights, **self.staged}, None
+            return {}
+
+        @app.post("/update_weight_version")
+        def set_label(body: dict[str, Any]) -> dict[str, str]:
+            self.calls.append(f"label {body['new_version']}")
+            self.label = body["new_version"]
+            return {}
+
+        @app.get("/weight_info")
+        def weight_info() -> dict[str, str]:
+            return {"weight_version": self.label}
+
+        @app.post("/collective_rpc")
+        def rpc(body: dict[str, Any]) -> dict[str, Any]:
+            assert body["method"] == "reload_weights"
+            path = body["kwargs"]["weights_path"]
+            self.calls.append(f"reload {path}")
+            self.reloaded.append((path, self.label))
+            self.staged = None
+            return {"results": [None]}
+
+        @app.get("/version")
+        def version() -> dict[str, str]:
+            return {"version": "0.26.0"}
+
+        @app.get("/v1/models")
+        def models() -> dict[str, Any]:
+            return {"data": [{"id": "smollm2", "root": str(base_dir), "parent": None}]}
+
+        @app.post("/v1/completions")
+        def completions() -> dict[str, Any]:
+            self.calls.append("completion")
+            return {"choices": [{"text": "!"}]}
+
+    def communicator(self, info: dict[str, Any], packed: bool) -> Any:
+        """The trainer's end: joins (so that ``/init_weight_transfer_engine`` returns) and hands
+        each broadcast tensor to the server."""
+        stand_in = self
+
+        class Comm:
+            def send(self, tensors: Any) -> None:
+                for name, tensor in tensors:
+                    stand_in.wire.put((name, tensor))
+
+        self.calls.append(f"trainer joins {info['world_size']} packed={packed}")
+        self.joined.set()
+        return Comm()
+
+
+@pytest.fixture()
+def server(tmp_path: Path) -> Iterator[tuple[StandIn, str]]:
+    stand_in = StandIn(tmp_path / "on-another-host")  # the server's base: not readable here, as over the network
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(stand_in.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield stand_in, f"http://127.0.0.1:{port}/v1"
+    srv.should_exit = True
+    thread.join(5)
+
+
+def _tensors() -> list[tuple[str, Any]]:
+    torch.manual_seed(0)
+    return [("model.layers.0.self_attn.q_proj.weight", torch.randn(4, 4, dtype=torch.bfloat16)),
+            ("model.norm.weight", torch.randn(4))]
+
+
+def test_the_transfer_runs_vllms_update_lifecycle_inside_a_pause(server: tuple[StandIn, str]) -> None:
+    stand_in, url = server
+    group = TransferGroup([url], master_port=29555, communicator=stand_in.communicator).connect()
+    assert stand_in.calls == [
+        'init {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}',
+        "trainer joins 2 packed=True"] or stand_in.calls == [
+        "trainer joins 2 packed=True",
+        'init {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}']
+    stand_in.calls.clear()
+    sent = _tensors()
+    (result,) = transfer_weights(group, sent, "v1", held=lambda http, u: ("default", "/models/base"),
+                                 served_name="smollm2")
+    assert stand_in.calls == ["pause keep", "start", "update 2 packed=True", "finish", "label v1", "resume",
+                              "completion"]
+    for name, tensor in sent:
+        assert torch.equal(stand_in.weights[name], tensor)
+    assert (stand_in.label, stand_in.paused, result.label, result.path) == ("v1", False, "v1", "nccl")
+    assert 0 <= result.pause_s <= result.total_s and result.reload_s <= result.total_s
+
+
+def test_a_failed_transfer_puts_back_what_the_server_held_and_resumes(server: tuple[StandIn, str]) -> None:
+    """A worker that fails to load the tensors: the half-updated model gets the weights it held
+    from disk (``reload_weights`` of the held version's checkpoint) before the server resumes."""
+    stand_in, url = server
+    group = TransferGroup([url], communicator=stand_in.communicator).connect()
+    stand_in.label = "full-old"
+    stand_in.fail_update = True
+    stand_in.calls.clear()
+    with pytest.raises(WeightsError, match="update_weights failed"):
+        transfer_weights(group, _tensors(), "v2", held=lambda http, u: ("full-old", "/store/full-old"))
+    assert stand_in.calls == ["pause keep", "start", "update 2 packed=True", "reload /store/full-old",
+                              "label full-old", "resume"]
+    assert (stand_in.label, stand_in.paused, stand_in.weights) == ("full-old", False, {})
+
+
+def test_a_server_without_the_routes_is_told_how_to_start_vllm(tmp_path: Path) -> None:
+    app = FastAPI()
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    try:
+        with pytest.raises(DevModeMissing, match="VLLM_SERVER_DEV_MODE=1"):
+            TransferGroup([f"http://127.0.0.1:{port}/v1"], communicator=lambda i, p: None).connect()
+        with pytest.raises(WeightsError, match="not connected"):
+            TransferGroup([f"http://127.0.0.1:{port}/v1"]).send(httpx.Client(), _tensors())
+    finally:
+        srv.should_exit = True
+        thread.join(5)
+
+
+def _checkpoint(directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 4}))
+    save_file({name: t.float() for name, t in _tensors()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[StandIn, str], tmp_path: Path) -> None:
+    """``publish`` with a transfer: the checkpoint is checked and placed in the store as for a
+    reload (promotion and rollback reload it from there), the servers get the tensors over the
+    group, and only then is the version active; the event says how it was sent."""
+    stand_in, url = server
+    pool = f"sqlite:///{tmp_path / 'pool.db'}"
+    upgrade(pool)
+    engine = make_engine(pool)
+    group = TransferGroup([url], communicator=stand_in.communicator).connect()
+    sent = _tensors()
+    stand_in.calls.clear()
+    version = publish(engine, PublishRequest(
+        directory=_checkpoint(tmp_path / "ckpt"), base_model="smollm2", vllm_urls=[url], name="full-nccl-1",
+        kind=VersionKind.FULL, store=tmp_path / "store", transfer=NcclWeights(group, lambda: sent)))
+    assert version["status"] == "active" and active_version(engine)["name"] == "full-nccl-1"
+    assert Path(version["path"]).parent == tmp_path / "store" and (Path(version["path"]) / "config.json").is_file()
+    assert "start" in stand_in.calls and "reload" not in " ".join(stand_in.calls)
+    assert stand_in.label == "full-nccl-1" and torch.equal(stand_in.weights[sent[0][0]], sent[0][1])
+    # a group made for other servers is refused before anything is paused
+    other = TransferGroup(["http://127.0.0.1:9/v1"], communicator=stand_in.communicator)
+    stand_in.calls.clear()
+    with pytest.raises(PublishError, match="NCCL group holds"):
+        publish(engine, PublishRequest(
+            directory=_checkpoint(tmp_path / "ckpt2"), base_model="smollm2", vllm_urls=[url], name="full-nccl-2",
+            kind=VersionKind.FULL, store=tmp_path / "store", transfer=NcclWeights(other, lambda: sent)))
+    assert stand_in.calls == []
+    assert active_version(engine)["name"] == "full-nccl-1"
+    engine.dispose()

@@ -1,0 +1,276 @@
+"""Full weights over NCCL: the trainer's tensors go straight into the servers' GPU memory through
+vLLM's weight-transfer engine, instead of a checkpoint reloaded from disk
+(:func:`vllm_client.weights.reload_one`).
+
+The server side is vLLM's own (0.26 and later): started with ``--weight-transfer-config
+'{"backend": "nccl"}'`` and ``VLLM_SERVER_DEV_MODE=1``, it mounts
+
+- ``GET /get_world_size`` — its workers (TP × PP × DP);
+- ``POST /init_weight_transfer_engine {"init_info": {master_address, master_port, rank_offset,
+  world_size}}`` — its workers join a NCCL group with the trainer (rank 0; the call returns once
+  every member has joined);
+- ``POST /start_weight_update``, ``POST /update_weights {"update_info": {names, dtype_names,
+  shapes, packed}}`` (the workers receive the tensors the trainer broadcasts, in that order, and
+  load them), ``POST /finish_weight_update`` (vLLM's layerwise reload lifecycle).
+
+This module is the trainer's side: :class:`TransferGroup` holds one group with every worker of
+the servers, and :func:`transfer_weights` makes every server serve the tensors it is given,
+all or none, around vLLM's pause: pause, start, update (the HTTP calls in threads while the
+trainer broadcasts), finish, label, resume, then the same confirmation as a reload from disk.
+A failure after the servers were paused puts back, from disk, the weights each held before
+(their model may be half-updated) and resumes every server whatever happens.
+
+The broadcast is vLLM's ``NCCLWeightTransferEngine.trainer_send_weights`` over the
+``PyNcclCommunicator`` its ``trainer_init`` returns: the trainer process needs vLLM importable
+and a CUDA device of its own (another GPU of the same host). NCCL cannot run without GPUs, so on
+a CPU machine only the control plane is exercised (``tests/publishing/test_weight_transfer.py``,
+with a communicator that hands the tensors to a stand-in server).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from base.errors import DevModeMissing, WeightsError
+from base.vocab import PauseMode
+from vllm_client.http import response_text, server_root
+from vllm_client.weights import (
+    PAUSE_MODES,
+    Reload,
+    pause,
+    reload_weights,
+    resume,
+    set_weight_label,
+    weight_label,
+    weights_digest,
+)
+
+log = logging.getLogger("nextstate.publish")
+
+#: vLLM's weight-transfer backend this module drives (``--weight-transfer-config``)
+BACKEND = "nccl"
+#: the ``vllm serve`` argument that enables it
+SERVE_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
+
+
+class Communicator(Protocol):
+    """What :class:`TransferGroup` needs of the trainer's end of the group."""
+
+    def send(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        """Broadcast each tensor (rank 0 → every worker), in order."""
+
+
+class _VllmNccl:
+    """The trainer's end of vLLM's NCCL group: ``trainer_init`` and ``trainer_send_weights``."""
+
+    def __init__(self, init_info: dict[str, Any], packed: bool):
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self._engine = NCCLWeightTransferEngine
+        self._packed = packed
+        self.group = NCCLWeightTransferEngine.trainer_init(init_info)
+
+    def send(self, tensors: Iterable[tuple[str, Any]]) -> None:
+        self._engine.trainer_send_weights(iter(tensors), {"group": self.group, "packed": self._packed})
+
+
+def vllm_nccl(init_info: dict[str, Any], packed: bool) -> Communicator:
+    """The default communicator factory: vLLM's own NCCL group on this process's CUDA device."""
+    return _VllmNccl(init_info, packed)
+
+
+def _post(http: httpx.Client, url: str, path: str, what: str, **kw: Any) -> httpx.Response:
+    try:
+        resp = http.post(f"{server_root(url)}{path}", **kw)
+    except httpx.HTTPError as exc:
+        raise WeightsError(f"{url}: {what} failed: {type(exc).__name__}: {exc} (see the vLLM log)") from exc
+    if resp.status_code == 404:
+        raise DevModeMissing(
+            f"{url} has no {path} endpoint: full weights over NCCL need vLLM >= 0.26 started with "
+            f"VLLM_SERVER_DEV_MODE=1 and {' '.join(SERVE_ARGS)} (`nextstate vllm serve --dev-mode "
+            f"--weight-transfer nccl`)")
+    if resp.status_code != 200:
+        raise WeightsError(f"{url}: {what} failed: {response_text(resp)}")
+    return resp
+
+
+def world_size(http: httpx.Client, url: str) -> int:
+    """How many workers of *url* join the group (``GET /get_world_size``)."""
+    try:
+        resp = http.get(f"{server_root(url)}/get_world_size")
+    except httpx.HTTPError as exc:
+        raise WeightsError(f"{url}: GET /get_world_size failed: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code == 404:
+        raise DevModeMissing(f"{url} has no /get_world_size: start vLLM >= 0.26 with VLLM_SERVER_DEV_MODE=1")
+    if resp.status_code != 200:
+        raise WeightsError(f"{url}: GET /get_world_size failed: {response_text(resp)}")
+    return int(resp.json()["world_size"])
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def tensor_meta(tensors: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """``update_info`` of *tensors*: names, dtype names (``bfloat16``) and shapes, in order."""
+    return {"names": [n for n, _ in tensors],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
+            "shapes": [list(t.shape) for _, t in tensors]}
+
+
+class TransferGroup:
+    """One NCCL group of this process (rank 0) and every worker of *urls*; :meth:`connect` once,
+    then :func:`transfer_weights` for each version. *communicator*: how the trainer's end is
+    made from the ``init_info`` (default: vLLM's, on this process's current CUDA device)."""
+
+    def __init__(self, urls: Sequence[str], *, master_address: str = "127.0.0.1", master_port: int | None = None,
+                 packed: bool = True, timeout_s: float = 300.0,
+                 communicator: Callable[[dict[str, Any], bool], Communicator] = vllm_nccl):
+        if not urls:
+            raise WeightsError("no vLLM server to transfer weights to")
+        self.urls = list(urls)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.packed = packed
+        self.timeout_s = timeout_s
+        self._communicator = communicator
+        self.comm: Communicator | None = None
+        self.offsets: dict[str, int] = {}
+
+    def connect(self) -> TransferGroup:
+        """Ask each server's workers to join (``/init_weight_transfer_engine``, in threads: each
+        call returns only once the trainer has joined too) while this process joins as rank 0."""
+        if self.comm is not None:
+            return self
+        port = self.master_port or _free_port(self.master_address)
+        with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=5.0), trust_env=False) as http:
+            sizes = [world_size(http, url) for url in self.urls]
+            world, offset = 1 + sum(sizes), 1
+            for url, size in zip(self.urls, sizes, strict=True):
+                self.offsets[url], offset = offset, offset + size
+            info = {"master_address": self.master_address, "master_port": port, "world_size": world}
+            with ThreadPoolExecutor(len(self.urls)) as pool:
+                joins = [pool.submit(_post, http, url, "/init_weight_transfer_engine", "joining the NCCL group",
+                                     json={"init_info": info | {"rank_offset": self.offsets[url]}})
+                         for url in self.urls]
+                try:
+                    self.comm = self._communicator(info, self.packed)
+                finally:
+                    errors = [f.exception() for f in joins]
+            failed = [e for e in errors if e is not None]
+            if failed:
+                self.comm = None
+                raise failed[0]
+        log.info("NCCL weight-transfer group of %d (this process and %s) on %s:%d", world,
+                 ", ".join(f"{u}: {s}" for u, s in zip(self.urls, sizes, strict=True)), self.master_address, port)
+        return self
+
+    def send(self, http: httpx.Client, tensors: Sequence[tuple[str, Any]]) -> None:
+        """``/update_weights`` to every server (in threads) while the tensors are broadcast."""
+        if self.comm is None:
+            raise WeightsError("the NCCL group is not connected (TransferGroup.connect)")
+        update = tensor_meta(tensors) | {"packed": self.packed}
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            calls = [pool.submit(_post, http, url, "/update_weights", "update_weights", json={"update_info": update})
+                     for url in self.urls]
+            try:
+                self.comm.send(tensors)
+            finally:
+                errors = [f.exception() for f in calls]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+
+@dataclass(frozen=True)
+class NcclWeights:
+    """A full version's weights to send over NCCL (``PublishRequest.transfer``): the connected
+    *group* and *tensors*, a callable that returns ``(checkpoint name, tensor)`` pairs on the
+    trainer's GPU, in the order they are sent."""
+
+    group: TransferGroup
+    tensors: Callable[[], Sequence[tuple[str, Any]]]
+
+
+def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], label: str, *,
+                     held: Callable[[httpx.Client, str], tuple[str, str]],
+                     pause_mode: str = PauseMode.KEEP, served_name: str | None = None,
+                     digest: bool = True) -> list[Reload]:
+    """Every server of *group* serves *tensors* (``(name, tensor)``, the checkpoint's names) as
+    *label*: pause (``keep`` by default: streams in flight freeze and continue after), start,
+    update while broadcasting, finish, label, resume; then confirm each as
+    :func:`vllm_client.weights.reload_one` does. ``held(http, url)`` says ``(label, checkpoint
+    directory)`` of what *url* holds now: on a failure after the pause, each server reloads it
+    from disk before it resumes, and the error is raised. Returns one :class:`Reload` per server
+    (``reload_s``: start to finish, the transfer included)."""
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
+    urls = group.urls
+    results = {url: Reload(url=url, label=label, path="nccl") for url in urls}
+    started = time.perf_counter()
+    with httpx.Client(timeout=httpx.Timeout(group.timeout_s, connect=5.0), trust_env=False) as http:
+        before = {url: held(http, url) for url in urls}
+        paused: list[str] = []
+        try:
+            for url in urls:
+                pause(http, url, pause_mode)
+                paused.append(url)
+                results[url].pause_s = time.perf_counter() - started
+            begun = time.perf_counter()
+            try:
+                for url in urls:
+                    _post(http, url, "/start_weight_update", "start_weight_update")
+                group.send(http, tensors)
+                for url in urls:
+                    _post(http, url, "/finish_weight_update", "finish_weight_update")
+                    set_weight_label(http, url, label)
+            except WeightsError as exc:
+                _put_back(http, before, exc)
+                raise
+            for url in urls:
+                results[url].reload_s = time.perf_counter() - begun
+        finally:
+            for url in paused:
+                resume(http, url)
+        for url in urls:
+            results[url].total_s = time.perf_counter() - started
+            _confirm(http, url, label, served_name)
+            if digest:
+                results[url].digest = weights_digest(http, url)
+    log.info("sent %d tensors over NCCL to %s as %s in %.3fs", len(tensors), ", ".join(urls), label,
+             max(r.total_s for r in results.values()))
+    return [results[url] for url in urls]
+
+
+def _put_back(http: httpx.Client, before: dict[str, tuple[str, str]], exc: WeightsError) -> None:
+    """After a failed transfer: every server reloads, from disk, the weights it held."""
+    for url, (label, path) in before.items():
+        try:
+            reload_weights(http, url, path, label)
+        except WeightsError as again:
+            raise WeightsError(f"{exc}; putting back {path} on {url} failed too ({again}): the server's model is "
+                               "broken, restart it") from exc
+        log.warning("%s: the NCCL transfer failed, put back %s: %s", url, path, exc)
+
+
+def _confirm(http: httpx.Client, url: str, label: str, served_name: str | None) -> None:
+    now = weight_label(http, url)
+    if now != label:
+        raise WeightsError(f"{url}: sent {label} over NCCL but its weight label says {now!r}")
+    paused = http.get(f"{server_root(url)}/is_paused")
+    if paused.status_code != 200 or paused.json().get("is_paused"):
+        raise WeightsError(f"{url}: still paused after /resume ({paused.text[:200]})")
+    if served_name is not None:
+        resp = http.post(f"{url}/completions", json={"model": served_name, "prompt": "Hi", "max_tokens": 1})
+        if resp.status_code != 200:
+            raise WeightsError(f"{url}: a completion after the transfer failed: {response_text(resp)}")
