@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -113,6 +114,17 @@ def world_size(http: httpx.Client, url: str) -> int:
     if resp.status_code != 200:
         raise WeightsError(f"{url}: GET /get_world_size failed: {response_text(resp)}")
     return int(resp.json()["world_size"])
+
+
+def checkpoint_tensors(checkpoint: Path, device: str = "cuda") -> list[tuple[str, Any]]:
+    """A ``save_pretrained`` checkpoint's tensors on *device*, by their checkpoint names (what
+    vLLM's ``load_weights`` takes), file by file in name order. Needs ``safetensors``."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{checkpoint} has no *.safetensors weights to send")
+    return [item for f in files for item in sorted(load_file(str(f), device=device).items())]
 
 
 def _free_port(host: str) -> int:

@@ -279,7 +279,7 @@ def trainer_command(args: argparse.Namespace, mode: str, pool: str) -> list[str]
            "--lr", str(args.lr_full if full else args.lr_lora), "--model-dir", str(args.model_dir),
            "--vllm-url", args.upstream, "--database-url", pool, "--publish"]
     if full:
-        cmd += ["--full", "--pause-mode", args.pause_mode]
+        cmd += ["--full", "--pause-mode", args.pause_mode, "--weight-transfer", args.weight_transfer]
     if args.backend == "verl":
         cmd += ["--gpus", "1", "--push-every", str(args.push_every)]
     return cmd
@@ -481,13 +481,17 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                    "--model", args.model, "--model-dir", str(args.model_dir), "--kind", "full",
                    "--publishes", str(args.full_publishes), "--concurrency", str(args.concurrency),
                    "--gateways", str(args.gateways), "--max-tokens", str(args.max_tokens), "--out", str(args.out),
-                   "--pause-mode", args.pause_mode]
+                   "--pause-mode", args.pause_mode, "--transfer", args.weight_transfer]
+            env = dict(os.environ)
+            if args.weight_transfer == "nccl" and args.trainer_gpu is not None:  # the sender: the trainer's GPU
+                env["CUDA_VISIBLE_DEVICES"] = args.trainer_gpu
             log(f"full publish under load: {' '.join(cmd[1:])}")
             t = time.time()
-            done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True,
+            done = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, env=env,
                                            timeout=max(60, left(args) - 10))
             (work / "publish_load-full.log").write_text(done.stdout + done.stderr)
-            out_json = args.out / "publish_load-full.json"
+            out_json = args.out / ("publish_load-full-nccl.json" if args.weight_transfer == "nccl"
+                                   else "publish_load-full.json")
             res["full_publish"] = {"rc": done.returncode, "seconds": time.time() - t}
             if out_json.is_file():
                 full = json.loads(out_json.read_text())
@@ -587,6 +591,9 @@ def main() -> None:
     p.add_argument("--pause-mode", choices=["wait", "keep"], default="wait",
                    help="full weights: vLLM's pause while it reloads them (keep: the streams in flight are frozen, "
                         "not drained, and continue on the new weights)")
+    p.add_argument("--weight-transfer", choices=["disk", "nccl"], default="disk",
+                   help="full weights: reloaded from disk, or sent over NCCL from the trainer's GPU (`nextstate train "
+                        "--weight-transfer nccl`; vLLM started with WEIGHT_TRANSFER=nccl by run.sh)")
     p.add_argument("--lr-lora", type=float, default=1e-4)
     p.add_argument("--lr-full", type=float, default=1e-5)
     p.add_argument("--warmup-s", type=float, default=5.0)

@@ -145,6 +145,11 @@ def run_options() -> Any:
         opt.vllm_urls("vLLM servers (…/v1) to load the version into. Default: the upstream and the teacher "
                       "replica."),
         opt.pause_mode,
+        click.option("--weight-transfer", type=click.Choice(["disk", "nccl"]), default="disk", show_default=True,
+                     help="--full: how the servers get each version: disk reloads the checkpoint in place; nccl sends "
+                          "its tensors from a GPU of this process over vLLM's weight-transfer engine (servers "
+                          "started with `nextstate vllm serve --weight-transfer nccl`, on other GPUs of this host; "
+                          "docs/trainer.md, \"Over NCCL instead of from disk\")."),
         opt.database_url(),
     )
 
@@ -273,6 +278,7 @@ class TrainOptions:
     publish: bool
     vllm_urls: tuple[str, ...]
     pause_mode: str
+    weight_transfer: str
     database_url: str | None
     # online_options
     online: bool
@@ -331,6 +337,8 @@ def train(**params: Any) -> None:
     --publish — loads it into vLLM and switches the `policy` alias to it.
     """
     o = TrainOptions(**params)
+    if o.weight_transfer == "nccl" and not (o.full and o.publish and not o.online):
+        raise click.UsageError("--weight-transfer nccl sends full weights: it needs --full and --publish, offline")
     if o.repeat_every is not None:
         if o.online or o.resume:
             raise click.UsageError("--repeat-every starts new runs; it does not combine with --online or --resume")
@@ -460,10 +468,27 @@ def _train_offline(o: TrainOptions, settings: Settings, engine: Any, cfg: Object
             # full weights are reloaded in place: every vLLM in urls needs VLLM_SERVER_DEV_MODE=1
             version = publish(engine, PublishRequest(
                 result.output_dir, base_model=base_model, vllm_urls=urls, parent=result.parent, stats=stats,
-                kind=VersionKind.FULL if o.full else VersionKind.LORA, pause_mode=PauseMode(o.pause_mode)))
+                kind=VersionKind.FULL if o.full else VersionKind.LORA, pause_mode=PauseMode(o.pause_mode),
+                transfer=_transfer(o, urls, result.output_dir)))
         except PublishError as exc:
             raise click.ClickException(f"trained {result.output_dir} but could not publish it: {exc}") from exc
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
+
+
+_GROUPS: dict[tuple[str, ...], Any] = {}
+
+
+def _transfer(o: TrainOptions, urls: list[str], checkpoint: Path) -> Any:
+    """With ``--weight-transfer nccl``: the checkpoint's tensors on this process's GPU, sent over the
+    NCCL group with *urls* (made at the first publish, kept for the run's later ones); else None."""
+    if o.weight_transfer != "nccl" or not o.full:
+        return None
+    from vllm_client.transfer import NcclWeights, TransferGroup, checkpoint_tensors
+
+    group = _GROUPS.get(tuple(urls))
+    if group is None:
+        group = _GROUPS[tuple(urls)] = TransferGroup(urls).connect()
+    return NcclWeights(group, lambda: checkpoint_tensors(checkpoint, device="cuda"))
 
 
 def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
@@ -486,6 +511,7 @@ def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: Objective
         version = publish(engine, PublishRequest(
             Path(written["path"]), base_model=base_model, vllm_urls=urls,
             kind=VersionKind.FULL if o.full else VersionKind.LORA, pause_mode=PauseMode(o.pause_mode),
+            transfer=_transfer(o, urls, Path(written["path"])),
             parent=current["name"] if current else None, stats={"backend": "verl", "step": written.get("step")}))
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
         return version

@@ -18,7 +18,7 @@ from nextstate.cli.train import train  # noqa: E402
 def args(**kw: object) -> argparse.Namespace:
     base = {"backend": "verl", "steps": 6, "batch_size": 8, "micro_batch_size": 8, "lr_full": 1e-5, "lr_lora": 1e-4,
             "model_dir": Path("/tmp/smollm2"), "upstream": "http://127.0.0.1:8501/v1", "push_every": 1,
-            "pause_mode": "keep"}
+            "pause_mode": "keep", "weight_transfer": "nccl"}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -31,6 +31,7 @@ def test_trainer_command_parses(backend: str, mode: str, tmp_path: Path) -> None
     assert p["backend"] == backend and p["publish"] and p["full"] == (mode == "full")
     assert p["vllm_urls"] == ("http://127.0.0.1:8501/v1",) and p["steps"] == 6
     assert p["pause_mode"] == ("keep" if mode == "full" else "wait")
+    assert p["weight_transfer"] == ("nccl" if mode == "full" else "disk")
     if backend == "verl":
         assert p["push_every"] == 1 and p["gpus"] == 1
 

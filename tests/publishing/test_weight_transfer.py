@@ -275,3 +275,24 @@ def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[S
     assert stand_in.calls == []
     assert active_version(engine)["name"] == "full-nccl-1"
     engine.dispose()
+
+
+def test_a_checkpoints_tensors_are_read_by_their_names(tmp_path: Path) -> None:
+    from vllm_client.transfer import checkpoint_tensors
+
+    got = dict(checkpoint_tensors(_checkpoint(tmp_path / "ckpt"), device="cpu"))
+    assert sorted(got) == sorted(name for name, _ in _tensors())
+    for name, tensor in _tensors():
+        assert torch.equal(got[name], tensor.float())
+    with pytest.raises(WeightsError, match="no \\*.safetensors"):
+        checkpoint_tensors(tmp_path, device="cpu")
+
+
+def test_train_refuses_nccl_where_no_full_version_is_published() -> None:
+    from click.testing import CliRunner
+
+    from nextstate.cli import main
+
+    for args in (["--weight-transfer", "nccl"], ["--full", "--no-publish", "--weight-transfer", "nccl"]):
+        result = CliRunner().invoke(main, ["train", "--objective", "rl", *args])
+        assert result.exit_code == 2 and "needs --full and --publish" in result.output
