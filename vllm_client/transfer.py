@@ -46,11 +46,11 @@ from vllm_client.http import response_text, server_root
 from vllm_client.weights import (
     PAUSE_MODES,
     Reload,
+    confirm_serving,
     pause,
     reload_weights,
     resume,
     set_weight_label,
-    weight_label,
     weights_digest,
 )
 
@@ -256,7 +256,7 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
                 resume(http, url)
         for url in urls:
             results[url].total_s = time.perf_counter() - started
-            _confirm(http, url, label, served_name)
+            confirm_serving(http, url, label, served_name, what=f"sent {label} over NCCL")
             if digest:
                 results[url].digest = weights_digest(http, url)
     log.info("sent %d tensors over NCCL to %s as %s in %.3fs", len(tensors), ", ".join(urls), label,
@@ -273,16 +273,3 @@ def _put_back(http: httpx.Client, before: dict[str, tuple[str, str]], exc: Weigh
             raise WeightsError(f"{exc}; putting back {path} on {url} failed too ({again}): the server's model is "
                                "broken, restart it") from exc
         log.warning("%s: the NCCL transfer failed, put back %s: %s", url, path, exc)
-
-
-def _confirm(http: httpx.Client, url: str, label: str, served_name: str | None) -> None:
-    now = weight_label(http, url)
-    if now != label:
-        raise WeightsError(f"{url}: sent {label} over NCCL but its weight label says {now!r}")
-    paused = http.get(f"{server_root(url)}/is_paused")
-    if paused.status_code != 200 or paused.json().get("is_paused"):
-        raise WeightsError(f"{url}: still paused after /resume ({paused.text[:200]})")
-    if served_name is not None:
-        resp = http.post(f"{url}/completions", json={"model": served_name, "prompt": "Hi", "max_tokens": 1})
-        if resp.status_code != 200:
-            raise WeightsError(f"{url}: a completion after the transfer failed: {response_text(resp)}")

@@ -277,21 +277,27 @@ def reload_one(http: httpx.Client, url: str, path: str, label: str, *, pause_mod
     finally:
         resume(http, url)
     result.total_s = time.perf_counter() - started
+    confirm_serving(http, url, label, served_name, what=f"reloaded {path}")
+    if digest:
+        result.digest = weights_digest(http, url)
+    log.info("reloaded %s weights from %s (%s) in %.3fs (pause %.3fs, reload %.3fs)", url, path, label,
+             result.total_s, result.pause_s, result.reload_s)
+    return result
+
+
+def confirm_serving(http: httpx.Client, url: str, label: str, served_name: str | None, *, what: str) -> None:
+    """After new weights (*what*: how they came): *url*'s weight label is *label*, it is not
+    paused, and (with *served_name*) a one-token completion answers."""
     now = weight_label(http, url)
     if now != label:
-        raise WeightsError(f"{url}: reloaded {path} but /weight_info says {now!r}, not {label!r}")
+        raise WeightsError(f"{url}: {what} but its weight label says {now!r}, not {label!r}")
     paused = http.get(f"{server_root(url)}/is_paused")
     if paused.status_code != 200 or paused.json().get("is_paused"):
         raise WeightsError(f"{url}: still paused after /resume ({paused.text[:200]})")
     if served_name is not None:
         resp = http.post(f"{url}/completions", json={"model": served_name, "prompt": "Hi", "max_tokens": 1})
         if resp.status_code != 200:
-            raise WeightsError(f"{url}: a completion after the reload failed: {response_text(resp)}")
-    if digest:
-        result.digest = weights_digest(http, url)
-    log.info("reloaded %s weights from %s (%s) in %.3fs (pause %.3fs, reload %.3fs)", url, path, label,
-             result.total_s, result.pause_s, result.reload_s)
-    return result
+            raise WeightsError(f"{url}: a completion after the new weights failed ({what}): {response_text(resp)}")
 
 
 def held_weights(http: httpx.Client, url: str, path_of: Callable[[httpx.Client, str, str | None], str | None]
