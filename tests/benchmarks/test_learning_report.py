@@ -266,3 +266,29 @@ def test_an_arm_may_replay_earlier_rounds():
     for bad in ("opd+replay=0", "opd+replay=17", "opd+replay=x"):
         with pytest.raises(ValueError):
             arm_spec(bad)
+
+
+@pytest.mark.parametrize("signal", [SystemExit(143), KeyboardInterrupt()])
+def test_a_run_stopped_by_sigterm_still_writes_its_report(signal, tmp_path: Path, monkeypatch):
+    """SIGTERM (a lease that ends: the handler raises SystemExit) or Ctrl-C while jobs run: the
+    report is written from the checkpoints the stopped jobs left, marked partial, and the run
+    still ends with the signal's exit."""
+    def heldout(args, model, seed):
+        return {"curve": 0.0, "short": 0.0, "on_topic": 1.0, "words": 50.0}
+
+    def run_jobs(args, work, jobs, base, done, deadline):
+        row = _row("rl", 0, [0.0, 0.25], partial=True) | {"stopped": "stopped"}
+        done(row | {key: row["curve"] for key in ("short", "on_topic", "words")})
+        raise signal
+
+    monkeypatch.setattr(bench, "heldout", heldout)
+    monkeypatch.setattr(bench, "run_jobs", run_jobs)
+    args = argparse.Namespace(arms="rl", tag="cut", preset="full", judge="python", k=6, interactions=12, heldout=16,
+                              samples_per_prompt=4, out=tmp_path, first_seed=0, seeds=1, model="smollm2",
+                              deadline_min=None)
+    with pytest.raises(type(signal)):
+        bench.run(args, tmp_path)
+    report = json.loads((tmp_path / "cut.json").read_text())
+    assert [(r["arm"], r["seed"], r["curve"], r["partial"]) for r in report["results"]] == [("rl", 0, [0.0, 0.25], True)]
+    assert report["config"]["interrupted"] == type(signal).__name__ and report["config"]["stopped"] == ["rl-0"]
+    assert (tmp_path / "cut.png").exists()
