@@ -53,9 +53,12 @@ def nice_ticks(lo: float, hi: float, count: int = 5, *, integer: bool = False) -
         raise ValueError("ticks need finite bounds")
     if hi < lo:
         lo, hi = hi, lo
-    if hi == lo:
-        pad = abs(lo) * 0.1 or 1.0
-        lo, hi = lo - pad, hi + pad
+    if hi - lo <= max(abs(lo), abs(hi)) * 1e-12 or hi - lo < 1e-300:
+        # flat to a chart's eye, or a span so small that a fifth of it underflows (0 and 5e-324):
+        # a band around the middle, a tenth of it wide each way (one unit around zero)
+        mid = lo + (hi - lo) / 2
+        pad = abs(mid) * 0.1 if abs(mid) > 1e-290 else 1.0
+        lo, hi = mid - pad, mid + pad
     step = nice_step(hi - lo, count)
     if integer:
         step = max(1.0, round(step))

@@ -63,6 +63,18 @@ def test_ticks_read_as_numbers_people_write() -> None:
     assert plots.value_label(0.00085) == "0.00085" and plots.value_label(3.5e6) == "3.5M"
 
 
+def test_a_span_too_small_to_divide_is_drawn_as_flat() -> None:
+    """0 and 5e-324 (the smallest float): a fifth of the span underflows to 0, whose log has no
+    value (hypothesis found it through the loss chart). Such a span, or one below 1e-12 of the
+    values, is drawn as a flat line in a band around it."""
+    for lo, hi in ((0.0, 5e-324), (5e-324, 5e-324), (1e-320, 3e-320), (1e6, 1e6 + 1e-7), (-2.5, -2.5)):
+        ticks, step = plots.nice_ticks(lo, hi, 4)
+        assert ticks[0] <= lo and ticks[-1] >= hi and len(ticks) >= 2 and step > 0
+        assert len(set(plots.tick_labels(ticks, step))) == len(ticks)
+    svg = ET.fromstring(str(plots.line_chart("loss", {"run-a": [(0, 0.0), (1, 5e-324)]})))
+    assert len(svg.findall(f".//{SVG}polyline")) == 1
+
+
 magnitudes = st.floats(min_value=-1e12, max_value=1e12, allow_nan=False, allow_infinity=False)
 
 
