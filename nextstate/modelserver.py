@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import IO
 
 import httpx
 
+from base.net import free_port
 from nextstate.supervisor import stop_process_group
 
 Log = Callable[[str], None]
@@ -370,13 +370,6 @@ def serve_env(base: Mapping[str, str] | None = None, *, dev_mode: bool = False) 
     else:
         env.pop("VLLM_SERVER_DEV_MODE", None)
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on *host* that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -322,9 +322,6 @@ def serve(target: versions.Target, urls: Sequence[str], *, pause_mode: str, time
             assert name is not None
             if sorted(transfer.group.urls) != sorted(urls):
                 raise PublishError(f"the NCCL group holds {transfer.group.urls}, the version goes to {list(urls)}")
-            for url in urls:
-                with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False) as http:
-                    require_weight_labels(http, url)
             reloads = transfer_weights(transfer.group, transfer.tensors(), name, pause_mode=pause_mode,
                                        served_name=target.base_model,
                                        held=lambda http, url: held_weights(http, url, path_of))

@@ -30,7 +30,6 @@ with a communicator that hands the tensors to a stand-in server).
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from typing import Any, Protocol
 import httpx
 
 from base.errors import DevModeMissing, WeightsError
+from base.net import free_port
 from base.vocab import PauseMode
 from vllm_client.http import response_text, server_root
 from vllm_client.weights import (
@@ -49,15 +49,15 @@ from vllm_client.weights import (
     confirm_serving,
     pause,
     reload_weights,
+    require_weight_labels,
     resume,
     set_weight_label,
+    dev_post,
     weights_digest,
 )
 
 log = logging.getLogger("nextstate.publish")
 
-#: vLLM's weight-transfer backend this module drives (``--weight-transfer-config``)
-BACKEND = "nccl"
 #: the ``vllm serve`` argument that enables it
 SERVE_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 
@@ -69,8 +69,9 @@ class Communicator(Protocol):
         """Broadcast each tensor (rank 0 → every worker), in order."""
 
 
-class _VllmNccl:
-    """The trainer's end of vLLM's NCCL group: ``trainer_init`` and ``trainer_send_weights``."""
+class VllmNccl:
+    """The trainer's end of vLLM's NCCL group (``trainer_init``, ``trainer_send_weights``) on this
+    process's current CUDA device: :class:`TransferGroup`'s default communicator."""
 
     def __init__(self, init_info: dict[str, Any], packed: bool):
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -83,24 +84,13 @@ class _VllmNccl:
         self._engine.trainer_send_weights(iter(tensors), {"group": self.group, "packed": self._packed})
 
 
-def vllm_nccl(init_info: dict[str, Any], packed: bool) -> Communicator:
-    """The default communicator factory: vLLM's own NCCL group on this process's CUDA device."""
-    return _VllmNccl(init_info, packed)
+#: what a 404 from a weight-transfer route means
+MISSING = (f"full weights over NCCL need vLLM >= 0.26 started with VLLM_SERVER_DEV_MODE=1 and {' '.join(SERVE_ARGS)} "
+           "(`nextstate vllm serve --weight-transfer nccl`)")
 
 
-def _post(http: httpx.Client, url: str, path: str, what: str, **kw: Any) -> httpx.Response:
-    try:
-        resp = http.post(f"{server_root(url)}{path}", **kw)
-    except httpx.HTTPError as exc:
-        raise WeightsError(f"{url}: {what} failed: {type(exc).__name__}: {exc} (see the vLLM log)") from exc
-    if resp.status_code == 404:
-        raise DevModeMissing(
-            f"{url} has no {path} endpoint: full weights over NCCL need vLLM >= 0.26 started with "
-            f"VLLM_SERVER_DEV_MODE=1 and {' '.join(SERVE_ARGS)} (`nextstate vllm serve --dev-mode "
-            f"--weight-transfer nccl`)")
-    if resp.status_code != 200:
-        raise WeightsError(f"{url}: {what} failed: {response_text(resp)}")
-    return resp
+def _post(http: httpx.Client, url: str, path: str, what: str, **kw: Any) -> None:
+    dev_post(http, url, path, what, missing=MISSING, **kw)
 
 
 def world_size(http: httpx.Client, url: str) -> int:
@@ -110,7 +100,7 @@ def world_size(http: httpx.Client, url: str) -> int:
     except httpx.HTTPError as exc:
         raise WeightsError(f"{url}: GET /get_world_size failed: {type(exc).__name__}: {exc}") from exc
     if resp.status_code == 404:
-        raise DevModeMissing(f"{url} has no /get_world_size: start vLLM >= 0.26 with VLLM_SERVER_DEV_MODE=1")
+        raise DevModeMissing(f"{url} has no /get_world_size endpoint: {MISSING}")
     if resp.status_code != 200:
         raise WeightsError(f"{url}: GET /get_world_size failed: {response_text(resp)}")
     return int(resp.json()["world_size"])
@@ -127,12 +117,6 @@ def checkpoint_tensors(checkpoint: Path, device: str = "cuda") -> list[tuple[str
     return [item for f in files for item in sorted(load_file(str(f), device=device).items())]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def tensor_meta(tensors: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """``update_info`` of *tensors*: names, dtype names (``bfloat16``) and shapes, in order."""
     return {"names": [n for n, _ in tensors],
@@ -147,7 +131,7 @@ class TransferGroup:
 
     def __init__(self, urls: Sequence[str], *, master_address: str = "127.0.0.1", master_port: int | None = None,
                  packed: bool = True, timeout_s: float = 300.0,
-                 communicator: Callable[[dict[str, Any], bool], Communicator] = vllm_nccl):
+                 communicator: Callable[[dict[str, Any], bool], Communicator] = VllmNccl):
         if not urls:
             raise WeightsError("no vLLM server to transfer weights to")
         self.urls = list(urls)
@@ -157,24 +141,22 @@ class TransferGroup:
         self.timeout_s = timeout_s
         self._communicator = communicator
         self.comm: Communicator | None = None
-        self.offsets: dict[str, int] = {}
 
     def connect(self) -> TransferGroup:
         """Ask each server's workers to join (``/init_weight_transfer_engine``, in threads: each
         call returns only once the trainer has joined too) while this process joins as rank 0."""
         if self.comm is not None:
             return self
-        port = self.master_port or _free_port(self.master_address)
+        port = self.master_port or free_port(self.master_address)
         with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=5.0), trust_env=False) as http:
             sizes = [world_size(http, url) for url in self.urls]
-            world, offset = 1 + sum(sizes), 1
-            for url, size in zip(self.urls, sizes, strict=True):
-                self.offsets[url], offset = offset, offset + size
+            world = 1 + sum(sizes)
+            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # each server's first rank
             info = {"master_address": self.master_address, "master_port": port, "world_size": world}
             with ThreadPoolExecutor(len(self.urls)) as pool:
                 joins = [pool.submit(_post, http, url, "/init_weight_transfer_engine", "joining the NCCL group",
-                                     json={"init_info": info | {"rank_offset": self.offsets[url]}})
-                         for url in self.urls]
+                                     json={"init_info": info | {"rank_offset": offset}})
+                         for url, offset in zip(self.urls, offsets, strict=True)]
                 try:
                     self.comm = self._communicator(info, self.packed)
                 finally:
@@ -231,6 +213,8 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
     results = {url: Reload(url=url, label=label, path="nccl") for url in urls}
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(group.timeout_s, connect=5.0), trust_env=False) as http:
+        for url in urls:
+            require_weight_labels(http, url)  # dev mode, and a vLLM that can take full weights beside LoRA
         before = {url: held(http, url) for url in urls}
         paused: list[str] = []
         try:

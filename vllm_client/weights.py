@@ -105,7 +105,7 @@ def _rpc_label(http: httpx.Client, url: str) -> str:
 def set_weight_label(http: httpx.Client, url: str, label: str) -> None:
     """Label the weights *url* holds: ``/update_weight_version``, or on a vLLM without it (0.26)
     the workers' :data:`RPC_LABEL_ATTR` through ``/collective_rpc``."""
-    resp = _post(http, url, "/update_weight_version", "update_weight_version", json={"new_version": label},
+    resp = dev_post(http, url, "/update_weight_version", "update_weight_version", json={"new_version": label},
                  missing_ok=True)
     if resp is None:
         _rpc(http, url, "__setattr__", RPC_LABEL_ATTR, label)
@@ -197,9 +197,15 @@ def weights_digest(http: httpx.Client, url: str) -> str | None:
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
-def _post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: bool = False,
-          **kw: Any) -> httpx.Response | None:
-    """POST a development endpoint; with *missing_ok* a 404 returns None."""
+#: what a 404 from a development endpoint means, unless the caller says otherwise
+DEV_MODE_MISSING = "start vLLM with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`) to publish full weights"
+
+
+def dev_post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: bool = False,
+             missing: str | None = None, **kw: Any) -> httpx.Response | None:
+    """POST a development endpoint; with *missing_ok* a 404 returns None, else it is a
+    :class:`DevModeMissing` that says how to start vLLM (*missing*; default: dev mode) for
+    ``/pause``, ``/collective_rpc`` and any path given a *missing*."""
     # a fresh connection each time: after a failed reload vLLM drops the connection it answered on
     try:
         resp = httpx.post(f"{server_root(url)}{path}", timeout=http.timeout, trust_env=False, **kw)
@@ -207,9 +213,8 @@ def _post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: boo
         raise WeightsError(f"{url}: {what} failed: {type(exc).__name__}: {exc} (see the vLLM log)") from exc
     if resp.status_code == 404 and missing_ok:
         return None
-    if resp.status_code == 404 and path in ("/pause", "/collective_rpc"):
-        raise DevModeMissing(f"{url} has no {path} endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 "
-                             "(`nextstate vllm serve --dev-mode`) to publish full weights")
+    if resp.status_code == 404 and (missing is not None or path in ("/pause", "/collective_rpc")):
+        raise DevModeMissing(f"{url} has no {path} endpoint: {missing or DEV_MODE_MISSING}")
     if resp.status_code != 200:
         raise WeightsError(f"{url}: {what} failed: {response_text(resp)}")
     return resp
@@ -217,13 +222,13 @@ def _post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: boo
 
 def pause(http: httpx.Client, url: str, mode: str = PauseMode.WAIT) -> None:
     """``POST /pause``: new requests queue; running ones finish first (``wait``) or freeze (``keep``)."""
-    _post(http, url, "/pause", "pause", params={"mode": mode, "clear_cache": "true"})
+    dev_post(http, url, "/pause", "pause", params={"mode": mode, "clear_cache": "true"})
 
 
 def reload_weights(http: httpx.Client, url: str, path: str, label: str) -> None:
     """Reload the weights in place from checkpoint *path* and label them *label* (the server
     should be paused: see :func:`reload_one`)."""
-    _post(http, url, "/collective_rpc", f"reload_weights from {path}",
+    dev_post(http, url, "/collective_rpc", f"reload_weights from {path}",
           json={"method": "reload_weights", "kwargs": {"weights_path": path}})
     set_weight_label(http, url, label)
 
@@ -232,7 +237,7 @@ def resume(http: httpx.Client, url: str, attempts: int = 3) -> None:
     """``POST /resume``, retried: a server left paused serves nothing."""
     for attempt in range(attempts):
         try:
-            _post(http, url, "/resume", "resume")
+            dev_post(http, url, "/resume", "resume")
             return
         except WeightsError as exc:
             log.error("could not resume %s (attempt %d): %s", url, attempt + 1, exc)

@@ -862,7 +862,7 @@ def merge_runs(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             a, b = first["config"].get(key), data["config"].get(key)
             if a != b:
                 raise MergeError(f"{name} is another configuration than {first_name}: {key} {b!r} != {a!r}")
-        for suite, b in data["base"].items():
+        for suite in data["base"]:
             if suite not in first["base"]:
                 raise MergeError(f"{name} has suite {suite!r}, {first_name} does not")
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
@@ -908,14 +908,9 @@ def merge(args: argparse.Namespace) -> None:
         except (OSError, ValueError) as exc:
             raise MergeError(f"{path}: {exc}") from exc
     merged = merge_runs(runs)
-    config = dict(runs[0][1]["config"])
-    for key in ("iterations", "tasks", "n", "heldout"):
-        setattr(args, key, config[key])
+    for key in SAME_CONFIG:  # the runs' own configuration, which they share
+        setattr(args, key, runs[0][1]["config"].get(key))
     args.seeds = len({r["seed"] for r in merged["rows"]})
-    for key in SAME_CONFIG:
-        if key != "server_dtype":
-            setattr(args, key, config.get(key))
-    args.server_dtype = config.get("server_dtype")
     args.out.mkdir(parents=True, exist_ok=True)
     write(args, merged["rows"], merged["base"], merged["minutes"], merged["failed"], merged["escapes"],
           runs={"runs": merged["runs"]})

@@ -1020,17 +1020,18 @@ def run(args: argparse.Namespace, work: Path) -> None:
 
     jobs = [(arm, s) for s in seeds for arm in arms if arm != "none"]
     deadline = t0 + args.deadline_min * 60 if args.deadline_min else None
+    interrupted: BaseException | None = None
     try:
         failed, stopped = run_jobs(args, work, jobs, base, done, deadline)
     except (SystemExit, KeyboardInterrupt) as exc:  # SIGTERM (a lease that ends) or Ctrl-C: report what ran
-        if results:
-            write(args, results, tag, (time.monotonic() - t0) / 60,
-                  {"base_eval_s": round(base_s, 1), "interrupted": type(exc).__name__,
-                   "stopped": sorted({f"{r['arm']}-{r['seed']}" for r in results if r.get("partial")}),
-                   "load_average": os.getloadavg()})
-        raise
-    write(args, results, tag, (time.monotonic() - t0) / 60,
-          {"base_eval_s": round(base_s, 1), "failed": failed, "stopped": stopped, "load_average": os.getloadavg()})
+        interrupted, failed = exc, []
+        stopped = sorted({f"{r['arm']}-{r['seed']}" for r in results if r.get("partial")})
+    if results or interrupted is None:
+        write(args, results, tag, (time.monotonic() - t0) / 60,
+              {"base_eval_s": round(base_s, 1), "failed": failed, "stopped": stopped, "load_average": os.getloadavg()}
+              | ({"interrupted": type(interrupted).__name__} if interrupted else {}))
+    if interrupted is not None:
+        raise interrupted
     (args.out / f"{tag}.partial.json").unlink(missing_ok=True)
     if stopped:
         log.warning("%d job(s) stopped at the deadline or never started: %s; their checkpoints so far are in the "

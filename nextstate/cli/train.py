@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -475,20 +476,22 @@ def _train_offline(o: TrainOptions, settings: Settings, engine: Any, cfg: Object
         click.echo(f"published {version['name']}: the `policy` alias serves it now")
 
 
-_GROUPS: dict[tuple[str, ...], Any] = {}
+@functools.cache
+def _transfer_group(urls: tuple[str, ...]) -> Any:
+    """The NCCL group with *urls*, made at the first publish and kept for the process's later ones."""
+    from vllm_client.transfer import TransferGroup
+
+    return TransferGroup(urls).connect()
 
 
 def _transfer(o: TrainOptions, urls: list[str], checkpoint: Path) -> Any:
     """With ``--weight-transfer nccl``: the checkpoint's tensors on this process's GPU, sent over the
-    NCCL group with *urls* (made at the first publish, kept for the run's later ones); else None."""
+    NCCL group with *urls*; else None."""
     if o.weight_transfer != "nccl" or not o.full:
         return None
-    from vllm_client.transfer import NcclWeights, TransferGroup, checkpoint_tensors
+    from vllm_client.transfer import NcclWeights, checkpoint_tensors
 
-    group = _GROUPS.get(tuple(urls))
-    if group is None:
-        group = _GROUPS[tuple(urls)] = TransferGroup(urls).connect()
-    return NcclWeights(group, lambda: checkpoint_tensors(checkpoint, device="cuda"))
+    return NcclWeights(_transfer_group(tuple(urls)), lambda: checkpoint_tensors(checkpoint, device="cuda"))
 
 
 def _train_verl(o: TrainOptions, settings: Settings, engine: Any, cfg: ObjectiveConfig, filters: Filters, *,
