@@ -120,11 +120,14 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return fn
 
 
-def default_run_name(tasks_path: Path, agent: str, mode: str) -> str:
-    """Same task file, agent and mode give the same name, so rerunning a command resumes it."""
+def default_run_name(tasks_path: Path, agent: str, mode: str, tasks: list[Task] | None = None) -> str:
+    """Same task file, agent and mode (and, for a sample of the file, the same tasks) give the same
+    name, so rerunning a command resumes it."""
     h = hashlib.sha256()
     h.update(tasks_path.read_bytes())
     h.update(b"\0" + agent.encode() + b"\0" + mode.encode())
+    if tasks is not None:
+        h.update(b"\0" + "\0".join(str(t["id"]) for t in tasks).encode())
     return f"{mode}-{h.hexdigest()[:10]}"
 
 
@@ -382,6 +385,9 @@ class RunSummary:
             versions[version] = {"rollouts": len(rs), "tasks": len(per_task), "pass@1": pass1 / len(per_task),
                                  "mean_outcome": sum(outs) / len(outs) if outs else None,
                                  "with_outcome": len(outs)}
+        by_task: dict[str, list[RolloutRecord]] = defaultdict(list)
+        for r in recs:
+            by_task[r.task_id].append(r)
         status = Counter(r.status for r in recs)
         passed = sum(r.passed(self.pass_threshold) for r in recs)
         return {
@@ -392,6 +398,9 @@ class RunSummary:
             "success_rate": passed / len(recs) if recs else None,
             "mean_outcome": sum(outcomes) / len(outcomes) if outcomes else None,
             "by_version": versions,
+            # per task: rollouts and passes (rollout.curriculum reads them: --learnable-from)
+            "by_task": {tid: {"rollouts": len(rs), "passed": sum(r.passed(self.pass_threshold) for r in rs)}
+                        for tid, rs in sorted(by_task.items())},
         }
 
 

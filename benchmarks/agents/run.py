@@ -72,6 +72,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -171,6 +172,34 @@ def load_split(suite: str, split: str, count: int, rng: random.Random | None = N
     return rng.sample(tasks, count) if rng else tasks[:count]
 
 
+class LearnableBatches:
+    """``--task-sampling learnable``: iteration k's tasks are drawn (:meth:`Learnability.sample`) only
+    when it starts, so that they follow the rollouts of iterations 1..k-1; drawn once each."""
+
+    def __init__(self, curriculum: Any, train: list[dict[str, Any]], count: int, iterations: int,
+                 rng: random.Random):
+        self.curriculum, self.train, self.count, self.iterations, self.rng = curriculum, train, count, iterations, rng
+        self.drawn: list[list[dict[str, Any]]] = []
+
+    def __len__(self) -> int:
+        return self.iterations
+
+    def __getitem__(self, i: int) -> list[dict[str, Any]]:
+        if not 0 <= i < self.iterations:
+            raise IndexError(i)
+        if i > len(self.drawn):
+            raise IndexError(f"iteration {i + 1}'s tasks are drawn after iteration {i}'s")
+        if i == len(self.drawn):
+            self.drawn.append(self.curriculum.sample(self.train, self.count, self.rng))
+        return self.drawn[i]
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        return (self[i] for i in range(self.iterations))
+
+
+Batches = list[list[dict[str, Any]]] | LearnableBatches
+
+
 class Tally:
     """Model calls the agents made against main turns the pool captured, per session."""
 
@@ -256,6 +285,7 @@ class Job:
         from datapool.db import make_engine, upgrade
 
         self.args, self.work, self.suite, self.arm, self.seed = args, work, suite, arm, seed
+        self.curriculum: Any = None  # rollout.curriculum.Learnability with --task-sampling learnable
         self.pool = f"sqlite:///{work / 'pool.db'}"
         with _MIGRATING:  # alembic's command API keeps its context in module globals: one thread at a time
             upgrade(self.pool)
@@ -371,7 +401,7 @@ class Job:
             self.publish(init, f"{self.prefix}-init", None, gw.url)
             rng = random.Random(self.seed)
             heldout = load_split(self.suite, "heldout", a.heldout)
-            batches = [load_split(self.suite, "train", a.tasks, rng) for _ in range(a.iterations)]
+            batches = self.batches(rng)
             t0 = time.monotonic()
             if is_async(self.arm):
                 self.pipelined(gw.url, batches, heldout, row, t0)
@@ -382,7 +412,20 @@ class Job:
             self.unload()
         return row
 
-    def in_turn(self, gw_url: str, batches: list[list[dict[str, Any]]], heldout: list[dict[str, Any]],
+    def batches(self, rng: random.Random) -> Batches:
+        """Each iteration's training tasks: drawn at the start (``--task-sampling uniform``), or, with
+        ``learnable``, each when its iteration starts, weighted by what the job's rollouts so far
+        passed (:mod:`rollout.curriculum`; :meth:`collect` updates it)."""
+        a = self.args
+        if getattr(a, "task_sampling", "uniform") != "learnable":
+            return [load_split(self.suite, "train", a.tasks, rng) for _ in range(a.iterations)]
+        from rollout.curriculum import Learnability
+
+        self.curriculum = Learnability()
+        train = ro.load_tasks(TASKS / self.suite / "train.jsonl")
+        return LearnableBatches(self.curriculum, train, a.tasks, a.iterations, rng)
+
+    def in_turn(self, gw_url: str, batches: Batches, heldout: list[dict[str, Any]],
                 row: dict[str, Any], t0: float) -> None:
         """Synchronous: each iteration's rollouts run on the version the previous one published. With
         --eval-overlap (the default) version k's held-out evaluation runs beside iteration k+1's rollouts,
@@ -401,7 +444,7 @@ class Job:
             if pending is not None:
                 pending.result()
 
-    def pipelined(self, gw_url: str, batches: list[list[dict[str, Any]]], heldout: list[dict[str, Any]],
+    def pipelined(self, gw_url: str, batches: Batches, heldout: list[dict[str, Any]],
                   row: dict[str, Any], t0: float) -> None:
         """Asynchronous: iteration k+1's rollouts run, on the version serving when they start, while
         iteration k's turns are scored and trained on and the new version published and evaluated.
@@ -443,6 +486,14 @@ class Job:
         after = gateway_seconds(gw_url)
         calls = after[0] - before[0]
         report = summary.report()
+        groups = None
+        if self.curriculum is not None:
+            from rollout.curriculum import group_of
+
+            self.curriculum.update(tasks, [(r.task_id, r.passed(summary.pass_threshold)) for r in summary.records])
+            drawn = Counter(group_of(t) for t in tasks)
+            table = self.curriculum.table()
+            groups = {g: {"drawn": drawn[g], "rate": table[g]["rate"]} for g in sorted(drawn)}
         return {"iteration": it, "run": run, "since": since, "until": now_naive(), "rollout_s": round(wall, 1),
                 # the gateway's time per model call beyond the upstream's (its /metrics; whole replies)
                 "gateway_added_ms": round((after[1] - before[1] - after[2] + before[2]) / calls * 1000, 2)
@@ -451,7 +502,7 @@ class Job:
                 "train_success": report["success_rate"], "groups_with_signal": groups_with_signal(summary),
                 "sent": tally.sent, "captured": tally.captured,
                 "failed": report["failed"], "timed_out": report["timed_out"],
-                "sandbox_failures": dict(tally.failures)}
+                "sandbox_failures": dict(tally.failures)} | ({"task_groups": groups} if groups else {})
 
     def learn(self, gw_url: str, it: int, point: dict[str, Any], heldout: list[dict[str, Any]],
               row: dict[str, Any], t0: float, evals: ThreadPoolExecutor | None = None) -> Future[None] | None:
@@ -844,7 +895,10 @@ class MergeError(ValueError):
 #: what makes two runs the same experiment: a difference in any of these refuses the merge
 SAME_CONFIG = ("preset", "suites", "arms", "iterations", "tasks", "n", "heldout", "batch_size", "micro_batch_size",
                "lr", "timeout", "temperature", "advantage_scope", "integrated_norm", "vote_weight", "kl_coef",
-               "warmup_steps", "max_grad_norm", "trainer_dtype", "eval_overlap", "model", "server_dtype")
+               "warmup_steps", "max_grad_norm", "trainer_dtype", "eval_overlap", "model", "server_dtype",
+               "task_sampling")
+#: what a run made before the key was recorded ran with (it counts as that, not as differing)
+CONFIG_DEFAULTS = {"task_sampling": "uniform"}
 
 
 def merge_runs(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -859,7 +913,8 @@ def merge_runs(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     first_name, first = runs[0]
     for name, data in runs[1:]:
         for key in SAME_CONFIG:
-            a, b = first["config"].get(key), data["config"].get(key)
+            a = first["config"].get(key, CONFIG_DEFAULTS.get(key))
+            b = data["config"].get(key, CONFIG_DEFAULTS.get(key))
             if a != b:
                 raise MergeError(f"{name} is another configuration than {first_name}: {key} {b!r} != {a!r}")
         for suite in data["base"]:
@@ -909,7 +964,7 @@ def merge(args: argparse.Namespace) -> None:
             raise MergeError(f"{path}: {exc}") from exc
     merged = merge_runs(runs)
     for key in SAME_CONFIG:  # the runs' own configuration, which they share
-        setattr(args, key, runs[0][1]["config"].get(key))
+        setattr(args, key, runs[0][1]["config"].get(key, CONFIG_DEFAULTS.get(key)))
     args.seeds = len({r["seed"] for r in merged["rows"]})
     args.out.mkdir(parents=True, exist_ok=True)
     write(args, merged["rows"], merged["base"], merged["minutes"], merged["failed"], merged["escapes"],
@@ -955,6 +1010,10 @@ def main() -> None:
                         "preset's, dense)")
     p.add_argument("--vote-weight", type=float,
                    help="the votes' weight under --integrated-norm dense (default: the preset's, 0.25)")
+    p.add_argument("--task-sampling", choices=("uniform", "learnable"), default="uniform",
+                   help="each iteration's training tasks: uniform (drawn up front), or learnable: weighted by "
+                        "p(1-p) of their kind/level's pass rate in the job's rollouts so far, so that fewer groups "
+                        "all pass or all fail (rollout/curriculum.py; the per-iteration task_groups in the JSON)")
     p.add_argument("--kl-coef", type=float, help="coefficient of the k3 KL to the base policy (0: none)")
     p.add_argument("--warmup-steps", type=int,
                    help="each iteration's optimizer steps warm the learning rate up over this many (0: none)")

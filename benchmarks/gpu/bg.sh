@@ -29,6 +29,9 @@ case ${1:?start|wait} in
     done
     if [ -n "${OUT:-}" ]; then
       cp /tmp/bg/out/*.json /tmp/bg/out/*.png "$OUT"/ 2>/dev/null
-      tar czf "$OUT/bg.tgz" -C /tmp/bg --exclude='*.rc' --exclude='./tree-*' . 2>/dev/null
+      # logs and results only: files under 8 MB (a model a run prepared under /tmp/bg/out, GBs, took
+      # the rest of a call to compress and came back too large anyway)
+      (cd /tmp/bg && find . -path './tree-*' -prune -o -type f ! -name '*.rc' -size -8M -print0 \
+        | tar czf "$OUT/bg.tgz" --null -T - 2>/dev/null)
     fi ;;
 esac

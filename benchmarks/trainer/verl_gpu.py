@@ -434,6 +434,25 @@ def tables(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def executable_ray() -> list[str]:
+    """Ray's own programs (``ray/core/src``: the GCS server, the raylet) made executable where an
+    archive lost their exec bit: gpu-bundle's ray wheel unpacked into a --target directory starts
+    no cluster otherwise (``PermissionError`` on ``gcs_server``). Returns the files changed."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    changed = []
+    for f in (Path(ray.__file__).parent / "core" / "src").rglob("*"):
+        if f.is_file() and not os.access(f, os.X_OK):
+            try:
+                f.chmod(f.stat().st_mode | 0o111)
+            except OSError:
+                continue  # not ours to change: Ray says so itself when it starts
+            changed.append(str(f))
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -508,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("table")
     p.add_argument("results")
     args = ap.parse_args(argv)
+    if args.cmd in ("run", "all") and (changed := executable_ray()):
+        print(f"made {len(changed)} of Ray's programs executable (their archive had lost the exec bit)", flush=True)
     if args.cmd == "prepare":
         prepare(args)
     elif args.cmd == "run":

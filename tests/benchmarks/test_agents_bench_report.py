@@ -300,7 +300,7 @@ def test_merge_takes_the_seeds_of_runs_made_apart_and_keeps_each_runs_command(
 
 
 @pytest.mark.parametrize("change", [{"server_dtype": "bfloat16"}, {"kl_coef": 0.0}, {"server_dtype": None},
-                                    {"iterations": 3}])
+                                    {"iterations": 3}, {"task_sampling": "learnable"}])
 def test_merge_refuses_another_configuration(change: dict[str, Any], tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
@@ -315,6 +315,18 @@ def test_merge_refuses_another_configuration(change: dict[str, Any], tmp_path: P
     assert not (tmp_path / "ab.json").exists()
 
 
+def test_merge_counts_a_run_without_task_sampling_as_uniform() -> None:
+    """Runs made before --task-sampling was recorded drew their tasks uniformly: they merge with a
+    uniform run, not with a learnable one."""
+    curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
+    merged = bench.merge_runs([("old", _run(range(3), curves)),
+                               ("new", _run(range(3, 6), curves, task_sampling="uniform"))])
+    assert len(merged["rows"]) == 12
+    with pytest.raises(bench.MergeError, match="task_sampling 'learnable' != 'uniform'"):
+        bench.merge_runs([("old", _run(range(3), curves)),
+                          ("new", _run(range(3, 6), curves, task_sampling="learnable"))])
+
+
 def test_merge_refuses_a_seed_run_twice_and_takes_a_whole_row_over_a_partial_one() -> None:
     curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
     with pytest.raises(bench.MergeError, match="terminal/outcome/0 is in both a and b.*--first-seed"):
@@ -325,3 +337,25 @@ def test_merge_refuses_a_seed_run_twice_and_takes_a_whole_row_over_a_partial_one
         row["pass_at_1"] = row["pass_at_1"][:2]
     merged = bench.merge_runs([("p", partial), ("w", _run(range(2), curves))])
     assert all(not r.get("partial") and len(r["pass_at_1"]) == 3 for r in merged["rows"]) and len(merged["rows"]) == 4
+
+
+def test_learnable_batches_draw_each_iteration_when_it_starts() -> None:
+    """--task-sampling learnable: iteration k's tasks follow what iterations 1..k-1 passed."""
+    import random
+
+    from rollout.curriculum import Learnability, group_of
+
+    train = [{"id": f"t{i}", "kind": "solved" if i < 30 else "mixed", "level": 1} for i in range(40)]
+    curriculum = Learnability()
+    batches = bench.LearnableBatches(curriculum, train, 8, 3, random.Random(0))
+    assert len(batches) == 3
+    with pytest.raises(IndexError, match="after iteration 1"):
+        batches[1]
+    first = batches[0]
+    assert batches[0] is first and len({t["id"] for t in first}) == 8
+    curriculum.update(train, [(t["id"], True) for t in train[:30]] * 4
+                      + [(t["id"], ok) for t in train[30:] for ok in (True, False)] * 2)
+    second = batches[1]
+    # 10 of 40 tasks are mixed: a uniform draw of 8 holds 2 of them on average
+    assert sum(group_of(t) == "mixed/1" for t in second) >= 6
+    assert len(list(batches)) == 3

@@ -77,3 +77,29 @@ def test_tables_render() -> None:
     text = publish_load.table(full)
     assert "publish under load (full)" in text and "vLLM pause (wait) + reload_weights + resume s | 0.400" in text
     assert "checkpoint written → every gateway serving it s | 0.600" in text
+    # the switch split: publish() around vLLM's reload, then the gateways' own switch
+    assert "| of which publish() outside vLLM s | 0.100 |" in text
+    assert "| of which active in the pool → every gateway s | 0.100 |" in text
+
+
+def test_publish_load_streams_from_processes_of_their_own(tmp_path: Path) -> None:
+    """--load-procs: the streams run in other processes (the publishing one keeps its GIL), and
+    what they measured comes back merged: every process's requests, none failed."""
+    import asyncio
+
+    from tests.support.upstream import UpstreamProcess
+
+    upstream = UpstreamProcess(tmp_path / "upstream.log").start()
+    try:
+        async def go() -> publish_load.Load:
+            procs = publish_load.LoadProcesses([upstream.base_url], 5, 8, 2)
+            assert [p._args[1] for p in procs.procs] == [3, 2]  # 5 workers over 2 processes
+            procs.start()
+            await asyncio.sleep(3.0)
+            return await procs.finish()
+
+        load = asyncio.run(go())
+    finally:
+        upstream.stop()
+    assert not load.failed and len(load.total) == len(load.ttft) == len(load.started_at) >= 5
+    assert all(0 < t <= total for t, total in zip(sorted(load.ttft), sorted(load.total), strict=True))

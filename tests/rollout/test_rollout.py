@@ -122,6 +122,8 @@ def test_report_pass_at_1_and_mean_outcome_per_version() -> None:
                                           "mean_outcome": pytest.approx(2 / 3), "with_outcome": 3}
     assert report["by_version"]["v2"]["pass@1"] == 0.0 and report["by_version"]["v2"]["mean_outcome"] == 0.5
     assert (report["passed"], report["timed_out"], report["success_rate"]) == (2, 1, 0.4)
+    # per task, over every version: what `nextstate rollout --learnable-from` weighs the next draw by
+    assert report["by_task"] == {"a": {"rollouts": 3, "passed": 1}, "b": {"rollouts": 2, "passed": 1}}
 
 
 def test_unreachable_gateway_is_an_infrastructure_error(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ backend's advantages, loss and gradients.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -466,3 +467,21 @@ def test_topk_opd_batches_reach_the_actor_marked(tiny_qwen3: Path) -> None:
     assert tu.get_non_tensor_data(td, "topk_num_seqs", None) == 3
     assert tu.get_non_tensor_data(td, "global_batch_size", None) == 5
     assert out.meta_info["metrics"]["actor/topk_kl"] == [0.25] and out.meta_info["metrics"]["perf/mfu/actor"] == 0.5
+
+
+def test_ray_programs_that_lost_their_exec_bit_are_made_executable(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An archive without exec bits (gpu-bundle's ray unpacked with --target) starts no Ray cluster:
+    verl_gpu.py sets the bit on Ray's programs before its runs, and leaves the rest alone."""
+    import types
+
+    src = tmp_path / "ray" / "core" / "src" / "ray" / "gcs"
+    src.mkdir(parents=True)
+    (src / "gcs_server").write_bytes(b"\x7fELF")
+    (src / "gcs_server").chmod(0o644)
+    (tmp_path / "ray" / "other.py").write_text("")
+    (tmp_path / "ray" / "other.py").chmod(0o644)
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(__file__=str(tmp_path / "ray" / "__init__.py")))
+    assert verl_gpu.executable_ray() == [str(src / "gcs_server")]
+    assert os.access(src / "gcs_server", os.X_OK) and not os.access(tmp_path / "ray" / "other.py", os.X_OK)
+    assert verl_gpu.executable_ray() == []
