@@ -379,6 +379,18 @@ def test_eval_reports_pass_at_1_per_policy_version(gateway: GatewayProcess, tmp_
     assert report["by_version"]["smollm2"]["pass@1"] == pytest.approx(expected)
     assert report["by_version"]["smollm2"]["mean_outcome"] == pytest.approx(sum(outcomes.values()) / 4)
     assert "smollm2" in out and "pass@1" in out
+    assert report["by_task"] == {t: {"rollouts": 2, "passed": sum(p)} for t, p in per_task.items()}
+
+    # the next round: 1 of the 2 tasks, drawn by what this one passed (--learnable-from its directory)
+    proc = _rollout_cli(gateway, tasks, "--n", "2", "--eval", "--agent", "tests.support.rollout_agents:one_call",
+                        "--verifier", "tests.support.rollout_agents:reply_length", "--pass-threshold", "3",
+                        "--sample", "1", "--learnable-from", str(tmp_path / "work"), "--workdir", str(tmp_path / "work2"))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "task groups (rollouts, passes, weight): id:" in err
+    second = json.loads((tmp_path / "work2" / "report.json").read_text())
+    assert second["rollouts"] == 2 and len(second["by_task"]) == 1 and set(second["by_task"]) <= set(per_task)
+    assert len(_all_sessions(gateway)) == 6  # a run of its own (another name), not a resumed one
 
 
 def test_black_box_terminal_example_is_stitched_without_a_session_header(
