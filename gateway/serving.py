@@ -38,6 +38,7 @@ from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable, unexpected
+from gateway.events import EventStream
 from gateway.formats import SENT_ARGUMENTS, load_translators, messages_to_chat, responses_to_chat
 from gateway.pool import in_pool
 from gateway.protocol import (
@@ -49,7 +50,6 @@ from gateway.protocol import (
     read_body,
 )
 from gateway.replies import MessagesReply, Reply, ResponsesReply
-from gateway.events import EventStream
 from gateway.recording import (
     Accumulator,
     ClientWants,

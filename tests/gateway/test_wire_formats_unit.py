@@ -247,7 +247,8 @@ _plain_blocks = st.one_of(
 _reasoning_blocks = st.one_of(
     st.builds(lambda t, s: {"type": "thinking", "thinking": t, "signature": s}, st.text(max_size=8),
               st.sampled_from(["sig", "", "litellm_encrypted_reasoning:abc"])),
-    st.builds(lambda d: {"type": "redacted_thinking", "data": d}, st.sampled_from(["opaque", "litellm_encrypted_reasoning:xyz"])),
+    st.builds(lambda d: {"type": "redacted_thinking", "data": d},
+              st.sampled_from(["opaque", "litellm_encrypted_reasoning:xyz"])),
 )
 _anthropic_messages = st.lists(
     st.tuples(st.sampled_from(["user", "assistant"]),
