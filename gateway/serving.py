@@ -74,12 +74,21 @@ _JSON = {"Content-Type": "application/json"}
 _PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _FORMATS)) + ")$")
 
 
+# the routes without a session in the path, looked up before the pattern is tried
+_PLAIN_ROUTES: dict[str, tuple[str, str | None]] = {f"/v1{path}": (fmt, None) for path, fmt in _FORMATS.items()}
+
+
 def proxy_route(scope: Scope) -> tuple[str, str | None] | None:
     """(wire format, session named in the path) of a POST to a proxy route, else None."""
     if scope["type"] != "http" or scope["method"] != "POST":
         return None
     path, root = scope["path"], scope.get("root_path", "")
-    match = _PROXY_PATH.match(path[len(root):] if root and path.startswith(root) else path)
+    if root and path.startswith(root):
+        path = path[len(root):]
+    plain = _PLAIN_ROUTES.get(path)
+    if plain is not None:
+        return plain
+    match = _PROXY_PATH.match(path)
     return None if match is None else (_FORMATS[match[2]], match[1])
 
 

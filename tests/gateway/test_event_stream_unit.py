@@ -139,3 +139,19 @@ def test_an_unexpected_error_on_a_proxy_route_is_a_500_in_the_clients_dialect(
         assert body["error"]["code"] == "internal_error" and rid in body["error"]["message"]
     assert "a bug on the request path" not in r.text
     assert any(rid in rec.getMessage() and rec.exc_info for rec in caplog.records)
+
+
+@settings(max_examples=200, deadline=None)
+@given(path=st.one_of(
+    st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/models",
+                     "/v1/chat/completions/", "/v1/messages/count_tokens", "/s/abc/v1/messages", "/s//v1/responses",
+                     "/s/a/b/v1/chat/completions", "/v1/chat/completions\n", "/api/sessions"]),
+    st.builds(lambda a, b: f"/s/{a}/v1/{b}", st.text("ab/.-", max_size=5),
+              st.sampled_from(["chat/completions", "completions", "responses", "messages", "models"]))),
+    root=st.sampled_from(["", "/gw"]), method=st.sampled_from(["POST", "GET"]))
+def test_proxy_route_is_the_route_pattern(path: str, root: str, method: str) -> None:
+    """The dict looked up first for the plain routes answers as the pattern alone would."""
+    full = root + path
+    scope = {"type": "http", "method": method, "path": full, "root_path": root}
+    match = serving._PROXY_PATH.match(path) if method == "POST" else None
+    assert serving.proxy_route(scope) == (None if match is None else (serving._FORMATS[match[2]], match[1]))
