@@ -8,14 +8,28 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from base.settings import Settings, check_admin_exposure
 from gateway import api, errors, ui
 from gateway.metrics import ProcessReport
 from gateway.routes import feedback, health, openai
-from gateway.serving import ProxyFastPath
+from gateway.serving import proxy_route, serve_proxy
 from gateway.state import running
 from gateway.upstream import load_model_list
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI application, which hands a POST to a proxy route straight to
+    gateway.serving.serve_proxy, before FastAPI's and Starlette's layers; anything else (other
+    methods, a trailing slash, every other route) goes through FastAPI unchanged."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = proxy_route(scope)
+        if route is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await serve_proxy(self, scope, receive, send, route)
 
 
 def create_app(settings: Settings | None = None, *, processes: ProcessReport | None = None) -> FastAPI:
@@ -39,7 +53,7 @@ def create_app(settings: Settings | None = None, *, processes: ProcessReport | N
             app.state.gateway = gw
             yield
 
-    app = FastAPI(
+    app = GatewayApp(
         title="nextstate gateway",
         summary="OpenAI-compatible proxy that captures every call into the datapool.",
         lifespan=lifespan,
@@ -49,7 +63,6 @@ def create_app(settings: Settings | None = None, *, processes: ProcessReport | N
     app.state.processes = processes
     errors.install(app)
     app.include_router(openai.router)
-    app.add_middleware(ProxyFastPath)
     app.include_router(feedback.router)
     api.include(app)
     app.include_router(health.router)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,20 +132,25 @@ async def _check_csrf(request: Request, admin: Admin) -> None:
 
 
 def _bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
+    return _bearer_of(request.headers)
+
+
+def _bearer_of(headers: Mapping[str, str]) -> str | None:
+    auth = headers.get("authorization", "")
     return auth[7:] if auth[:7].lower() == "bearer " else None
 
 
-def _client_key(request: Request) -> str | None:
-    """The client's key: a bearer token, or Anthropic's ``x-api-key`` header (its SDKs send that)."""
-    return _bearer(request) or request.headers.get("x-api-key")
+def client_key(headers: Mapping[str, str]) -> str | None:
+    """The client's key in *headers* (looked up case-insensitively): a bearer token, or
+    Anthropic's ``x-api-key`` header (its SDKs send that)."""
+    return _bearer_of(headers) or headers.get("x-api-key")
 
 
 async def require_api_key(request: Request) -> None:
     """Dependency of the client routes: a known client key (``api_keys``, a tenant's key) as the
     bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None)."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    accepted, tenant = await gateway_of(request).keys.lookup(_client_key(request))
+    accepted, tenant = await gateway_of(request).keys.lookup(client_key(request.headers))
     if not accepted:
         raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")

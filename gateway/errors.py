@@ -10,9 +10,10 @@ module only writes them out:
   own API answers it;
 - a page of its own where one is registered for the path (``error_page``: the admin UI).
 
-:func:`install` registers the handlers; ``gateway.serving.ProxyFastPath``, which answers the
-proxy routes before FastAPI's handlers could, calls :func:`respond` itself. A stream that fails
-once its reply has begun writes the same bodies as events (``openai_error``, ``anthropic_error``).
+:func:`install` registers the handlers; ``gateway.serving.serve_proxy``, which answers the
+proxy routes before FastAPI's handlers could, calls :func:`respond` and :func:`unexpected` itself.
+A stream that fails once its reply has begun writes the same bodies as events (``openai_error``,
+``anthropic_error``).
 """
 
 from __future__ import annotations
@@ -197,19 +198,21 @@ def install(app: FastAPI) -> None:
 
     app.state.error_pages = {}
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        """A bug: logged with a request id that the answer repeats (never the traceback), as a
-        page where one is registered for the path (``error_page``), else JSON in its dialect."""
-        request_id = uuid.uuid4().hex[:16]
-        log.error("unexpected error, request id %s: %s %s", request_id, request.method, request.url.path,
-                  exc_info=exc)
-        page = _page_for(request)
-        message = f"internal error (request id {request_id})"
-        response = (page(request, 500, message, request_id) if page
-                    else render(RequestError(500, message, code="internal_error"), anthropic=_anthropic(request)))
-        response.headers["X-Request-Id"] = request_id
-        return response
+    app.exception_handler(Exception)(unexpected)
+
+
+async def unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: logged with a request id that the answer repeats (never the traceback), as a page
+    where one is registered for the path (``error_page``), else JSON in its dialect."""
+    request_id = uuid.uuid4().hex[:16]
+    log.error("unexpected error, request id %s: %s %s", request_id, request.method, request.url.path,
+              exc_info=exc)
+    page = _page_for(request)
+    message = f"internal error (request id {request_id})"
+    response = (page(request, 500, message, request_id) if page
+                else render(RequestError(500, message, code="internal_error"), anthropic=_anthropic(request)))
+    response.headers["X-Request-Id"] = request_id
+    return response
 
 
 def error_page(app: FastAPI, prefix: str, page: ErrorPage) -> None:

@@ -15,6 +15,7 @@ translated back by gateway.replies. docs/wire-formats.md lists what is written h
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import gc
 import json
@@ -45,6 +46,7 @@ def _litellm() -> SimpleNamespace:
     )
 
     litellm.suppress_debug_info = True  # its provider lookup prints a banner for a vLLM model name
+    _skip_replay_check_without_reasoning_blocks()
     # about a million objects that live as long as the process: out of the collector's
     # generations, or every full collection walks them all (hundreds of ms on the event loop)
     gc.freeze()
@@ -52,6 +54,45 @@ def _litellm() -> SimpleNamespace:
                            BadRequestError=litellm.BadRequestError)
 
 _LOADING = threading.Lock()
+
+# Set while messages_to_chat translates a request none of whose messages holds a thinking or
+# redacted_thinking block (see _skip_replay_check_without_reasoning_blocks).
+_NO_REASONING_BLOCKS: contextvars.ContextVar[bool] = contextvars.ContextVar("no_reasoning_blocks", default=False)
+_REASONING_BLOCKS = frozenset({"thinking", "redacted_thinking"})
+
+
+def _has_reasoning_blocks(messages: Any) -> bool:
+    """Whether any message's content holds a block LiteLLM's adapter may strip as another
+    provider's encrypted reasoning (``thinking``, ``redacted_thinking``)."""
+    if not isinstance(messages, list):
+        return True  # not the shape looked at here: let LiteLLM decide
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") in _REASONING_BLOCKS
+                                             for b in content):
+            return True
+    return False
+
+
+def _skip_replay_check_without_reasoning_blocks() -> None:
+    """LiteLLM's Messages adapter asks, for every request, whether the route ends in OpenAI's
+    Responses API (its provider registry and model-cost map: about a sixth of the gateway's CPU per
+    /v1/messages call), only to choose between the messages as sent and the messages with
+    encrypted reasoning blocks stripped. Without a thinking or redacted_thinking block the two are
+    the same messages, so the answer changes nothing: while messages_to_chat translates such a
+    request, the check answers "keep" at once. With one, LiteLLM's own check runs as before."""
+    from litellm.llms.anthropic.messages.adapters import transformation
+
+    check = transformation._keeps_encrypted_reasoning_for_responses
+    if getattr(check, "skips_without_reasoning_blocks", False):
+        return
+
+    @functools.wraps(check)
+    def keeps(*args: Any, **kwargs: Any) -> bool:
+        return True if _NO_REASONING_BLOCKS.get() else check(*args, **kwargs)
+
+    keeps.skips_without_reasoning_blocks = True  # type: ignore[attr-defined]
+    transformation._keeps_encrypted_reasoning_for_responses = keeps
 
 
 def _load_once() -> None:
@@ -147,10 +188,14 @@ SENT_ARGUMENTS = _SentArguments()
 
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """An Anthropic Messages request as a Chat Completions request (LiteLLM's adapter)."""
+    adapter = _litellm().anthropic
+    token = _NO_REASONING_BLOCKS.set(not _has_reasoning_blocks(body.get("messages")))
     try:
-        chat, _ = _litellm().anthropic.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)
+        chat, _ = adapter.translate_anthropic_to_openai(body, custom_llm_provider=_PROVIDER)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RequestError(400, f"invalid request: {type(exc).__name__}: {exc}", code="invalid_request") from exc
+    finally:
+        _NO_REASONING_BLOCKS.reset(token)
     chat = dict(chat)
     chat["messages"] = [_clean_message(dict(m)) for m in chat["messages"]]
     if SENT_ARGUMENTS.by_id:

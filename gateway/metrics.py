@@ -80,6 +80,17 @@ class Metrics:
             ["detector"], registry=self.registry,
         )
 
+        # each labelled histogram's children by label values: `labels()` takes a lock and checks
+        # its arguments at every call, twice per proxied request otherwise
+        self._children: dict[tuple[Histogram, tuple[str, ...]], Any] = {}
+
+    def observe(self, histogram: Histogram, seconds: float, *labels: str) -> None:
+        """*seconds* observed in *histogram*'s child of *labels*."""
+        child = self._children.get((histogram, labels))
+        if child is None:
+            child = self._children[(histogram, labels)] = histogram.labels(*labels)
+        child.observe(seconds)
+
     def count_redactions(self, counts: Mapping[str, int]) -> None:
         for detector, n in counts.items():
             self.redactions.labels(detector).inc(n)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -172,9 +173,10 @@ def _no_lone_surrogates(body: Any) -> None:
         raise RequestError(400, "request body has an unpaired UTF-16 surrogate escape", code="invalid_json") from exc
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed)."""
-    declared = request.headers.get("content-length")
+async def read_body(request: Request, limit: int, headers: Mapping[str, str] | None = None) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed);
+    *headers*: the request's, looked up case-insensitively, when the caller read them already."""
+    declared = (request.headers if headers is None else headers).get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise RequestError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                           code="request_too_large")

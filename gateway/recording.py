@@ -120,7 +120,10 @@ class Accumulator:
         if obj.get("usage"):
             self.usage = obj["usage"]
         for c in obj.get("choices") or ():
-            st = self.choices.setdefault(c.get("index", 0), _Choice(index=c.get("index", 0)))
+            i = c.get("index", 0)
+            st = self.choices.get(i)
+            if st is None:  # not setdefault: a _Choice built per chunk only to be thrown away
+                st = self.choices[i] = _Choice(index=i)
             if c.get("prompt_token_ids") and self.prompt_token_ids is None:
                 self.prompt_token_ids = list(c["prompt_token_ids"])  # completions: per choice
             if self.endpoint == "chat":

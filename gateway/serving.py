@@ -3,9 +3,10 @@ the body in the client's wire format (Chat Completions, Completions, OpenAI's Re
 Anthropic's Messages; the last two translated to Chat Completions upstream by gateway.formats
 and back by gateway.replies), resolves the session and the upstream, and hands both to a
 `_Call`, which sends it upstream (vLLM for the white-box policy, LiteLLM for any other
-provider), relays the reply and hands the record to the capture writer. `ProxyFastPath` routes
-those POSTs here without FastAPI's per-request overhead; gateway.routes.openai declares the same
-routes for the OpenAPI schema and the session-prefixed paths."""
+provider), relays the reply and hands the record to the capture writer. `serve_proxy` routes
+those POSTs here without FastAPI's per-request overhead (gateway.app.GatewayApp calls it first);
+gateway.routes.openai declares the same routes for the OpenAPI schema and the session-prefixed
+paths."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -31,12 +32,13 @@ from base.jsonfast import dumps as _dumps
 from base.jsonfast import loads
 from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
-from gateway.auth import require_api_key
+from gateway.auth import client_key
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
 from gateway.clients import profiles, recognise
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable, unexpected
+from gateway.events import EventStream
 from gateway.formats import SENT_ARGUMENTS, load_translators, messages_to_chat, responses_to_chat
 from gateway.pool import in_pool
 from gateway.protocol import (
@@ -72,37 +74,54 @@ _JSON = {"Content-Type": "application/json"}
 _PROXY_PATH = re.compile(r"^(?:/s/([^/]+))?/v1(" + "|".join(map(re.escape, _FORMATS)) + ")$")
 
 
-class ProxyFastPath:
-    """ASGI middleware that hands a POST to the proxy routes straight to `proxy`.
+# the routes without a session in the path, looked up before the pattern is tried
+_PLAIN_ROUTES: dict[str, tuple[str, str | None]] = {f"/v1{path}": (fmt, None) for path, fmt in _FORMATS.items()}
 
-    Between the server and a handler, FastAPI's exception and exit-stack middlewares, its
-    router and its dependency solving cost a few hundred microseconds of CPU per request, a
-    large share of what the gateway adds to every agent call (benchmarks/gateway/README.md).
-    The routes stay declared in gateway.routes.openai, so the OpenAPI schema, the fuzzers and the route audit see
-    them; requests take this shorter way to the same handler, with the same key check and the
-    same OpenAI-shaped errors. Anything else (other methods, a trailing slash) goes on to
-    FastAPI unchanged.
-    """
 
-    def __init__(self, app: ASGIApp):
-        self.app = app
+def proxy_route(scope: Scope) -> tuple[str, str | None] | None:
+    """(wire format, session named in the path) of a POST to a proxy route, else None."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return None
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    plain = _PLAIN_ROUTES.get(path)
+    if plain is not None:
+        return plain
+    match = _PROXY_PATH.match(path)
+    return None if match is None else (_FORMATS[match[2]], match[1])
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        match = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            path, root = scope["path"], scope.get("root_path", "")
-            match = _PROXY_PATH.match(path[len(root):] if root and path.startswith(root) else path)
-        if match is None:
-            await self.app(scope, receive, send)
-            return
-        request = Request(scope, receive)
-        fmt = _FORMATS[match[2]]
+
+async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, route: tuple[str, str | None]) -> None:
+    """A POST to a proxy route (:func:`proxy_route`), answered by `proxy` with no layer between.
+
+    Between the server and a handler, FastAPI's application, Starlette's error, telemetry and
+    body-limit middlewares, its router and its dependency solving cost a few hundred
+    microseconds of CPU per request, a large share of what the gateway adds to every agent call
+    (benchmarks/gateway/README.md). The routes stay declared in gateway.routes.openai, so the
+    OpenAPI schema, the fuzzers and the route audit see them; requests take this shorter way to
+    the same handler, with the same key check and the same errors in the client's dialect. What
+    Starlette's ServerErrorMiddleware does for an unexpected exception is done here too: the
+    500 of gateway.errors.unexpected if nothing was sent yet, then the exception raised on to
+    the server, which logs it."""
+    scope["app"] = app
+    request = Request(scope, receive)
+    response: Response | None = None
+    try:
+        sent = _Headers(scope["headers"])
         try:
-            await require_api_key(request)
-            response = await proxy(request, fmt, match[1])
+            accepted, request.state.tenant = await gateway_of(request).keys.lookup(client_key(sent))
+            if not accepted:
+                raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
+                                   code="invalid_api_key")
+            response = await proxy(request, route[0], route[1], sent)
         except NextstateError as exc:
             response = respond(request, exc)
         await response(scope, receive, send)
+    except Exception as exc:
+        if response is None or not getattr(response, "started", True):
+            await (await unexpected(request, exc))(scope, receive, send)
+        raise
 
 
 class _Headers(dict[str, str]):
@@ -164,11 +183,12 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-async def proxy(request: Request, fmt: str, path_session: str | None) -> Response:
+async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Headers | None = None) -> Response:
+    """The reply to a proxied call; *sent*: the request's headers, when the caller read them."""
     gw = gateway_of(request)
     started = time.perf_counter()
     tenant = getattr(request.state, "tenant", None)
-    raw = await read_body(request, gw.settings.max_body_bytes)
+    raw = await read_body(request, gw.settings.max_body_bytes, sent)
     reply: Reply | None = None
     if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):
         await load_translators()
@@ -183,7 +203,8 @@ async def proxy(request: Request, fmt: str, path_session: str | None) -> Respons
     else:
         body = parse_body(raw, _SCHEMAS[fmt])
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
-    sent = _Headers(request.scope["headers"])
+    if sent is None:
+        sent = _Headers(request.scope["headers"])
     client = recognise(profiles(gw.settings), sent, body, fmt)
     session_id, source = _session(request, sent, path_session, body, client)
     session_id = scoped_session_id(tenant, session_id)  # a tenant's sessions are its own
@@ -253,7 +274,7 @@ class _Call:
     def _finish(self, status_code: int, *, status: str = "ok", error: dict[str, Any] | None = None,
                 captured: bool = True) -> None:
         elapsed = time.perf_counter() - self.started
-        self.gw.metrics.request_seconds.labels(self.label, str(status_code)).observe(elapsed)
+        self.gw.metrics.observe(self.gw.metrics.request_seconds, elapsed, self.label, str(status_code))
         r = self.record
         r.status = status
         r.error = error
@@ -277,9 +298,8 @@ class _Call:
         return err
 
     def _observe_upstream(self) -> None:
-        self.gw.metrics.upstream_seconds.labels(self.target.group).observe(
-            time.perf_counter() - self.started
-        )
+        metrics = self.gw.metrics
+        metrics.observe(metrics.upstream_seconds, time.perf_counter() - self.started, self.target.group)
 
     # -- vLLM: OpenAI wire format, relayed as sent ---------------------------------------------
 
@@ -393,9 +413,9 @@ class _Call:
                   failures: tuple[type[Exception], ...], resp: aiohttp.ClientResponse | None = None) -> Response:
         """The client's stream of the upstream's chat events (see _relay)."""
         events = _AsSent(self.acc, wants) if self.reply is None else _Translated(self.acc, self.reply)
-        return StreamingResponse(self._relay(arrivals, events, failures, resp),
-                                 status_code=resp.status if resp is not None else 200,
-                                 media_type="text/event-stream", headers={**self.headers, "Cache-Control": "no-cache"})
+        return EventStream(self._relay(arrivals, events, failures, resp),
+                           status_code=resp.status if resp is not None else 200,
+                           headers={**self.headers, "Cache-Control": "no-cache"})
 
     async def _relay(self, arrivals: AsyncIterator[list[SSEvent]], events: _Events,
                      failures: tuple[type[Exception], ...], resp: aiohttp.ClientResponse | None,

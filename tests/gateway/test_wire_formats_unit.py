@@ -234,3 +234,48 @@ def test_tool_call_ids_the_pool_lacks_are_not_asked_for_again_until_they_expire(
     assert sent.unknown(messages) == ["toolu_b"]  # b's absence expired: ask again
     sent.learn({"toolu_b": '{"x":2}'}, asked=["toolu_b"])
     assert sent.unknown(messages) == []
+
+
+# Anthropic content blocks of every kind the adapter translates, reasoning blocks among them
+_plain_blocks = st.one_of(
+    st.builds(lambda t: {"type": "text", "text": t}, st.text(max_size=12)),
+    st.builds(lambda i, n: {"type": "tool_use", "id": f"toolu_{i}", "name": n, "input": {"city": "Paris"}},
+              st.integers(0, 3), st.sampled_from(["get_weather", "add"])),
+    st.builds(lambda i, t: {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": t},
+              st.integers(0, 3), st.text(max_size=8)),
+)
+_reasoning_blocks = st.one_of(
+    st.builds(lambda t, s: {"type": "thinking", "thinking": t, "signature": s}, st.text(max_size=8),
+              st.sampled_from(["sig", "", "litellm_encrypted_reasoning:abc"])),
+    st.builds(lambda d: {"type": "redacted_thinking", "data": d},
+              st.sampled_from(["opaque", "litellm_encrypted_reasoning:xyz"])),
+)
+_anthropic_messages = st.lists(
+    st.tuples(st.sampled_from(["user", "assistant"]),
+              st.one_of(st.text(min_size=1, max_size=12), st.lists(st.one_of(_plain_blocks, _reasoning_blocks),
+                                                                  min_size=1, max_size=3))),
+    min_size=1, max_size=4)
+
+
+@settings(max_examples=80, deadline=None)
+@given(turns=_anthropic_messages, model=st.sampled_from(["fixed", "policy", "gpt-5.4", "responses/gpt-5"]))
+def test_messages_translation_is_litellms_own_with_the_replay_check_skipped(turns: list[Any], model: str) -> None:
+    """Without a thinking block the adapter's replay check is answered at once; the chat request
+    is the one LiteLLM's own check gives, with and without reasoning blocks in the history."""
+    from litellm.llms.anthropic.messages.adapters import transformation
+
+    from gateway import formats
+
+    body = {"model": model, "max_tokens": 8, "messages": [{"role": r, "content": c} for r, c in turns]}
+    ours = messages_to_chat(json.loads(json.dumps(body)))
+    skipping = transformation._keeps_encrypted_reasoning_for_responses
+    assert getattr(skipping, "skips_without_reasoning_blocks", False)
+    transformation._keeps_encrypted_reasoning_for_responses = skipping.__wrapped__  # LiteLLM's own
+    try:
+        theirs = messages_to_chat(json.loads(json.dumps(body)))
+    finally:
+        transformation._keeps_encrypted_reasoning_for_responses = skipping
+    assert ours == theirs
+    has_reasoning = any(isinstance(c, list) and any(b["type"] in ("thinking", "redacted_thinking") for b in c)
+                        for _, c in turns)
+    assert formats._has_reasoning_blocks(body["messages"]) == has_reasoning
