@@ -87,6 +87,7 @@ def test_publish_load_streams_from_processes_of_their_own(tmp_path: Path) -> Non
     what they measured comes back merged: every process's requests, none failed."""
     import asyncio
 
+    from tests.support.processes import wait_for
     from tests.support.upstream import UpstreamProcess
 
     upstream = UpstreamProcess(tmp_path / "upstream.log").start()
@@ -95,11 +96,14 @@ def test_publish_load_streams_from_processes_of_their_own(tmp_path: Path) -> Non
             procs = publish_load.LoadProcesses([upstream.base_url], 5, 8, 2)
             assert [p._args[1] for p in procs.procs] == [3, 2]  # 5 workers over 2 processes
             procs.start()
-            await asyncio.sleep(3.0)
+            # until the upstream has had 20 requests (a spawned process imports for seconds on a loaded
+            # machine): a worker sends its next request only after recording the last, so with 5 workers
+            # (and the start's /models calls) at least 10 are recorded, and each in flight ends before it stops
+            await asyncio.to_thread(wait_for, lambda: upstream.stats()["requests"] >= 20, 120, 0.2)
             return await procs.finish()
 
         load = asyncio.run(go())
     finally:
         upstream.stop()
-    assert not load.failed and len(load.total) == len(load.ttft) == len(load.started_at) >= 5
+    assert not load.failed and len(load.total) == len(load.ttft) == len(load.started_at) >= 10
     assert all(0 < t <= total for t, total in zip(sorted(load.ttft), sorted(load.total), strict=True))
