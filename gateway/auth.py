@@ -146,11 +146,13 @@ def client_key(headers: Mapping[str, str]) -> str | None:
     return _bearer_of(headers) or headers.get("x-api-key")
 
 
-async def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request, headers: Mapping[str, str] | None = None) -> None:
     """Dependency of the client routes: a known client key (``api_keys``, a tenant's key) as the
-    bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None)."""
+    bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None).
+    *headers*: the request's, when the caller read them already (gateway.serving.serve_proxy)."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    accepted, tenant = await gateway_of(request).keys.lookup(client_key(request.headers))
+    key = client_key(request.headers if headers is None else headers)
+    accepted, tenant = await gateway_of(request).keys.lookup(key)
     if not accepted:
         raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")

@@ -32,7 +32,7 @@ from base.jsonfast import dumps as _dumps
 from base.jsonfast import loads
 from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
-from gateway.auth import client_key
+from gateway.auth import require_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
@@ -110,10 +110,7 @@ async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, 
     try:
         sent = _Headers(scope["headers"])
         try:
-            accepted, request.state.tenant = await gateway_of(request).keys.lookup(client_key(sent))
-            if not accepted:
-                raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
-                                   code="invalid_api_key")
+            await require_api_key(request, sent)
             response = await proxy(request, route[0], route[1], sent)
         except NextstateError as exc:
             response = respond(request, exc)
