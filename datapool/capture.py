@@ -10,9 +10,11 @@ A writer behind the traffic first takes bigger batches (everything queued, up to
 a batch costs about as many statements for a thousand turns as for ten, so the writer's
 throughput grows with its backlog. The queue is bounded: when the database is reachable but
 slower than that, the writer moves the whole backlog to the spool in one append (it "sheds") and
-writes it to the pool from there. Memory stays flat under any load, and what a SIGKILL can lose is what sits in memory:
-at most ``max_queue`` turns queued, the batch being written and those answered during one writer
-cycle, and, while the writer keeps up, only the turns of the last flush interval. How far behind
+writes it to the pool from there. The bound is ``max_queue`` turns or ``max_queue_bytes`` (by
+``approx_bytes``), whichever comes first: a burst of short turns waits in memory, where it is
+cheapest to write, and a few long agent turns still go to disk. Memory stays flat under any
+load, and what a SIGKILL can lose is what sits in memory: at most that bound queued, the batch
+being written and those answered during one writer cycle, and, while the writer keeps up, only the turns of the last flush interval. How far behind
 it is shows as ``depth`` (in memory), the spool's ``waiting`` and ``oldest_unstored_s()``.
 """
 
@@ -25,7 +27,7 @@ import logging
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -46,6 +48,17 @@ from datapool.sessions import Stitcher
 log = logging.getLogger("nextstate.capture")
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+# the most turns one writer cycle takes, however far behind it is: one transaction stays seconds, not minutes
+MAX_BATCH = 4096
+
+
+def approx_bytes(record: TurnRecord, request_bytes: int = 0) -> int:
+    """About how much memory *record* holds, for the queue's bound: its request parsed (about
+    three times the JSON it came as; *request_bytes*, else a floor) and its token ids and
+    logprobs (a Python int or float and its list slot, about 36 bytes each). An estimate: what
+    it bounds is the order of magnitude, megabytes for a long agent turn, not a count of turns."""
+    tokens = sum(len(x) for x in (record.prompt_token_ids, record.token_ids, record.logprobs) if x)
+    return 3 * max(request_bytes, 1024) + 36 * tokens
 
 
 @dataclass
@@ -230,7 +243,8 @@ class CaptureWriter:
         max_batch: int | None = None,
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
-        max_queue: int = 1024,
+        max_queue: int = 16384,
+        max_queue_bytes: int = 256 << 20,
         replay_chunk: int | None = None,
         on_written: Callable[[int], None] | None = None,
         on_ready: Callable[[list[str]], None] | None = None,
@@ -245,10 +259,13 @@ class CaptureWriter:
         self.batch_size = batch_size
         # a writer behind the traffic takes up to this many queued turns in one batch: a batch's
         # statements are about as many for 1,000 turns as for 10, so a bigger one catches up
-        self.max_batch = max(batch_size, max_batch if max_batch is not None else max_queue // 2)
+        self.max_batch = max(batch_size, max_batch if max_batch is not None else min(max_queue // 2, MAX_BATCH))
         self.flush_interval_s = flush_interval_s
         self.retry_interval_s = retry_interval_s
+        # the backlog held in memory before it goes to the spool: this many turns, or this many
+        # bytes by approx_bytes (a long agent turn's token ids and logprobs are megabytes)
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         # records replayed per writer cycle: bounds the cycle, so the queue is looked at often
         self.replay_chunk = replay_chunk or 4 * batch_size
         self.on_written = on_written
@@ -263,6 +280,8 @@ class CaptureWriter:
         # trace exporter (datapool.traces). What it raises is logged, never in capture's way.
         self.on_stored = on_stored
         self.queue: asyncio.Queue[TurnRecord | None] = asyncio.Queue()
+        self._sizes: deque[int] = deque()  # approx_bytes of each queued item, in the queue's order
+        self.queued_bytes = 0
         self.in_flight: list[TurnRecord] = []  # the batch being written
         # the batch being collected wakes once when this many more records are queued (0: none waits)
         self._want = 0
@@ -274,9 +293,13 @@ class CaptureWriter:
         self.submitted = 0
         self.processed = 0
 
-    def submit(self, record: TurnRecord) -> None:
-        """Hand a record over. Never blocks and never raises."""
+    def submit(self, record: TurnRecord, request_bytes: int = 0) -> None:
+        """Hand a record over (*request_bytes*: the size of the request as sent, for the memory
+        bound). Never blocks and never raises."""
         self.submitted += 1
+        size = approx_bytes(record, request_bytes)
+        self._sizes.append(size)
+        self.queued_bytes += size
         self.queue.put_nowait(record)
         if self._want and self.queue.qsize() >= self._want:
             self._filled.set()  # the batch being collected is full
@@ -321,6 +344,7 @@ class CaptureWriter:
         """Write (or spool) everything submitted so far, then stop."""
         if self._task is None:
             return
+        self._sizes.append(0)
         self.queue.put_nowait(None)
         self._filled.set()
         await self._task
@@ -331,7 +355,7 @@ class CaptureWriter:
         stopping = False
         while not stopping:
             batch, stopping = await self._collect()
-            shed = not stopping and self.queue.qsize() >= self.max_queue
+            shed = not stopping and self.behind()
             if shed:
                 # the pool is slower than the traffic: the backlog goes to disk in one append
                 stopping = self._drain(batch)
@@ -348,6 +372,18 @@ class CaptureWriter:
                 await asyncio.to_thread(self.spool.append, batch)
             self.in_flight = []
             self.processed += len(batch)
+
+    def behind(self) -> bool:
+        """Whether the backlog in memory reached its bound (turns or bytes): it goes to the spool.
+        Below it a burst waits in memory, where writing it costs least: at saturation a writer
+        that spooled at 1,024 turns wrote from disk what it would have caught up with, and the
+        gateway answered 10-13 % fewer requests (benchmarks/gateway/README.md)."""
+        return self.queue.qsize() >= self.max_queue or self.queued_bytes >= self.max_queue_bytes
+
+    def _got(self, item: TurnRecord | None) -> TurnRecord | None:
+        """*item*, just taken from the queue, its bytes no longer counted."""
+        self.queued_bytes -= self._sizes.popleft()
+        return item
 
     async def _redact(self, batch: list[TurnRecord], redactor: Redactor) -> None:
         """Redact the batch in place: text in a thread (CPU), then the token ids of the turns
@@ -381,7 +417,7 @@ class CaptureWriter:
         """Move everything queued into ``batch``; True if the stop sentinel was among it."""
         while True:
             try:
-                item = self.queue.get_nowait()
+                item = self._got(self.queue.get_nowait())
             except asyncio.QueueEmpty:
                 return False
             if item is None:
@@ -395,11 +431,11 @@ class CaptureWriter:
         batch: list[TurnRecord] = []
         try:
             if not self.spool.pending:
-                first = await self.queue.get()
+                first = self._got(await self.queue.get())
             elif self.last_db_error is None:
-                first = self.queue.get_nowait()
+                first = self._got(self.queue.get_nowait())
             else:
-                first = await asyncio.wait_for(self.queue.get(), self.retry_interval_s)
+                first = self._got(await asyncio.wait_for(self.queue.get(), self.retry_interval_s))
         except (TimeoutError, asyncio.QueueEmpty):
             return batch, False
         if first is None:
@@ -428,7 +464,7 @@ class CaptureWriter:
         """Move queued records into *batch* up to *size*; True if the stop sentinel came."""
         while len(batch) < size:
             try:
-                item = self.queue.get_nowait()
+                item = self._got(self.queue.get_nowait())
             except asyncio.QueueEmpty:
                 return False
             if item is None:

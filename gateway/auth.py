@@ -146,13 +146,17 @@ def client_key(headers: Mapping[str, str]) -> str | None:
     return _bearer_of(headers) or headers.get("x-api-key")
 
 
-async def require_api_key(request: Request, headers: Mapping[str, str] | None = None) -> None:
+async def require_api_key(request: Request) -> None:
     """Dependency of the client routes: a known client key (``api_keys``, a tenant's key) as the
-    bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None).
-    *headers*: the request's, when the caller read them already (gateway.serving.serve_proxy)."""
+    bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None)."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    key = client_key(request.headers if headers is None else headers)
-    accepted, tenant = await gateway_of(request).keys.lookup(key)
+    await check_api_key(request, request.headers)
+
+
+async def check_api_key(request: Request, headers: Mapping[str, str]) -> None:
+    """require_api_key given the request's *headers* already read (gateway.serving.serve_proxy).
+    Not a dependency itself: FastAPI would read a *headers* parameter as the request's body."""
+    accepted, tenant = await gateway_of(request).keys.lookup(client_key(headers))
     if not accepted:
         raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")

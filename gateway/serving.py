@@ -32,7 +32,7 @@ from base.jsonfast import dumps as _dumps
 from base.jsonfast import loads
 from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
-from gateway.auth import require_api_key
+from gateway.auth import check_api_key
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
 from gateway.classify import session_of, turn_kind_of
@@ -110,7 +110,7 @@ async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, 
     try:
         sent = _Headers(scope["headers"])
         try:
-            await require_api_key(request, sent)
+            await check_api_key(request, sent)
             response = await proxy(request, route[0], route[1], sent)
         except NextstateError as exc:
             response = respond(request, exc)
@@ -239,7 +239,7 @@ async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Hea
         if budget is not None:
             record.request["output_budget"] = budget.record()
             headers[BUDGET_HEADER] = budget.header()
-    call = _Call(gw, endpoint, body, target, record, started, headers, reply)
+    call = _Call(gw, endpoint, body, target, record, started, headers, reply, len(raw))
     if target.white_box:
         return await call.vllm()
     return await call.litellm()
@@ -258,6 +258,7 @@ class _Call:
     headers: dict[str, str]
     # a Responses or Messages reply: translated back from chat, stored under the client's id
     reply: Reply | None = None
+    request_bytes: int = 0  # the request's size as sent: what its turn holds in the writer's queue
 
     def __post_init__(self) -> None:
         self.stream = bool(self.body.get("stream"))
@@ -280,7 +281,7 @@ class _Call:
             c = self.acc.result()
             r.response, r.usage = c.response, c.usage
             r.prompt_token_ids, r.token_ids, r.logprobs = c.prompt_token_ids, c.token_ids, c.logprobs
-        self.gw.writer.submit(r)
+        self.gw.writer.submit(r, self.request_bytes)
 
     def _fail(self, status_code: int, message: str, *, code: str | None = None,
               upstream: Any = None, error: RequestError | None = None) -> RequestError:

@@ -120,6 +120,7 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
         flush_interval_s=settings.capture_flush_interval_s,
         retry_interval_s=settings.spool_retry_interval_s,
         max_queue=settings.capture_queue_max,
+        max_queue_bytes=int(settings.capture_queue_max_mb * (1 << 20)),
         on_written=metrics.captured.inc,
         on_ready=enqueuer.send,
         on_shed=metrics.shed.inc,

@@ -1,11 +1,13 @@
 """Where the gateway's CPU goes under the benchmark's load: py-spy per wire format and mode.
 
     python -m benchmarks.gateway.profile [--rate 200] [--duration 8] [--formats chat,responses,messages]
-        [--out benchmarks/gateway/results/profile-<UTC time>.txt]
+        [--pin CPU] [--out benchmarks/gateway/results/profile-<UTC time>.txt]
+    python -m benchmarks.gateway.profile --rate 0 --pin 1    # at saturation, pinned as in the benchmark
 
 Starts the benchmark's fixed-reply upstream and a gateway capturing into a fresh PostgreSQL
 database (redaction at its default), then, for each wire format, whole and streamed, sends
-``--rate`` requests/s for ``--duration`` seconds while ``py-spy record --threads --gil`` samples the
+``--rate`` requests/s (``--rate 0``: as fast as ``--concurrency`` clients can, the benchmark's
+saturation rows) for ``--duration`` seconds while ``py-spy record --threads --gil`` samples the
 gateway. Each sample is put in one of two parts: the **capture writer** (any stack through
 datapool/, the spool, redaction or the writer's coroutine) and the **request path** (the rest of
 the event loop's thread). Per part it prints the share of the samples and the top frames by own
@@ -17,6 +19,7 @@ pinned to, that is where its CPU goes.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gateway.__main__ import CLIENT_KEY, Proc, _pg_and_redis, _wait_http, load  # noqa: E402
+from benchmarks.gateway.__main__ import CLIENT_KEY, Proc, _pg_and_redis, _pinned, _wait_http, load  # noqa: E402
 from tests.support.processes import GatewayProcess, free_port  # noqa: E402
 
 PY_SPY = Path(sys.executable).with_name("py-spy")
@@ -78,7 +81,10 @@ def summarise(collapsed: str, top: int = 25) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rate", type=float, default=200, help="open-loop rate, requests/s")
+    ap.add_argument("--rate", type=float, default=200, help="open-loop rate, requests/s; 0: saturation (closed loop)")
+    ap.add_argument("--concurrency", type=int, default=64, help="clients at saturation (--rate 0)")
+    ap.add_argument("--pin", type=int, help="pin the gateway to this CPU and the load to the others, as the benchmark "
+                                            "does (default: not pinned)")
     ap.add_argument("--duration", type=float, default=8, help="seconds per format and mode")
     ap.add_argument("--formats", default="chat,responses,messages")
     ap.add_argument("--sampling-rate", type=int, default=400, help="py-spy samples per second")
@@ -100,8 +106,11 @@ def main() -> None:
         gw = GatewayProcess(work / "gw", database_url=database_url, upstream_url=upstream_url,
                             env={"NEXTSTATE_BROKER_URL": broker, "NEXTSTATE_API_KEYS": CLIENT_KEY,
                                  "PYTHONPATH": str(ROOT)})
+        if args.pin is not None:
+            gw.args = _pinned(args.pin, gw.args)
         gw.start()
         stack.callback(gw.stop)
+        others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != args.pin) or None
         for fmt in filter(None, args.formats.split(",")):
             for stream in (False, True):
                 name = f"{fmt} {'streamed' if stream else 'whole'}"
@@ -110,11 +119,13 @@ def main() -> None:
                                         "--threads", "--gil", "--rate", str(args.sampling_rate),
                                         "--duration", str(int(args.duration)), "--output", str(raw)],
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                r = load(gw.base_url, stream=stream, rate=args.rate, duration=args.duration, fmt=fmt, warmup=0)
+                r = load(gw.base_url, stream=stream, rate=args.rate or None, duration=args.duration, fmt=fmt,
+                         warmup=0, concurrency=args.concurrency, latencies=False,
+                         cpu=others if args.pin is not None else None)  # type: ignore[arg-type]
+                rate = f"{args.rate:.0f} RPS" if args.rate else f"saturation ({r['ok'] / r['elapsed_s']:.0f} RPS)"
                 spy.wait(60)
                 text = summarise(raw.read_text() if raw.exists() else "", args.top)
-                sections.append(f"## {name}: {r['ok']} ok, errors {r['errors'] or 0} at "
-                                f"{args.rate:.0f} RPS\n{text}\n")
+                sections.append(f"## {name}: {r['ok']} ok, errors {r['errors'] or 0} at {rate}\n{text}\n")
                 print(sections[-1], flush=True)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or ROOT / "benchmarks" / "gateway" / "results" / f"profile-{stamp}.txt"

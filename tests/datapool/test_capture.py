@@ -6,10 +6,11 @@ import asyncio
 import uuid
 from pathlib import Path
 
+import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.capture import CaptureWriter, Spool
+from datapool.capture import CaptureWriter, Spool, approx_bytes
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
@@ -185,6 +186,36 @@ async def test_writer_behind_sheds_its_backlog_to_the_spool(pg_url: str, tmp_pat
     assert len(stored) == len(set(stored)) == 3000
     assert set(stored) == {r.id for r in records}
     assert spool.path is not None and not spool.path.exists()  # drained and removed
+
+
+@pytest.mark.parametrize("bound", ["bytes", "none"])
+async def test_a_few_long_turns_go_to_the_spool_by_their_bytes(bound: str, pg_url: str, tmp_path: Path) -> None:
+    """The queue's bound is turns or bytes, whichever comes first: 20 long agent turns (10,000
+    prompt token ids each, about 360 kB in memory) are far below the count bound but above a
+    1 MB bound, so the writer sheds them to the spool; with a bound of 1 GB the same 20 wait in
+    memory and are written from there. Either way each is stored once and the byte count
+    returns to 0."""
+    engine = make_engine(pg_url)
+    spool = Spool(tmp_path / "spool")
+    shed: list[int] = []
+    writer = CaptureWriter(engine, spool, batch_size=2, max_batch=2, max_queue=10_000,
+                           max_queue_bytes=(1 << 20) if bound == "bytes" else (1 << 30),
+                           flush_interval_s=0.005, on_shed=shed.append)
+    records = [_record(i) for i in range(20)]
+    for r in records:
+        r.prompt_token_ids = list(range(10_000))
+    assert approx_bytes(records[0], 400) > 10_000 * 32
+    writer.start()
+    for r in records:  # no await between them: all 20 queued before the writer wakes
+        writer.submit(r, request_bytes=400)
+    assert writer.queued_bytes == sum(approx_bytes(r, 400) for r in records)
+    await _until(lambda: writer.processed == 20 and not spool.pending, timeout=60)
+    await writer.stop()
+    engine.dispose()
+    assert shed == ([20] if bound == "bytes" else [])
+    assert writer.queued_bytes == 0
+    stored = _stored_ids(pg_url)
+    assert sorted(stored) == sorted(r.id for r in records)
 
 
 async def test_replay_goes_a_chunk_at_a_time_and_resumes_after_an_outage(
