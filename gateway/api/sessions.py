@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool import lineage, queries
-from datapool.db import dialect_insert, utcnow
+from datapool.db import as_utc, dialect_insert, utcnow
 from datapool.judgements import apply_outcome, end_session, mark_pending
 from datapool.models import Session, Turn
 from base.vocab import CaptureKind, JudgementStatus, SessionSource, TurnKind
@@ -39,6 +39,16 @@ async def _found(request: Request, fn: Any, key: str, what: str) -> Any:
     return found
 
 
+def _instant(value: datetime | None, param: str) -> datetime | None:
+    """*value* in UTC; a time with no UTC equivalent (year 1 at +14:00) is the client's error, a 400."""
+    if value is None:
+        return None
+    try:
+        return as_utc(value)
+    except OverflowError as exc:
+        raise RequestError(400, f"{param}: {value.isoformat()} is out of range in UTC", param=param) from exc
+
+
 @router.get("/sessions")
 async def list_sessions(
     request: Request,
@@ -51,6 +61,7 @@ async def list_sessions(
     until: datetime | None = None,
 ) -> dict[str, Any]:
     """Sessions, newest first. Pass the returned `next_cursor` as `cursor` for the next page."""
+    since, until = _instant(since, "since"), _instant(until, "until")
     if cursor:
         try:
             queries.decode_cursor(cursor)

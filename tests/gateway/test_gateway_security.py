@@ -226,6 +226,15 @@ def test_unknown_ids_are_404(open_gateway: GatewayProcess) -> None:
     assert r.status_code == 200 and r.headers["x-session-id"] == unknown
 
 
+def test_times_out_of_range_are_the_clients_error(open_gateway: GatewayProcess) -> None:
+    # year 1 at +14:00 has no UTC equivalent: the fuzzer found a 503 here (the pool's OverflowError)
+    for param in ("since", "until"):
+        r = httpx.get(f"{open_gateway.url}/api/sessions", params={param: "0001-01-01T00:00:00+14:00"}, timeout=30)
+        assert openai_error(r, 400)["param"] == param
+    r = httpx.get(f"{open_gateway.url}/api/sessions", params={"since": "2026-11-30T10:00:00+14:00"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_rejected_requests_store_nothing(open_gateway: GatewayProcess) -> None:
     # every request above that was refused left no row; the accepted ones did
     import sqlite3
