@@ -211,7 +211,7 @@ class _Batch:
         for c in p.continuations:
             if is_pair_index(c.choice_index):
                 continue
-            self.known.by_hash.setdefault(c.hash, {})[turn.id] = turn
+            self.known.continuing(c.hash).add(turn)
             if is_system_free_index(c.choice_index):
                 self.known.system_left_out.add((c.hash, turn.id))
         if p.candidates:
@@ -271,10 +271,10 @@ class _Batch:
         for n, (index, h) in enumerate(p.candidates):
             if h not in self.known.fetched:
                 self.known.load_parents(c for _, c in p.candidates[n:])
-            turns = [t for t in self.known.by_hash.get(h, {}).values()
-                     if session_id is None or t.session_id == session_id]
-            if turns:
-                parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+            first = self.known.continuing_known(h).first(
+                None if session_id is None else lambda t: t.session_id == session_id)
+            if first is not None:
+                parent, prefix_end = first, index + 1
                 dropped = (h, parent.id) in self.known.system_left_out
                 break
         # the turn before may have been sent without the system prompt: it continues that turn's
@@ -284,11 +284,11 @@ class _Batch:
                 break
             if h not in self.known.fetched:
                 self.known.load_parents(c for _, c in p.system_free[n:])
-            turns = [t for t in self.known.by_hash.get(h, {}).values()
-                     if (session_id is None or t.session_id == session_id)
-                     and (h, t.id) not in self.known.system_left_out]
-            if turns:
-                parent, prefix_end = min(turns, key=lambda t: t.order), index + 1
+            left_out = self.known.system_left_out
+            first = self.known.continuing_known(h).first(
+                lambda t: (session_id is None or t.session_id == session_id) and (h, t.id) not in left_out)
+            if first is not None:
+                parent, prefix_end = first, index + 1
                 dropped = False
                 break
         whole = len(p.record.messages)
@@ -297,12 +297,16 @@ class _Batch:
                 break
             if h not in self.known.fetched:
                 self.known.load_parents(c for _, c in p.retries[n:])
-            turns = [t for t in self.known.by_hash.get(h, {}).values()
-                     if (session_id is None or t.session_id == session_id) and t.id != p.record.id
-                     and (k < whole or t.status != TurnStatus.OK)]
-            if turns:
-                # a turn that answered (its reply dropped) before one that failed on the same messages
-                return min(turns, key=lambda t: (t.status != TurnStatus.OK, t.order)), k, False
+            def keep(t: StitchTurn) -> bool:
+                return (session_id is None or t.session_id == session_id) and t.id != p.record.id
+
+            turns = self.known.continuing_known(h)
+            # a turn that answered (its reply dropped) before one that failed on the same messages;
+            # the same messages again (k == whole) only retry a turn that failed
+            found = turns.first(lambda t: t.status == TurnStatus.OK and keep(t)) if k < whole else None
+            found = found or turns.first_failed(keep)
+            if found is not None:
+                return found, k, False
         return parent, prefix_end, dropped
 
     def _latest_main_turn(self, session_id: str, before: datetime) -> StitchTurn | None:

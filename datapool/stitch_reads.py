@@ -6,6 +6,7 @@ datapool.sessions decides the links over these turns; datapool.stitch_writes wri
 
 from __future__ import annotations
 
+from bisect import insort
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +54,47 @@ class StitchTurn:
     def order(self) -> tuple[datetime, str]:
         """The pool's ORDER BY created_at, id."""
         return (self.created_at, self.id)
+
+
+def _order(turn: StitchTurn) -> tuple[datetime, str]:
+    return turn.order
+
+
+class Continuing:
+    """The turns one continuation hash continues, kept in the order a parent is chosen by: the
+    earliest first (StitchTurn.order), and the failed ones apart. Choosing a parent takes the
+    first turn that passes a filter, not the least of all: the same opening sent by a rollout's
+    hundreds of environments puts hundreds of this batch's turns under one hash, and a scan of
+    all of them per record made a batch quadratic in its size (benchmarks/gateway/README.md)."""
+
+    __slots__ = ("ids", "in_order", "failed")
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+        self.in_order: list[StitchTurn] = []
+        self.failed: list[StitchTurn] = []  # status other than ok, in the same order
+
+    def add(self, turn: StitchTurn) -> None:
+        if turn.id in self.ids:
+            return
+        self.ids.add(turn.id)
+        insort(self.in_order, turn, key=_order)
+        if turn.status != TurnStatus.OK:
+            insort(self.failed, turn, key=_order)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def first(self, keep: Any = None) -> StitchTurn | None:
+        """The earliest turn for which *keep* (a predicate; None: any) holds."""
+        return next((t for t in self.in_order if keep is None or keep(t)), None)
+
+    def first_failed(self, keep: Any = None) -> StitchTurn | None:
+        """The earliest turn that did not answer ok for which *keep* holds."""
+        return next((t for t in self.failed if keep is None or keep(t)), None)
+
+
+_NOTHING = Continuing()
 
 
 # what stitching reads of a stored turn (never its request or response: those are large)
@@ -135,7 +177,7 @@ class KnownTurns:
         self.prepared = prepared
         self.turns: dict[str, StitchTurn] = {}
         self.members: dict[str, list[StitchTurn]] = {}  # session id -> its known turns
-        self.by_hash: dict[str, dict[str, StitchTurn]] = {}  # continuation hash -> turns it continues
+        self.by_hash: dict[str, Continuing] = {}  # continuation hash -> turns it continues
         self.fetched: set[str] = set()  # continuation hashes whose stored turns are in by_hash
         # (hash, turn id) of continuations with the turn's system messages left out
         self.system_left_out: set[tuple[str, str]] = set()
@@ -163,6 +205,17 @@ class KnownTurns:
     def add(self, turn: StitchTurn) -> None:
         self.turns[turn.id] = turn
         self.members.setdefault(turn.session_id, []).append(turn)
+
+    def continuing(self, h: str) -> Continuing:
+        """The turns known to continue hash *h* (an index to add to)."""
+        found = self.by_hash.get(h)
+        if found is None:
+            found = self.by_hash[h] = Continuing()
+        return found
+
+    def continuing_known(self, h: str) -> Continuing:
+        """The same, read-only: an empty one for a hash no known turn continues."""
+        return self.by_hash.get(h, _NOTHING)
 
     def load_orphans(self, hashes: set[str]) -> None:
         """Stored turns whose link hash is one of this batch's continuations and whose parent is
@@ -211,7 +264,7 @@ class KnownTurns:
             for chunk in chunked(todo):
                 rows += self.db.execute(first_in_sessions(chunk, named))
         for row in rows:
-            self.by_hash.setdefault(row.hash, {})[row.id] = self.known(row)
+            self.continuing(row.hash).add(self.known(row))
             if is_system_free_index(row.choice_index):
                 self.system_left_out.add((row.hash, row.id))
 

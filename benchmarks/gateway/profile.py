@@ -111,7 +111,10 @@ def main() -> None:
         gw.start()
         stack.callback(gw.stop)
         others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != args.pin) or None
-        for fmt in filter(None, args.formats.split(",")):
+        formats = list(filter(None, args.formats.split(",")))
+        for fmt in formats:  # LiteLLM's translators are imported at the first Responses or Messages request
+            load(gw.base_url, stream=False, fmt=fmt, requests=1, concurrency=1, latencies=False, warmup=0)
+        for fmt in formats:
             for stream in (False, True):
                 name = f"{fmt} {'streamed' if stream else 'whole'}"
                 raw = work / f"{fmt}-{int(stream)}.txt"
