@@ -409,15 +409,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     count(name, r["sent"])
                 print(f"  {mode:<6} {name:<14} {args.rate:.0f} RPS: ok {r['ok']} errors {r['errors']} "
                       f"total p50 {entry['fixed_rate']['total_p50']:.2f} ms", file=sys.stderr, flush=True)
-            for name, (url, pid) in rows.items():
-                r = load(url, stream=stream, concurrency=args.concurrency, duration=args.sat_duration,
-                         latencies=False, fmt=fmt_of.get(name, "chat"), extra=extra)
-                results["rows"][name][mode]["saturation_rps"] = r["ok"] / r["elapsed_s"]
-                results["rows"][name][mode]["saturation_errors"] = r["errors"]
-                if name.startswith("nextstate"):
-                    count(name, r["sent"])
-                print(f"  {mode:<6} {name:<14} saturation: {r['ok'] / r['elapsed_s']:.0f} RPS, errors "
-                      f"{r['errors']}", file=sys.stderr, flush=True)
+            # rounds of every row in turn: each row's throughput next in time to the floor's, whose
+            # ratio is taken per round (report.quick_report); the row's figure is the median round
+            for _ in range(max(1, args.sat_rounds)):
+                for name, (url, pid) in rows.items():
+                    r = load(url, stream=stream, concurrency=args.concurrency, duration=args.sat_duration,
+                             latencies=False, fmt=fmt_of.get(name, "chat"), extra=extra)
+                    entry = results["rows"][name][mode]
+                    entry.setdefault("saturation_rounds", []).append(r["ok"] / r["elapsed_s"])
+                    errors = entry.setdefault("saturation_errors", {})
+                    for kind, n in r["errors"].items():
+                        errors[kind] = errors.get(kind, 0) + n
+                    if name.startswith("nextstate"):
+                        count(name, r["sent"])
+                    print(f"  {mode:<6} {name:<14} saturation: {r['ok'] / r['elapsed_s']:.0f} RPS, errors "
+                          f"{r['errors']}", file=sys.stderr, flush=True)
+            for name in rows:
+                entry = results["rows"][name][mode]
+                entry["saturation_rps"] = statistics.median(entry["saturation_rounds"])
 
         # memory after many requests (half whole, half streamed), for each proxy
         for name, (url, pid) in rows.items():
@@ -506,7 +515,11 @@ def parser() -> argparse.ArgumentParser:
                          "and the turns stored against the requests sent per format (results/quick-<time>.*)")
     ap.add_argument("--rate", type=float, default=200, help="open-loop rate, requests/s")
     ap.add_argument("--duration", type=float, default=10, help="seconds at --rate, per row and mode")
-    ap.add_argument("--sat-duration", type=float, default=8, help="seconds at saturation, per row and mode")
+    ap.add_argument("--sat-duration", type=float, default=8, help="seconds at saturation, per row, mode and round")
+    ap.add_argument("--sat-rounds", type=int, default=1,
+                    help="rounds of every row at saturation, one row after the other: a row's saturation is its "
+                         "median round, and --quick's ratio to the floor the median of the rounds' ratios (on 2 "
+                         "shared cores one short measurement moves by a third between runs)")
     ap.add_argument("--concurrency", type=int, default=64, help="clients at saturation")
     ap.add_argument("--leak-requests", type=int, default=20000,
                     help="requests for the memory check, per proxy (0: no memory check)")
@@ -544,7 +557,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.skip_litellm, args.floor, args.litellm_db, args.formats, args.vllm_url = True, False, False, "", ""
     if args.quick:
         args.skip_litellm, args.litellm_db, args.vllm_url, args.floor = True, False, "", True
-        args.formats, args.duration, args.sat_duration, args.leak_requests = "responses,messages", 3, 2, 0
+        args.formats, args.duration, args.leak_requests = "responses,messages", 3, 0
+        args.sat_duration, args.sat_rounds = 1, 3
     return args
 
 

@@ -8,6 +8,7 @@ floor's, and the turns stored against the requests sent per format.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 # the rows of the gateway spoken to in each wire format, and the format each stores as
@@ -101,6 +102,18 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _sat_ratio(row: dict[str, Any], floor: dict[str, Any]) -> tuple[float, str]:
+    """A row's saturation as a ratio to the floor's: with rounds (--sat-rounds), the median of
+    each round's ratio to the floor's round next to it, and their range as text; else the ratio."""
+    mine, theirs = row.get("saturation_rounds") or [], floor.get("saturation_rounds") or []
+    if len(mine) > 1 and len(mine) == len(theirs) and all(theirs):
+        ratios = sorted(m / t for m, t in zip(mine, theirs))
+        return statistics.median(ratios), f" {ratios[0]:.2f}-{ratios[-1]:.2f}"
+    if not floor.get("saturation_rps"):
+        return float("nan"), ""
+    return (row.get("saturation_rps") or 0) / floor["saturation_rps"], ""
+
+
 def quick_report(results: dict[str, Any]) -> str:
     """Per wire format and mode: the added latency against the floor's, CPU and saturation as
     ratios to the floor's, whether each meets the acceptance; then stored / sent per format."""
@@ -121,12 +134,12 @@ def quick_report(results: dict[str, Any]) -> str:
             f = r["fixed_rate"]
             p50, p99 = f["total_p50"] - direct["total_p50"], f["total_p99"] - direct["total_p99"]
             cpu = f["cpu_s_per_1k"] / ff["cpu_s_per_1k"] if ff.get("cpu_s_per_1k") else float("nan")
-            sat = (r.get("saturation_rps") or 0) / floor["saturation_rps"] if floor.get("saturation_rps") else float("nan")
+            sat, spread = _sat_ratio(r, floor)
             missed = [what for what, ok in (("p50", p50 - floor_p50 <= P50_OVER_FLOOR_MS), ("p99", p99 <= P99_MS),
                                             ("CPU", cpu <= CPU_RATIO), ("saturation", sat >= SAT_RATIO)) if not ok]
             out.append(f"{mode:<7}{fmt:<11}{p50:>10.2f} ({floor_p50:.2f}, {p50 - floor_p50:+.2f})"
                        f"{p99:>12.2f} ({floor_p99:.2f}){f['cpu_s_per_1k']:>12.2f} ({cpu:.1f}x)"
-                       f"{r.get('saturation_rps') or 0:>11.0f} ({sat:.2f}x)  {', '.join(missed) or '-'}")
+                       f"{r.get('saturation_rps') or 0:>11.0f} ({sat:.2f}x{spread})  {', '.join(missed) or '-'}")
     c = results.get("capture") or {}
     sent, stored = c.get("sent_by_format") or {}, c.get("stored_by_format") or {}
     if sent:

@@ -40,8 +40,9 @@ def test_quick_runs_every_format_beside_the_floor_in_about_a_minute() -> None:
     args = parse_args(["--quick"])
     assert args.floor and args.skip_litellm and not args.litellm_db and args.vllm_url == ""
     assert args.formats == "responses,messages" and args.leak_requests == 0
-    # 10 rows (direct, floor, 3 formats; whole and streamed), each at the rate and at saturation
-    assert 10 * (args.duration + args.sat_duration) <= 60
+    # 10 rows (direct, floor, 3 formats; whole and streamed), each at the rate and at saturation,
+    # the saturation in rounds whose ratios to the floor's are taken one by one
+    assert args.sat_rounds >= 3 and 10 * (args.duration + args.sat_rounds * args.sat_duration) <= 60
     assert parse_args(["--quick", "--pool", "sqlite", "--soak", "60"]).pool == "sqlite"
     full = parse_args([])
     assert not full.quick and full.duration == 10 and full.leak_requests == 20000
@@ -59,6 +60,22 @@ def test_quick_report_gives_the_ratios_to_the_floor_and_what_is_not_met() -> Non
     assert "stored / sent: chat 3000 / 3000, responses 3000 / 3000, messages 2990 / 3000" in text
     assert "all stored 2.5 s after the load" in text and "pool sqlite" in text
     assert "load average (1/5/15 min) 1.0/1.2/1.5 -> 1.4/1.3/1.5" in text
+
+
+def test_quick_report_takes_the_median_of_each_rounds_ratio_to_the_floor() -> None:
+    results = _results(vars(parse_args(["--quick"])), settle_s=1.0)
+    for mode in ("whole", "stream"):
+        results["rows"]["asgi-floor"][mode]["saturation_rounds"] = [4000, 5000, 2000]
+        # rounds of 0.50x, 0.60x and 0.60x the floor's next to them; the row's median (2000)
+        # against the floor's (4000) would read 0.50x
+        results["rows"]["nextstate"][mode]["saturation_rounds"] = [2000, 3000, 1200]
+        results["rows"]["nextstate"][mode]["saturation_rps"] = 2000
+    text = report(results)
+    chat = next(line for line in text.splitlines() if line.startswith("whole  chat"))
+    assert "(0.60x 0.50-0.60)" in chat, chat
+    # a row measured once keeps the plain ratio
+    responses = next(line for line in text.splitlines() if line.startswith("whole  responses"))
+    assert "(0.53x)" in responses, responses
 
 
 def test_quick_report_says_when_turns_were_not_all_stored() -> None:
