@@ -50,6 +50,7 @@ import json
 import logging
 import secrets
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -149,6 +150,7 @@ def publish(engine: Engine, request: PublishRequest) -> dict[str, Any]:
     if any step fails, having put back what each server served and removed the copy: nothing is
     registered and the ``policy`` alias is unchanged.
     """
+    started = time.perf_counter()
     kind = request.resolved_kind()
     directory = Path(request.directory)
     name = request.name or default_name(kind)
@@ -163,17 +165,23 @@ def publish(engine: Engine, request: PublishRequest) -> dict[str, Any]:
         check_checkpoint(directory, urls if request.activate else ())
         pause_mode = request.pause_mode
     timeout_s = request.timeout_s if request.timeout_s is not None else DEFAULT_TIMEOUT_S[kind]
-    return _publish(engine, request, kind, directory, name, urls, pause_mode, timeout_s)
+    return _publish(engine, request, kind, directory, name, urls, pause_mode, timeout_s,
+                    {"check_s": time.perf_counter() - started})
 
 
 def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directory: Path, name: str,
-             urls: list[str], pause_mode: str, timeout_s: float) -> dict[str, Any]:
+             urls: list[str], pause_mode: str, timeout_s: float, phases: dict[str, float]) -> dict[str, Any]:
     """Steps 2-4 of :func:`publish` (*directory* checked): place it, make the servers serve it,
-    register it; undo what was done when a step fails."""
+    register it; undo what was done when a step fails. *phases*: seconds per step, to which
+    this adds its own (``phases_s`` in the publish event's metrics, and in the log line; the
+    pool's commit, the last step, only in the log line)."""
+    at = time.perf_counter()
     parent_id = versions.check_new(engine, name, request.parent)
     copy, activate = request.copy, request.activate
     path = (_place(directory, request.store or default_store(), name) if copy
             else versions.own_path(engine, directory))
+    phases["place_s"] = time.perf_counter() - at
+    at = time.perf_counter()
     try:
         if activate:
             target = versions.Target(name, kind, str(path), request.base_model, versions.full_paths(engine))
@@ -191,6 +199,8 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
+    phases["serve_s"] = time.perf_counter() - at
+    at = time.perf_counter()
     stats = dict(request.stats or {})
     if kind == VersionKind.FULL:
         if metrics.get("reloads"):
@@ -200,7 +210,7 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
         result, retired = versions.register(
             engine, name=name, kind=kind, base_model=request.base_model, path=path, parent_id=parent_id,
             activate=activate, stats=stats, actor=request.actor, reason=request.reason,
-            metrics={**(request.event_metrics or {}), **metrics})
+            metrics={**(request.event_metrics or {}), **metrics, "phases_s": {k: round(v, 4) for k, v in phases.items()}})
     except BaseException:
         if kind == VersionKind.LORA:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:
@@ -210,8 +220,9 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
         if copy:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    log.info("published %s %s (%s) as %s%s; %s", kind, name, path, result["status"],
-             f", retired {retired}" if retired else "", metrics)
+    phases["register_s"] = time.perf_counter() - at
+    log.info("published %s %s (%s) as %s%s; %s; seconds per step %s", kind, name, path, result["status"],
+             f", retired {retired}" if retired else "", metrics, {k: round(v, 4) for k, v in phases.items()})
     return result
 
 

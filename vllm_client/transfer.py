@@ -216,6 +216,8 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
         for url in urls:
             require_weight_labels(http, url)  # dev mode, and a vLLM that can take full weights beside LoRA
         before = {url: held(http, url) for url in urls}
+        for url in urls:
+            results[url].before_s = time.perf_counter() - started
         paused: list[str] = []
         try:
             for url in urls:
@@ -240,9 +242,13 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
                 resume(http, url)
         for url in urls:
             results[url].total_s = time.perf_counter() - started
+            at = time.perf_counter()
             confirm_serving(http, url, label, served_name, what=f"sent {label} over NCCL")
+            results[url].confirm_s = time.perf_counter() - at
             if digest:
+                at = time.perf_counter()
                 results[url].digest = weights_digest(http, url)
+                results[url].digest_s = time.perf_counter() - at
     log.info("sent %d tensors over NCCL to %s as %s in %.3fs", len(tensors), ", ".join(urls), label,
              max(r.total_s for r in results.values()))
     return [results[url] for url in urls]

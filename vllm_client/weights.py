@@ -52,6 +52,9 @@ class Reload:
     reload_s: float = 0.0
     total_s: float = 0.0
     digest: str | None = None
+    before_s: float = 0.0  # the checks before the pause: its weight label, what it holds
+    confirm_s: float = 0.0  # after the resume: its label, not paused, a one-token completion
+    digest_s: float = 0.0  # after that: the weights' checksum, where the server has the route
 
 
 def weight_label(http: httpx.Client, url: str) -> str | None:
@@ -283,8 +286,10 @@ def reload_one(http: httpx.Client, url: str, path: str, label: str, *, pause_mod
         resume(http, url)
     result.total_s = time.perf_counter() - started
     confirm_serving(http, url, label, served_name, what=f"reloaded {path}")
+    result.confirm_s = time.perf_counter() - started - result.total_s
     if digest:
         result.digest = weights_digest(http, url)
+        result.digest_s = time.perf_counter() - started - result.total_s - result.confirm_s
     log.info("reloaded %s weights from %s (%s) in %.3fs (pause %.3fs, reload %.3fs)", url, path, label,
              result.total_s, result.pause_s, result.reload_s)
     return result
@@ -338,12 +343,15 @@ def switch_weights(
     with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0), trust_env=False) as http:
         try:
             for url in urls:
+                checking = time.perf_counter()
                 want = target(http, url)
                 if want is None:
                     continue
                 held = held_weights(http, url, path_of)
+                before_s = time.perf_counter() - checking
                 results.append(reload_one(http, url, want[1], want[0], pause_mode=pause_mode,
                                           served_name=served_name, fallback=held))
+                results[-1].before_s = before_s
                 done.append((url, held))
             if then is not None:
                 then()

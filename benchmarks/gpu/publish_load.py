@@ -215,6 +215,37 @@ class LoadProcesses:
         return merged
 
 
+def publish_phases(engine: Any, name: str) -> dict[str, float]:
+    """The seconds per step publish() recorded in its event (check_s, place_s, serve_s)."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.models import PolicyEvent, PolicyVersion
+
+    with OrmSession(engine) as db:
+        ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
+                        .where(PolicyVersion.name == name)).first()
+        return dict(((ev.metrics or {}) if ev is not None else {}).get("phases_s") or {})
+
+
+def reload_parts(engine: Any, name: str) -> dict[str, float]:
+    """The slowest server's reload steps outside vLLM's own part (vllm_client.weights.Reload:
+    before_s, confirm_s, digest_s), from the publish event."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session as OrmSession
+
+    from datapool.models import PolicyEvent, PolicyVersion
+
+    with OrmSession(engine) as db:
+        ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
+                        .where(PolicyVersion.name == name)).first()
+        reloads = ((ev.metrics or {}) if ev is not None else {}).get("reloads") or []
+    if not reloads:
+        return {}
+    slowest = max(reloads, key=lambda r: r.get("total_s") or 0.0)
+    return {k: float(slowest.get(k) or 0.0) for k in ("before_s", "confirm_s", "digest_s")}
+
+
 def load_seconds(engine: Any, name: str) -> float | None:
     """vLLM's adapter load time (a full version: pause + reload + resume), as the publish event
     recorded it; the slowest server's."""
@@ -291,6 +322,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 t_pool = time.perf_counter()
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), 60)
                 rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(engine, name),
+                               "phases_s": publish_phases(engine, name), "reload_parts_s": reload_parts(engine, name),
                                "pool_s": t_pool - t0, "gateways_s": [s - t0 for s in seen],
                                "all_serving_s": max(seen) - t0})
                 print(f"publish {k}: {rounds[-1]}", flush=True)
@@ -328,6 +360,24 @@ def failed_in(failed_at: list[float], windows: list[tuple[float, float]]) -> int
     return sum(any(a <= t <= b for a, b in windows) for t in failed_at)
 
 
+def _outside_parts(rounds: list[dict[str, Any]]) -> list[tuple[str, list[float]]]:
+    """publish() outside vLLM, by step (publish()'s phases_s): the checks, the serving step
+    around vLLM's own part (pause, label, resume, confirm), and the rest (the pool's commit)."""
+    done = [r for r in rounds if r.get("phases_s") and r.get("load_s") is not None]
+    ph = [r["phases_s"] for r in done]
+    return [
+        ("checks (files, shapes, name)", [p.get("check_s", 0.0) + p.get("place_s", 0.0) for p in ph]),
+        ("serving step around vLLM's part", [r["phases_s"].get("serve_s", 0.0) - r["load_s"] for r in done]),
+        *[(f"… {label}", [(r.get("reload_parts_s") or {}).get(key, 0.0) for r in done])
+          for label, key in (("labels and held weights, before the pause", "before_s"),
+                             ("confirming (label, not paused, one-token completion)", "confirm_s"),
+                             ("weights checksum", "digest_s"))
+          if any((r.get("reload_parts_s") or {}).get(key) for r in done)],
+        ("registering it in the pool, and the rest", [
+            r["pool_s"] - sum(r["phases_s"].get(k, 0.0) for k in ("check_s", "place_s", "serve_s")) for r in done]),
+    ]
+
+
 def table(res: dict[str, Any]) -> str:
     def f(x: float | None) -> str:
         return "–" if x is None else f"{x:.3f}"
@@ -355,6 +405,8 @@ def table(res: dict[str, Any]) -> str:
         # where the rest goes: publish() around vLLM (checks, the pool's commit), then the gateways' switch
         f"| of which publish() outside vLLM s | {f(pct(outside, .5))} | {f(pct(outside, .99))} | "
         f"{f(max(outside) if outside else None)} |",
+        *[f"| … {label} s | {f(pct(xs, .5))} | {f(pct(xs, .99))} | {f(max(xs))} |"
+          for label, xs in _outside_parts(res["rounds"]) if xs],
         f"| of which active in the pool → every gateway s | {f(pct(after, .5))} | {f(pct(after, .99))} | "
         f"{f(max(after) if after else None)} |",
         f"| load: time to first token s | {f(res['ttft_p50_s'])} | {f(res['ttft_p99_s'])} | |",

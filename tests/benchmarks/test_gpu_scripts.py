@@ -80,6 +80,19 @@ def test_tables_render() -> None:
     # the switch split: publish() around vLLM's reload, then the gateways' own switch
     assert "| of which publish() outside vLLM s | 0.100 |" in text
     assert "| of which active in the pool → every gateway s | 0.100 |" in text
+    assert "… checks" not in text  # a run before publish() recorded its steps
+    # with publish()'s steps: checks 0.02, serving 0.43 of which vLLM's 0.40, the rest 0.05
+    rounds[0]["phases_s"] = {"check_s": 0.015, "place_s": 0.005, "serve_s": 0.43}
+    text = publish_load.table(full)
+    assert "| … checks (files, shapes, name) s | 0.020 |" in text
+    assert "| … serving step around vLLM's part s | 0.030 |" in text
+    assert "| … registering it in the pool, and the rest s | 0.050 |" in text
+    # and the serving step's own parts (vllm_client.weights.Reload), a step that took no time left out
+    rounds[0]["reload_parts_s"] = {"before_s": 0.01, "confirm_s": 0.015, "digest_s": 0.0}
+    text = publish_load.table(full)
+    assert "| … … labels and held weights, before the pause s | 0.010 |" in text
+    assert "| … … confirming (label, not paused, one-token completion) s | 0.015 |" in text
+    assert "checksum" not in text
 
 
 def test_publish_load_streams_from_processes_of_their_own(tmp_path: Path) -> None:

@@ -265,6 +265,11 @@ def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[S
     assert Path(version["path"]).parent == tmp_path / "store" and (Path(version["path"]) / "config.json").is_file()
     assert "start" in stand_in.calls and "reload" not in " ".join(stand_in.calls)
     assert stand_in.label == "full-nccl-1" and torch.equal(stand_in.weights[sent[0][0]], sent[0][1])
+    # where publish()'s time went, step by step, kept in its event (benchmarks/gpu/publish_load.py splits by it)
+    from benchmarks.gpu.publish_load import publish_phases
+
+    phases = publish_phases(engine, "full-nccl-1")
+    assert set(phases) == {"check_s", "place_s", "serve_s"} and all(v >= 0 for v in phases.values())
     # a group made for other servers is refused before anything is paused
     other = TransferGroup(["http://127.0.0.1:9/v1"], communicator=stand_in.communicator)
     stand_in.calls.clear()
