@@ -289,7 +289,7 @@ class Settings(BaseSettings):
         "capture_queue_max_mb), the backlog is moved to the spool (fsync'd) and written from there: memory "
         "stays bounded, and a killed gateway loses at most that backlog plus one writer cycle's turns. Below "
         "it a burst is written from memory, the cheapest way: at saturation a bound of 1,024 turns sent "
-        "bursts through the spool and cost 10-13 % of the gateway's throughput.",
+        "bursts through the spool and cost up to a third of the gateway's throughput.",
     )
     capture_queue_max_mb: float = Field(
         default=256,

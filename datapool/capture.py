@@ -14,8 +14,9 @@ writes it to the pool from there. The bound is ``max_queue`` turns or ``max_queu
 ``approx_bytes``), whichever comes first: a burst of short turns waits in memory, where it is
 cheapest to write, and a few long agent turns still go to disk. Memory stays flat under any
 load, and what a SIGKILL can lose is what sits in memory: at most that bound queued, the batch
-being written and those answered during one writer cycle, and, while the writer keeps up, only the turns of the last flush interval. How far behind
-it is shows as ``depth`` (in memory), the spool's ``waiting`` and ``oldest_unstored_s()``.
+being written and those answered during one writer cycle, and, while the writer keeps up, only
+the turns of the last flush interval. How far behind it is shows as ``depth`` (in memory), the
+spool's ``waiting`` and ``oldest_unstored_s()``.
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ class CaptureWriter:
         """Whether the backlog in memory reached its bound (turns or bytes): it goes to the spool.
         Below it a burst waits in memory, where writing it costs least: at saturation a writer
         that spooled at 1,024 turns wrote from disk what it would have caught up with, and the
-        gateway answered 10-13 % fewer requests (benchmarks/gateway/README.md)."""
+        gateway answered up to a third fewer requests (benchmarks/gateway/README.md)."""
         return self.queue.qsize() >= self.max_queue or self.queued_bytes >= self.max_queue_bytes
 
     def _got(self, item: TurnRecord | None) -> TurnRecord | None:
