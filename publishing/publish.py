@@ -210,7 +210,8 @@ def _publish(engine: Engine, request: PublishRequest, kind: VersionKind, directo
         result, retired = versions.register(
             engine, name=name, kind=kind, base_model=request.base_model, path=path, parent_id=parent_id,
             activate=activate, stats=stats, actor=request.actor, reason=request.reason,
-            metrics={**(request.event_metrics or {}), **metrics, "phases_s": {k: round(v, 4) for k, v in phases.items()}})
+            metrics={**(request.event_metrics or {}), **metrics,
+                     "phases_s": {k: round(v, 4) for k, v in phases.items()}})
     except BaseException:
         if kind == VersionKind.LORA:
             with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=5.0)) as http:

@@ -215,8 +215,8 @@ class LoadProcesses:
         return merged
 
 
-def publish_phases(engine: Any, name: str) -> dict[str, float]:
-    """The seconds per step publish() recorded in its event (check_s, place_s, serve_s)."""
+def event_metrics(engine: Any, name: str) -> dict[str, Any]:
+    """The metrics of version *name*'s publish event ({} if none)."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session as OrmSession
 
@@ -225,42 +225,30 @@ def publish_phases(engine: Any, name: str) -> dict[str, float]:
     with OrmSession(engine) as db:
         ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
                         .where(PolicyVersion.name == name)).first()
-        return dict(((ev.metrics or {}) if ev is not None else {}).get("phases_s") or {})
+        return dict(ev.metrics or {}) if ev is not None else {}
 
 
-def reload_parts(engine: Any, name: str) -> dict[str, float]:
+def publish_phases(metrics: dict[str, Any]) -> dict[str, float]:
+    """The seconds per step publish() recorded in its event (check_s, place_s, serve_s)."""
+    return dict(metrics.get("phases_s") or {})
+
+
+def reload_parts(metrics: dict[str, Any]) -> dict[str, float]:
     """The slowest server's reload steps outside vLLM's own part (vllm_client.weights.Reload:
     before_s, confirm_s, digest_s), from the publish event."""
-    from sqlalchemy import select
-    from sqlalchemy.orm import Session as OrmSession
-
-    from datapool.models import PolicyEvent, PolicyVersion
-
-    with OrmSession(engine) as db:
-        ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
-                        .where(PolicyVersion.name == name)).first()
-        reloads = ((ev.metrics or {}) if ev is not None else {}).get("reloads") or []
+    reloads = metrics.get("reloads") or []
     if not reloads:
         return {}
     slowest = max(reloads, key=lambda r: r.get("total_s") or 0.0)
     return {k: float(slowest.get(k) or 0.0) for k in ("before_s", "confirm_s", "digest_s")}
 
 
-def load_seconds(engine: Any, name: str) -> float | None:
+def load_seconds(metrics: dict[str, Any]) -> float | None:
     """vLLM's adapter load time (a full version: pause + reload + resume), as the publish event
     recorded it; the slowest server's."""
-    from sqlalchemy import select
-    from sqlalchemy.orm import Session as OrmSession
-
-    from datapool.models import PolicyEvent, PolicyVersion
-
-    with OrmSession(engine) as db:
-        ev = db.scalars(select(PolicyEvent).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
-                        .where(PolicyVersion.name == name)).first()
-        metrics = (ev.metrics or {}) if ev is not None else {}
-        seconds = metrics.get("lora_load_s")
-        if seconds is None and metrics.get("reloads"):
-            seconds = {r.get("url", str(i)): r.get("total_s") for i, r in enumerate(metrics["reloads"])}
+    seconds = metrics.get("lora_load_s")
+    if seconds is None and metrics.get("reloads"):
+        seconds = {r.get("url", str(i)): r.get("total_s") for i, r in enumerate(metrics["reloads"])}
     # one number per server: the slowest is what the switch waited for
     return max(seconds.values()) if isinstance(seconds, dict) and seconds else seconds
 
@@ -321,8 +309,9 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     activate=True, copy=False, actor="bench", reason="publish under load", transfer=transfer))
                 t_pool = time.perf_counter()
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), 60)
-                rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(engine, name),
-                               "phases_s": publish_phases(engine, name), "reload_parts_s": reload_parts(engine, name),
+                metrics = event_metrics(engine, name)
+                rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(metrics),
+                               "phases_s": publish_phases(metrics), "reload_parts_s": reload_parts(metrics),
                                "pool_s": t_pool - t0, "gateways_s": [s - t0 for s in seen],
                                "all_serving_s": max(seen) - t0})
                 print(f"publish {k}: {rounds[-1]}", flush=True)
