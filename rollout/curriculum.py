@@ -74,9 +74,13 @@ class Learnability:
         """The group's pass rate so far, smoothed by Jeffreys' Beta(1/2, 1/2): 1/2 for a group never tried."""
         return (self.passed.get(group, 0.0) + 0.5) / (self.tried.get(group, 0.0) + 1.0)
 
-    def weight(self, task: Mapping[str, Any]) -> float:
-        p = self.rate(group_of(task, self.fields))
+    def group_weight(self, group: str) -> float:
+        """A group's draw weight: p(1 - p) of its smoothed pass rate, plus ``floor``."""
+        p = self.rate(group)
         return p * (1.0 - p) + self.floor
+
+    def weight(self, task: Mapping[str, Any]) -> float:
+        return self.group_weight(group_of(task, self.fields))
 
     def sample(self, tasks: Sequence[Task], count: int, rng: random.Random) -> list[Task]:
         """*count* distinct tasks of *tasks*, each drawn with probability proportional to its
@@ -95,7 +99,7 @@ class Learnability:
     def table(self) -> dict[str, dict[str, float]]:
         """Per group: the decayed rollouts and passes, the smoothed rate and the weight (for reports)."""
         return {g: {"tried": round(self.tried[g], 3), "passed": round(self.passed[g], 3),
-                    "rate": round(self.rate(g), 3), "weight": round(self.rate(g) * (1 - self.rate(g)) + self.floor, 4)}
+                    "rate": round(self.rate(g), 3), "weight": round(self.group_weight(g), 4)}
                 for g in sorted(self.tried)}
 
 

@@ -32,7 +32,7 @@ import signal
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,6 +360,13 @@ class RolloutConfig:
     backoff_s: float = 1.0
 
 
+def _grouped(records: Iterable[RolloutRecord], key: Callable[[RolloutRecord], str]) -> dict[str, list[RolloutRecord]]:
+    out: dict[str, list[RolloutRecord]] = defaultdict(list)
+    for r in records:
+        out[key(r)].append(r)
+    return out
+
+
 @dataclass
 class RunSummary:
     run: str
@@ -371,23 +378,16 @@ class RunSummary:
         """Counts, success rate, and pass@1 / mean outcome per policy version."""
         recs = self.records
         outcomes = [r.outcome for r in recs if r.outcome is not None]
-        by_version: dict[str, list[RolloutRecord]] = defaultdict(list)
-        for r in recs:
-            by_version[r.policy_version or "unknown"].append(r)
         versions = {}
-        for version, rs in sorted(by_version.items()):
-            per_task: dict[str, list[RolloutRecord]] = defaultdict(list)
-            for r in rs:
-                per_task[r.task_id].append(r)
+        for version, rs in sorted(_grouped(recs, lambda r: r.policy_version or "unknown").items()):
+            per_task = _grouped(rs, lambda r: r.task_id)
             # pass@1 = mean over tasks of c/n (the unbiased estimator for k = 1)
             pass1 = sum(sum(r.passed(self.pass_threshold) for r in t) / len(t) for t in per_task.values())
             outs = [r.outcome for r in rs if r.outcome is not None]
             versions[version] = {"rollouts": len(rs), "tasks": len(per_task), "pass@1": pass1 / len(per_task),
                                  "mean_outcome": sum(outs) / len(outs) if outs else None,
                                  "with_outcome": len(outs)}
-        by_task: dict[str, list[RolloutRecord]] = defaultdict(list)
-        for r in recs:
-            by_task[r.task_id].append(r)
+        by_task = _grouped(recs, lambda r: r.task_id)
         status = Counter(r.status for r in recs)
         passed = sum(r.passed(self.pass_threshold) for r in recs)
         return {

@@ -46,14 +46,13 @@ from vllm_client.http import response_text, server_root
 from vllm_client.weights import (
     PAUSE_MODES,
     Reload,
-    confirm_serving,
+    confirmed,
     pause,
     reload_weights,
     require_weight_labels,
     resume,
     set_weight_label,
     dev_post,
-    weights_digest,
 )
 
 log = logging.getLogger("nextstate.publish")
@@ -242,13 +241,7 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
                 resume(http, url)
         for url in urls:
             results[url].total_s = time.perf_counter() - started
-            at = time.perf_counter()
-            confirm_serving(http, url, label, served_name, what=f"sent {label} over NCCL")
-            results[url].confirm_s = time.perf_counter() - at
-            if digest:
-                at = time.perf_counter()
-                results[url].digest = weights_digest(http, url)
-                results[url].digest_s = time.perf_counter() - at
+            confirmed(http, results[url], served_name, what=f"sent {label} over NCCL", digest=digest)
     log.info("sent %d tensors over NCCL to %s as %s in %.3fs", len(tensors), ", ".join(urls), label,
              max(r.total_s for r in results.values()))
     return [results[url] for url in urls]

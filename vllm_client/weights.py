@@ -285,14 +285,22 @@ def reload_one(http: httpx.Client, url: str, path: str, label: str, *, pause_mod
     finally:
         resume(http, url)
     result.total_s = time.perf_counter() - started
-    confirm_serving(http, url, label, served_name, what=f"reloaded {path}")
-    result.confirm_s = time.perf_counter() - started - result.total_s
-    if digest:
-        result.digest = weights_digest(http, url)
-        result.digest_s = time.perf_counter() - started - result.total_s - result.confirm_s
+    confirmed(http, result, served_name, what=f"reloaded {path}", digest=digest)
     log.info("reloaded %s weights from %s (%s) in %.3fs (pause %.3fs, reload %.3fs)", url, path, label,
              result.total_s, result.pause_s, result.reload_s)
     return result
+
+
+def confirmed(http: httpx.Client, result: Reload, served_name: str | None, *, what: str, digest: bool) -> None:
+    """After the resume: :func:`confirm_serving` for *result*'s server and label, then (with
+    *digest*) the weights' digest; the seconds of each go on *result* (``confirm_s``, ``digest_s``)."""
+    at = time.perf_counter()
+    confirm_serving(http, result.url, result.label, served_name, what=what)
+    result.confirm_s = time.perf_counter() - at
+    if digest:
+        at = time.perf_counter()
+        result.digest = weights_digest(http, result.url)
+        result.digest_s = time.perf_counter() - at
 
 
 def confirm_serving(http: httpx.Client, url: str, label: str, served_name: str | None, *, what: str) -> None:

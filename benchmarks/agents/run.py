@@ -491,7 +491,7 @@ class Job:
             from rollout.curriculum import group_of
 
             self.curriculum.update(tasks, [(r.task_id, r.passed(summary.pass_threshold)) for r in summary.records])
-            drawn = Counter(group_of(t) for t in tasks)
+            drawn = Counter(group_of(t, self.curriculum.fields) for t in tasks)
             table = self.curriculum.table()
             groups = {g: {"drawn": drawn[g], "rate": table[g]["rate"]} for g in sorted(drawn)}
         return {"iteration": it, "run": run, "since": since, "until": now_naive(), "rollout_s": round(wall, 1),
