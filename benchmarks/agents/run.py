@@ -1176,27 +1176,39 @@ def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path
     jobs = [(s, a, seed) for seed in range(args.first_seed, args.first_seed + args.seeds) for s in suites for a in arms]
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
+    stopped: list[str] = []
+
+    stopping = threading.Event()  # SIGTERM or Ctrl-C: no job starts, the running ones are stopped
+    pids: dict[str, int] = {}
 
     def one(job: tuple[str, str, int]) -> None:
         suite, arm, seed = job
+        if stopping.is_set():
+            return
         d = work / f"{suite}-{short(arm)}-{seed}"
         d.mkdir(parents=True)
         try:  # a process per job: one that dies (the OOM killer) takes no other job with it
             with job_process(threads) as proc:
+                pids[d.name] = proc.submit(os.getpid).result()
+                if stopping.is_set():  # stopped while its process started: the stop did not see its pid
+                    raise SystemExit(143)
                 rows.append(proc.submit(run_job, args, d, suite, arm, seed, base[suite]["pass_at_1"]).result())
-        except Exception:
-            log.exception("job %s %s seed %d failed (work dir %s)", suite, arm, seed, d)
-            failed.append(f"{suite}/{arm}/{seed}")
+        except BaseException:  # the job's process died, or was stopped (its SIGTERM comes back as SystemExit)
+            if not stopping.is_set():
+                log.exception("job %s %s seed %d failed (work dir %s)", suite, arm, seed, d)
+            (stopped if stopping.is_set() else failed).append(f"{suite}/{arm}/{seed}")
             with contextlib.suppress(OSError, ValueError):
                 partial = json.loads((d / "progress.json").read_text())
                 rows.append(partial | {"partial": True})
         finally:
+            pids.pop(d.name, None)
             clean_job(d)
 
     escapes: dict[str, Any] = {}
 
     def escape_while_running() -> None:  # once the first jobs' environments are running
-        time.sleep(args.escapes_after)
+        if stopping.wait(args.escapes_after):
+            return
         try:
             escapes.update(try_escapes(work))
             log.info("sandbox escapes tried beside the environments: contained %s", escapes["contained"])
@@ -1204,13 +1216,26 @@ def run(args: argparse.Namespace, suites: list[str], arms: list[str], work: Path
             log.exception("sandbox escapes not tried")
             escapes["error"] = repr(exc)
 
+    interrupted: BaseException | None = None
     with ThreadPoolExecutor(args.jobs + 1) as pool:  # a thread waits on each job's process
         if args.escapes:
             pool.submit(escape_while_running)
-        list(pool.map(one, jobs))
+        try:
+            list(pool.map(one, jobs))
+        except (SystemExit, KeyboardInterrupt) as exc:  # SIGTERM (a lease that ends) or Ctrl-C: report what ran
+            interrupted = exc
+            stopping.set()
+            log.warning("interrupted: stopping %d running job(s); their checkpoints so far go in the report",
+                        len(pids))
+            for pid in list(pids.values()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
     order = {(s, a, seed): i for i, (s, a, seed) in enumerate(jobs)}
     rows.sort(key=lambda r: order[(r["suite"], r["arm"], r["seed"])])
-    write(args, rows, base, (time.monotonic() - t0) / 60, failed, escapes)
+    write(args, rows, base, (time.monotonic() - t0) / 60, failed, escapes,
+          {"stopped": stopped, "interrupted": type(interrupted).__name__} if interrupted else None)
+    if interrupted is not None:
+        raise interrupted
     if failed:
         sys.exit(f"{len(failed)} job(s) failed: {', '.join(failed)} (work dir {work})")
 

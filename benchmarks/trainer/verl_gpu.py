@@ -294,6 +294,17 @@ def plan_runs(args: argparse.Namespace, model: str) -> list[tuple[str, str, int,
     return plan
 
 
+def visible_devices(gpus: int, visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a run on *gpus* GPUs: the first *gpus* of those the caller made
+    visible (*visible*), else of all. A run on 1 GPU under ``CUDA_VISIBLE_DEVICES=1`` takes GPU 1, not
+    GPU 0: the 2-GPU lease of 2026-11-30 ran this benchmark "on GPU 1" beside an agents run on GPU 0,
+    and both shared GPU 0."""
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(gpus)]
+    if len(ids) < gpus:
+        raise SystemExit(f"a run on {gpus} GPU(s) but CUDA_VISIBLE_DEVICES={visible!r} names {len(ids)}")
+    return ",".join(ids[:gpus])
+
+
 def run_all(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -316,7 +327,7 @@ def run_all(args: argparse.Namespace) -> None:
                     continue
                 lr = args.lr_lora if mode == "lora" else args.lr
                 res = out / f"{model}-{backend}-{mode}{'-' + variant if variant else ''}-{gpus}.json"
-                run_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)))
+                run_env = dict(env, CUDA_VISIBLE_DEVICES=visible_devices(gpus, os.environ.get("CUDA_VISIBLE_DEVICES")))
                 argv = ["run", "--backend", backend, "--mode", mode, "--gpus", str(gpus), "--model", model,
                         "--model-dir", str(mdir / "model"), "--samples", str(mdir / "samples.json"),
                         "--batch-size", str(batch), "--scaling", args.scaling,

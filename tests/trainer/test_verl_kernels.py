@@ -296,6 +296,18 @@ def test_weak_scaling_plan() -> None:
     assert seen["fused-compile"].override == ["actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"]
 
 
+def test_runs_take_the_gpus_the_caller_made_visible() -> None:
+    """`CUDA_VISIBLE_DEVICES=1 verl_gpu.py all ...` measures on GPU 1: each run's devices are the
+    first N of the caller's, not 0..N-1 (which put a one-GPU run on GPU 0 beside other work)."""
+    assert verl_gpu.visible_devices(1, "1") == "1"
+    assert verl_gpu.visible_devices(2, "2,3") == "2,3"
+    assert verl_gpu.visible_devices(1, "3, 1") == "3"
+    assert verl_gpu.visible_devices(2, None) == "0,1"
+    assert verl_gpu.visible_devices(1, "") == "0"
+    with pytest.raises(SystemExit, match="names 1"):
+        verl_gpu.visible_devices(2, "1")
+
+
 # ----------------------------------------------------------------------- top-k OPD on veRL
 
 
