@@ -29,6 +29,7 @@ with a communicator that hands the tensors to a stand-in server).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,6 +54,7 @@ from vllm_client.weights import (
     resume,
     set_weight_label,
     dev_post,
+    together,
 )
 
 log = logging.getLogger("nextstate.publish")
@@ -212,9 +214,10 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
     results = {url: Reload(url=url, label=label, path="nccl") for url in urls}
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(group.timeout_s, connect=5.0), trust_env=False) as http:
-        for url in urls:
-            require_weight_labels(http, url)  # dev mode, and a vLLM that can take full weights beside LoRA
-        before = {url: held(http, url) for url in urls}
+        # every server at once: dev mode, a vLLM that can take full weights beside LoRA, what it holds
+        checked = together(*(functools.partial(require_weight_labels, http, url) for url in urls),
+                           *(functools.partial(held, http, url) for url in urls))
+        before = dict(zip(urls, checked[len(urls):]))
         for url in urls:
             results[url].before_s = time.perf_counter() - started
         paused: list[str] = []

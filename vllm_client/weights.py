@@ -9,9 +9,10 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -29,6 +30,22 @@ BASE_LABELS = frozenset({FRESH, BASE_LABEL})
 #: The worker attribute that holds the label on a vLLM without the label routes (0.26).
 RPC_LABEL_ATTR = "nextstate_weight_version"
 WEIGHT_FILES = ("*.safetensors",)
+
+T = TypeVar("T")
+
+
+def together(*calls: Callable[[], T]) -> list[T]:
+    """Run *calls* at once and return their results in order; the first failed call's error (in
+    that order) is raised once all have ended. For the reads around a weight switch: each is a
+    round trip or a few to a vLLM that answers them behind every stream it serves (0.1-0.3 s
+    each under 200 streams on an H200), so asked one after the other they added up to a second
+    (benchmarks/gpu/results/README.md, "on a shared GPU"). httpx's Client may be shared between
+    threads."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="weights") as pool:
+        futures = [pool.submit(call) for call in calls]
+    return [f.result() for f in futures]
 
 
 def check_checkpoint(path: Path) -> None:
@@ -118,12 +135,14 @@ def require_weight_labels(http: httpx.Client, url: str) -> str:
     """The label of the weights *url* holds, or a :class:`WeightsError` that says why the server
     cannot take full weights: no dev mode (:class:`DevModeMissing`), or a vLLM release that
     cannot reload in place while LoRA is enabled (:func:`check_reload_with_lora`)."""
-    label = weight_label(http, url)
-    if label is None:
+    with ThreadPoolExecutor(2, thread_name_prefix="weights") as pool:  # two reads at once (together())
+        labelled, lora = pool.submit(weight_label, http, url), pool.submit(check_reload_with_lora, http, url)
+    label = labelled.result()
+    if label is None:  # said first: without dev mode nothing else matters
         raise DevModeMissing(
             f"{url} has no development endpoints: full weights can only be published to a vLLM "
             "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
-    check_reload_with_lora(http, url)
+    lora.result()
     return label
 
 
@@ -306,14 +325,16 @@ def confirmed(http: httpx.Client, result: Reload, served_name: str | None, *, wh
 def confirm_serving(http: httpx.Client, url: str, label: str, served_name: str | None, *, what: str) -> None:
     """After new weights (*what*: how they came): *url*'s weight label is *label*, it is not
     paused, and (with *served_name*) a one-token completion answers."""
-    now = weight_label(http, url)
+    calls: list[Callable[[], Any]] = [lambda: weight_label(http, url), lambda: http.get(f"{server_root(url)}/is_paused")]
+    if served_name is not None:
+        calls.append(lambda: http.post(f"{url}/completions", json={"model": served_name, "prompt": "Hi",
+                                                                    "max_tokens": 1}))
+    now, paused, *completion = together(*calls)  # asked at once, judged in this order
     if now != label:
         raise WeightsError(f"{url}: {what} but its weight label says {now!r}, not {label!r}")
-    paused = http.get(f"{server_root(url)}/is_paused")
     if paused.status_code != 200 or paused.json().get("is_paused"):
         raise WeightsError(f"{url}: still paused after /resume ({paused.text[:200]})")
-    if served_name is not None:
-        resp = http.post(f"{url}/completions", json={"model": served_name, "prompt": "Hi", "max_tokens": 1})
+    for resp in completion:
         if resp.status_code != 200:
             raise WeightsError(f"{url}: a completion after the new weights failed ({what}): {response_text(resp)}")
 

@@ -149,3 +149,34 @@ def test_full_weights_refused_where_a_reload_would_kill_the_engine(fake_post: An
             assert not isinstance(err.value, DevModeMissing)
         else:
             assert require_weight_labels(http, URL) == FRESH
+
+
+def test_the_reads_after_a_switch_are_asked_at_once_and_judged_in_order() -> None:
+    """confirm_serving's three reads (the label, /is_paused, a one-token completion) are in flight
+    together: each waits here until all three arrived, which reads asked one after the other never
+    do (under 200 streams each took 0.1-0.3 s on the GPU, and their sum was most of a second). Its
+    verdicts keep their order: a wrong label is said before a paused server."""
+    import threading
+
+    arrived = threading.Barrier(3, timeout=10)
+    state = {"label": "v2", "paused": False}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        arrived.wait()  # BrokenBarrierError: the reads came one at a time
+        if request.url.path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": state["label"]})
+        if request.url.path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": state["paused"]})
+        assert request.url.path == "/v1/completions"
+        return httpx.Response(200, json={"choices": [{"text": "!"}]})
+
+    with httpx.Client(transport=httpx.MockTransport(answer)) as http:
+        vllm_weights.confirm_serving(http, URL, "v2", "policy", what="sent v2 over NCCL")
+        arrived.reset()
+        state.update(label="v1", paused=True)
+        with pytest.raises(WeightsError, match="weight label says 'v1', not 'v2'"):
+            vllm_weights.confirm_serving(http, URL, "v2", "policy", what="sent v2 over NCCL")
+        arrived.reset()
+        state.update(label="v2")
+        with pytest.raises(WeightsError, match="still paused"):
+            vllm_weights.confirm_serving(http, URL, "v2", "policy", what="sent v2 over NCCL")
