@@ -46,7 +46,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,13 @@ class OnlineTrainer:
         # the samples of the last replay_rounds rounds, trained on again (OnlineConfig.replay_rounds)
         self.replay: deque[list[Sample]] = deque(maxlen=config.replay_rounds)
         self.failures = 0  # rounds in a row a vLLM could not take
+        self.kl = None  # the adaptive KL anchor (OnlineConfig.kl_target)
+        if config.kl_target is not None:
+            if objective.kl_coef <= 0:
+                raise ValueError("kl_target adapts the KL anchor from kl_coef: set kl_coef > 0 as its starting value")
+            from verl.trainer.ppo.core_algos import AdaptiveKLController
+
+            self.kl = AdaptiveKLController(objective.kl_coef, config.kl_target, config.kl_horizon)
         self.last_error: str | None = None
 
     # -- the run ---------------------------------------------------------------------------------
@@ -314,10 +321,12 @@ class OnlineTrainer:
         self.replay.append(train)  # kept for the next replay_rounds rounds (none when 0)
         log.info("round %d: trained in %s; publishing the candidate", self.step, _duration(report.elapsed_s))
         metrics |= {k: v for k, v in step_metrics.items() if isinstance(v, float)}
-        if self.cfg.drift_metrics:
+        if self.cfg.drift_metrics or self.kl is not None:
             metrics |= drift.round_drift(trainer, train)
             log.info("round %d: drift %s", self.step, " ".join(f"{k} {metrics[k]:.4g}" for k in drift.KEYS
                                                                 if k in metrics))
+        if self.kl is not None and "drift_kl_k3" in metrics:
+            self._adapt_kl(trainer, metrics)
         out = trainer.save(self.output_root / f"run-{self.run_id}" / f"step-{self.step}-{secrets.token_hex(3)}")
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"
         stats = {"run_id": self.run_id, "step": self.step, "turns": len(train), "objective": self.objective.objective,
@@ -341,6 +350,19 @@ class OnlineTrainer:
             self.trainer = None  # drop the refused update: the next round starts from the active version
         return self._done(RoundResult(self.step, ids, dropped, corrected, name, decision, metrics,
                                       self.gate.last_reason))
+
+    def _adapt_kl(self, trainer: LocalTrainer, metrics: dict[str, Any]) -> None:
+        """The next round's KL anchor from this round's drift (:attr:`OnlineConfig.kl_target`): the
+        coefficient this round trained with goes in the metrics as ``kl_coef``, the next one as
+        ``kl_coef_next``; a trainer rebuilt later (a refused candidate) takes the new one too."""
+        assert self.kl is not None
+        metrics["kl_coef"] = self.objective.kl_coef
+        self.kl.update(metrics["drift_kl_k3"], 1)
+        self.objective = replace(self.objective, kl_coef=float(self.kl.value))
+        trainer.objective = self.objective
+        metrics["kl_coef_next"] = self.objective.kl_coef
+        log.info("round %d: KL to the base %.4g (target %.4g): kl_coef %.4g -> %.4g", self.step,
+                 metrics["drift_kl_k3"], self.kl.target, metrics["kl_coef"], metrics["kl_coef_next"])
 
     def _done(self, result: RoundResult) -> RoundResult:
         if self.on_round:

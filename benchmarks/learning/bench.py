@@ -324,7 +324,7 @@ class Job:
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
-                            drift_metrics=True, replay_rounds=self.spec.replay, **gate)
+                            drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -449,7 +449,7 @@ SEQ_AGG = "seq-mean-token-mean"
 #: the round metrics kept per round (``rounds`` in the JSON): the drift instruments and the loss's
 ROUND_KEYS = ("drift_kl_k1", "drift_kl_k3", "entropy_behaviour", "entropy_candidate", "teacher_topk_mass",
               "student_topk_mass", "sampled_in_topk", "loss", "pg_loss", "kl", "kl_loss", "topk_kl",
-              "advantage_mean", "pg_clipfrac")
+              "advantage_mean", "pg_clipfrac", "kl_coef")
 
 
 @dataclass(frozen=True)
@@ -469,6 +469,8 @@ class Arm:
     judge: str = "judge"
     #: each round also trains on the turns of the last N rounds (OnlineConfig.replay_rounds)
     replay: int = 0
+    #: the KL anchor adapted toward this KL to the base per round (OnlineConfig.kl_target); None: fixed
+    kl_target: float | None = None
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -493,7 +495,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``OnlineConfig.replay_rounds``), ``ask`` (the python judge's hint names the question:
     ``preference.judge_naming_the_question``), ``seq`` (the loss averaged per reply, then over the
     replies: ``loss_agg_mode`` :data:`SEQ_AGG` instead of token-mean, so a long reply weighs as much
-    as a short one). Raises ValueError
+    as a short one), ``kltarget=T`` (with kl: the anchor's coefficient adapted each round toward a
+    KL to the base of T per reply token, ``OnlineConfig.kl_target``). Raises ValueError
     for an unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
@@ -507,6 +510,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     margin = lr = steps = None
     judge = "judge"
     replay = 0
+    kl_target = None
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -540,12 +544,19 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             replay = int(value) if eq else REPLAY_DEFAULT
             if not 1 <= replay <= 16:
                 raise ValueError(f"replay is 1 to 16 earlier rounds, not {value!r}")
+        elif name == "kltarget" and eq:
+            kl_target = float(value)
+            if kl_target <= 0:
+                raise ValueError(f"kltarget is a KL per reply token > 0, not {value!r}")
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], tau=T, tail=W, topic[=M], "
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], kltarget=T, tau=T, tail=W, topic[=M], "
                              "siblings[=N], lr=X, steps=N, replay[=N], ask or seq")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
-    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay)
+    if kl_target is not None and not kw.get("kl_coef"):
+        raise ValueError("kltarget adapts the KL anchor from its starting coefficient: it needs +kl[=C]")
+    return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
+               kl_target)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -830,7 +841,8 @@ def drift_tables(results: list[dict[str, Any]]) -> str:
     names = (("drift_kl_k3", "KL(candidate ‖ base), k3, per reply token"),
              ("drift_kl_k1", "KL(candidate ‖ base), k1 = mean(log π − log π_base)"),
              ("entropy_behaviour", "entropy of the serving policy (−mean captured log-prob)"),
-             ("teacher_topk_mass", "the teacher's top-k mass"), ("sampled_in_topk", "sampled tokens in the teacher's top-k"))
+             ("teacher_topk_mass", "the teacher's top-k mass"), ("sampled_in_topk", "sampled tokens in the teacher's top-k"),
+             ("kl_coef", "the KL anchor's coefficient the round trained with (+kltarget: adapted)"))
     out = [f"{label}:\n\n{round_table(results, key)}" for key, label in names
            if any(key in x for r in results for x in r.get("rounds") or ())]
     return "\n\n".join(out)

@@ -170,6 +170,9 @@ def online_options() -> Any:
         click.option("--replay-rounds", type=click.IntRange(min=0), default=_oc("replay_rounds"), show_default=True,
                      help="online: also train each round on the turns of the last N rounds (kept in memory, "
                           "corrected with the capped importance ratio as stale turns are); 0: only the new ones."),
+        click.option("--kl-target", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="online, with --kl-coef > 0: adapt the KL anchor each round toward this KL(candidate || "
+                          "base) per reply token (at most 20 % a round); default: the coefficient stays fixed."),
         click.option("--staleness", type=int, default=_oc("staleness"), show_default=True,
                      help="online: turns more than this many versions behind are stale."),
         click.option("--stale", "stale_policy", type=click.Choice(["correct", "drop"]), default=_oc("stale_policy"),
@@ -287,6 +290,7 @@ class TrainOptions:
     max_wait_s: float
     updates_per_round: int
     replay_rounds: int
+    kl_target: float | None
     staleness: int
     stale_policy: str
     ratio_cap: float
@@ -404,13 +408,15 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         raise click.UsageError("--online trains LoRA versions; drop --full")
     if o.backend != TrainBackend.LOCAL:
         raise click.UsageError("--online runs the local backend; the veRL backend trains offline (for now)")
+    if o.kl_target is not None and cfg.kl_coef <= 0:
+        raise click.UsageError("--kl-target adapts the KL anchor from --kl-coef: set --kl-coef > 0 as its start")
     try:
         scorer = load_scorer(o.eval_scorer) if o.eval_scorer else None
     except (ValueError, ImportError, AttributeError) as exc:
         raise click.UsageError(f"--eval-scorer: {exc}") from exc
     online_cfg = OnlineConfig(
         k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
-        replay_rounds=o.replay_rounds, lease_s=o.lease_s,
+        replay_rounds=o.replay_rounds, kl_target=o.kl_target, lease_s=o.lease_s,
         staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,

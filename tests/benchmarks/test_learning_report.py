@@ -128,6 +128,17 @@ def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
     fast = arm_spec("combined+topk+kl=0.2+lr=2e-3+steps=4")
     assert (fast.lr, fast.updates, fast.objective.kl_coef, fast.top_k) == (2e-3, 4, 0.2, TOPK_DEFAULT)
     assert (arm_spec("combined").lr, arm_spec("combined").updates) == (None, None)
+
+
+def test_an_arm_may_adapt_its_kl_anchor_toward_a_target():
+    """``kltarget=T`` with ``kl[=C]``: the anchor starts at C and follows a KL to the base of T per
+    reply token (OnlineConfig.kl_target); without an anchor to start from it is refused."""
+    adapted = arm_spec("combined+topk+kl=0.1+kltarget=0.2+seq+steps=6")
+    assert (adapted.kl_target, adapted.objective.kl_coef, adapted.updates) == (0.2, 0.1, 6)
+    assert arm_spec("combined+kl").kl_target is None
+    for bad in ("combined+kltarget=0.2", "combined+kl+kltarget=0", "combined+kl+kltarget"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
     assert arm_slug("combined+lr=2e-3+steps=4") == "combined-lr-2e-3-steps-4"
     for bad in ("combined+lr=0", "combined+lr=1.5", "combined+steps=0", "combined+steps=65", "combined+lr",
                 "combined+steps=x"):

@@ -156,3 +156,6 @@ def test_train_integrated_norm_flags_reach_the_objective(monkeypatch: pytest.Mon
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--online", "--mini-batch-size", "8",
                                     "--database-url", f"sqlite:///{tmp_path}/pool.db"])
     assert bad.exit_code == 2 and "offline" in bad.output
+    bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--online", "--kl-target", "0.2",
+                                    "--database-url", f"sqlite:///{tmp_path}/pool.db"])
+    assert bad.exit_code == 2 and "--kl-coef > 0" in bad.output, bad.output

@@ -592,3 +592,50 @@ def test_a_round_a_down_vllm_could_not_take_is_tried_again_and_nothing_is_lost(
     assert not list((tmp_path / "runs").rglob("adapter_config.json"))  # no trainer output left over
     online.engine.dispose()
     engine.dispose()
+
+
+def test_the_kl_anchor_follows_its_target_round_by_round(pg: str, servers: list[str], model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """OnlineConfig.kl_target: after each round the KL anchor's coefficient moves toward the target
+    by the round's measured KL(candidate ‖ base) — up (at most 20 % a round) while the candidate
+    drifted past it, down while it stayed under — and the next round trains with the new one."""
+    from trainer.local import LocalTrainer
+    from trainer.samples import Sample
+
+    objective, local = ObjectiveConfig(kl_coef=0.1), LocalConfig(model_dir=model_dir, lr=1e-2)
+    trainer = LocalTrainer(local, objective)
+    # the turns carry the base policy's own log-probs, as vLLM would have captured them: ratio 1
+    base, _ = trainer.response_logprobs([Sample("t", "s", None, 0, [1, 2, 3], [4, 5], None, None, 1.0, None,
+                                                "white-box")])
+    engine = make_engine(pg)
+    _stored_scored_turns(engine, "kl", [float(i % 2) for i in range(6)], prompt_token_ids=[1, 2, 3], token_ids=[4, 5],
+                         logprobs=base[0].detach().tolist())
+    engine.dispose()
+    online = OnlineTrainer(make_engine(pg), objective=objective, local=local,
+                           filters=Filters(), config=OnlineConfig(version_prefix=f"t{uuid.uuid4().hex[:6]}", k=2,
+                                                                  staleness=10, kl_target=1e-12),
+                           vllm_urls=servers, base_model="smollm2", output_root=tmp_path / "runs",
+                           store=tmp_path / "store")
+    trained_with: list[float] = []
+    real_step = trainer.step
+
+    def step(samples: Any, **kw: Any) -> Any:
+        trained_with.append(trainer.objective.kl_coef)
+        return real_step(samples, **kw)
+
+    trainer.step = step  # type: ignore[method-assign]
+    online.trainer, online.trainer_version = trainer, None
+    rounds = [online.run_round(), online.run_round()]
+    online.kl.target = 1e6  # type: ignore[union-attr]  # far above any drift: the anchor loosens
+    rounds.append(online.run_round())
+    metrics = [r.metrics for r in rounds]  # type: ignore[union-attr]
+    assert all(m["drift_kl_k3"] > 0 for m in metrics)
+    assert [m["kl_coef"] for m in metrics] == pytest.approx([0.1, 0.12, 0.144])
+    assert [m["kl_coef_next"] for m in metrics] == pytest.approx([0.12, 0.144, 0.1152])
+    assert trained_with == pytest.approx([0.1, 0.12, 0.144])
+    assert online.objective.kl_coef == pytest.approx(0.1152)
+    with pytest.raises(ValueError, match="kl_coef > 0"):
+        _online(pg, servers, model_dir, tmp_path, kl_target=0.2)
+    with pytest.raises(ValueError, match="kl_target must be > 0"):
+        OnlineConfig(kl_target=0)
+    online.engine.dispose()
