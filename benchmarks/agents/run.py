@@ -847,13 +847,14 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, 
             + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
             + ("\n\nFailed jobs: " + ", ".join(failed) if failed else "")
             + (f"\n\nSandbox escapes tried beside the environments: {escape_line(escapes)}" if escapes else ""))
-    print("\n" + text)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "merge"}
     extra = {"minutes": round(minutes, 1), "failed": failed, "command": command(), "machine": machine()}
+    # the files first: a closed stdout (the `| tee` of a stopped run, killed with it) must not lose the run
     (args.out / f"{args.tag}.json").write_text(json.dumps(
         {"config": config | extra | (runs or {}),
          "base": base, "results": rows, "escapes": escapes or {}}, indent=1, default=str))
     (args.out / f"{args.tag}.md").write_text(f"`{command()}`\n\n{text}\n")
+    print("\n" + text)
     if rows:
         plot(rows, args.out / f"{args.tag}.png", title)
     print(f"\nwrote {args.out / args.tag}.json, .md" + (", .png" if rows else ""))

@@ -5,33 +5,49 @@
 #   benchmarks/gpu/bg.sh start NAME CMD...    # CMD in the background, log /tmp/bg/NAME.log
 #   benchmarks/gpu/bg.sh wait SECONDS NAME... # until those finished or SECONDS passed; then their
 #                                             # logs and /tmp/bg/out/* (results) go to $OUT
+#   benchmarks/gpu/bg.sh stop NAME            # SIGTERM to NAME's benchmark processes (a lease about to
+#                                             # end): each writes its report with what ran, then NAME's
+#                                             # CMD goes on (its next step) or ends
+# BG_DIR: another directory than /tmp/bg (the tests)
 set -uo pipefail
-mkdir -p /tmp/bg/out
-case ${1:?start|wait} in
+bg=${BG_DIR:-/tmp/bg}
+mkdir -p "$bg/out"
+case ${1:?start|wait|stop} in
   start)
     # CMD runs in a copy of the tree (/tmp/bg/tree-NAME): the device tool copies the working tree
     # again at the start of every call, and a process that imports while that copy is made can
     # find a module missing (3 learning jobs of 20 failed so, starting as the next call began)
-    name=$2; shift 2; tree=/tmp/bg/tree-$name
-    rm -rf "$tree" && mkdir -p "$tree" && tar cf - --exclude=./.gpu --exclude=./.git . | tar xf - -C "$tree"
-    (cd "$tree" && RESULTS=/tmp/bg/out setsid nohup bash -c '"$@"; echo "exit $?" > /tmp/bg/'"$name"'.rc' _ "$@" \
-      > /tmp/bg/$name.log 2>&1 < /dev/null &)
+    name=$2; shift 2; tree=$bg/tree-$name
+    rm -rf "$tree" "$bg/$name.rc" && mkdir -p "$tree" && tar cf - --exclude=./.gpu --exclude=./.git . | tar xf - -C "$tree"
+    # setsid: its own process group, led by the shell that runs CMD, whose pid `stop` keeps
+    (cd "$tree" && RESULTS=$bg/out setsid nohup bash -c 'echo $$ > '"$bg/$name"'.pid; "$@"; echo "exit $?" > '"$bg/$name"'.rc' \
+      _ "$@" > "$bg/$name.log" 2>&1 < /dev/null &)
     echo "[bg] started $name in $tree: $*" ;;
+  stop)
+    # only the benchmarks' own processes (python3 -m benchmarks.X, python3 benchmarks/X.py): the agents
+    # and learning benchmarks stop their jobs and write their reports on SIGTERM; the `| tee` their
+    # output goes through, and the vLLM run.sh started, are left running
+    name=$2; pgid=$(cat "$bg/$name.pid")
+    if pkill -TERM -g "$pgid" -f "^[^ ]*python[0-9.]* (-m benchmarks[.]|benchmarks/)"; then
+      echo "[bg] $name: SIGTERM to its benchmark processes"
+    else
+      echo "[bg] $name: no benchmark process running"
+    fi ;;
   wait)
     secs=$2; shift 2; t0=$(date +%s)
     while [ $(( $(date +%s) - t0 )) -lt "$secs" ]; do
-      left=0; for n in "$@"; do [ -f /tmp/bg/$n.rc ] || left=1; done
+      left=0; for n in "$@"; do [ -f "$bg/$n.rc" ] || left=1; done
       [ $left = 0 ] && break; sleep 5
     done
     for n in "$@"; do
-      echo "[bg] $n: $(cat /tmp/bg/$n.rc 2>/dev/null || echo running) after $(( $(date +%s) - t0 )) s of waiting"
-      grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" /tmp/bg/$n.log | tail -25
+      echo "[bg] $n: $(cat "$bg/$n.rc" 2>/dev/null || echo running) after $(( $(date +%s) - t0 )) s of waiting"
+      grep -v "^INFO\|Loading weights\|Writing model\|HTTP Request" "$bg/$n.log" | tail -25
     done
     if [ -n "${OUT:-}" ]; then
-      cp /tmp/bg/out/*.json /tmp/bg/out/*.png "$OUT"/ 2>/dev/null
+      cp "$bg"/out/*.json "$bg"/out/*.png "$OUT"/ 2>/dev/null
       # logs and results only: files under 8 MB (a model a run prepared under /tmp/bg/out, GBs, took
       # the rest of a call to compress and came back too large anyway)
-      (cd /tmp/bg && find . -path './tree-*' -prune -o -type f ! -name '*.rc' -size -8M -print0 \
+      (cd "$bg" && find . -path './tree-*' -prune -o -type f ! -name '*.rc' -size -8M -print0 \
         | tar czf "$OUT/bg.tgz" --null -T - 2>/dev/null)
     fi ;;
 esac

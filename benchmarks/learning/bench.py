@@ -879,12 +879,13 @@ def write(args: argparse.Namespace, results: list[dict[str, Any]], tag: str, min
     title = (f"SmolLM2-135M, {args.judge} judge, {args.interactions} interactions, k={args.k}, "
              f"{args.heldout} held-out × {args.samples_per_prompt}, {len(seeds)} seeds")
     text = report(results, args.k) if results else "no results: every job failed"
-    print(f"\n{title} ({minutes:.1f} min)\n\n{text}")
-    # the JSON first: a missing plotting library must not lose the run
+    # the JSON first: neither a missing plotting library nor a closed stdout (the `| tee` of a
+    # stopped run, killed with it) may lose the run
     (args.out / f"{tag}.json").write_text(json.dumps({"config": {k: v for k, v in vars(args).items()
                                                                  if k not in ("out", "merge", "job")}
                                                       | {"minutes": minutes, "seeds_run": seeds} | (extra or {}),
                                                       "results": results, "table": text}, indent=1, default=str))
+    print(f"\n{title} ({minutes:.1f} min)\n\n{text}")
     if not results:
         return
     try:

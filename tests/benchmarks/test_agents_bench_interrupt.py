@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +81,33 @@ def _alive(pid: int) -> bool:
         return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
     except OSError:
         return False
+
+
+class _ClosedStdout:
+    """The `| tee` a stopped run's output went to, killed with it."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_stdout_does_not_lose_the_report(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Both benchmarks write their JSON before they print: a SIGTERM to the whole process group
+    also ends the `tee` their output goes through, and a print first would lose the run."""
+    import argparse
+
+    from benchmarks.agents import run as agents
+    from benchmarks.learning import bench as learning
+
+    monkeypatch.setattr(sys, "stdout", _ClosedStdout())
+    args = argparse.Namespace(iterations=10, tasks=16, n=8, heldout=64, seeds=3, out=tmp_path, tag="stopped")
+    with pytest.raises(BrokenPipeError):
+        agents.write(args, [], {"terminal": {"pass_at_1": 0.17}}, 1.0, [], None, {"stopped": ["terminal/outcome/0"]})
+    assert json.loads((tmp_path / "stopped.json").read_text())["config"]["stopped"] == ["terminal/outcome/0"]
+    args = argparse.Namespace(arms="combined", judge="python", interactions=60, k=6, heldout=16, samples_per_prompt=4,
+                              out=tmp_path)
+    with pytest.raises(BrokenPipeError):
+        learning.write(args, [], "learn-stopped", 1.0, {"interrupted": "SystemExit"})
+    assert json.loads((tmp_path / "learn-stopped.json").read_text())["config"]["interrupted"] == "SystemExit"

@@ -120,3 +120,45 @@ def test_publish_load_streams_from_processes_of_their_own(tmp_path: Path) -> Non
         upstream.stop()
     assert not load.failed and len(load.total) == len(load.ttft) == len(load.started_at) >= 10
     assert all(0 < t <= total for t, total in zip(sorted(load.ttft), sorted(load.total), strict=True))
+
+
+SLEEPER = """
+import pathlib, signal, sys, time
+def stopped(*_):
+    pathlib.Path("reported").write_text("what ran")
+    print("report written", flush=True)  # through the tee: a stop must leave it running
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stopped)
+pathlib.Path("ready").touch()
+time.sleep(120)
+"""
+
+
+def test_bg_stop_ends_the_benchmark_and_leaves_the_chain_and_its_tee_running(tmp_path: Path) -> None:
+    """benchmarks/gpu/bg.sh stop NAME, for a lease about to end: SIGTERM reaches NAME's benchmark
+    process (which writes its report), not the `| tee` its output goes through nor the shell that runs
+    the chain's next step."""
+    import subprocess
+    import sys
+
+    from tests.support.processes import wait_for
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "bg.sh"
+    tree, bg = tmp_path / "tree", tmp_path / "bg"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "sleeper.py").write_text(SLEEPER)
+    env = {"PATH": "/usr/bin:/bin", "BG_DIR": str(bg), "HOME": str(tmp_path)}
+    chain = f"{sys.executable} benchmarks/sleeper.py | tee out.txt; echo next step"
+    subprocess.run(["bash", str(script), "start", "A", "bash", "-c", chain], cwd=tree, env=env, check=True)
+    copy = bg / "tree-A"
+    wait_for(lambda: (copy / "ready").exists() or None, timeout=60)
+    stop = subprocess.run(["bash", str(script), "stop", "A"], cwd=tree, env=env, capture_output=True, text=True,
+                          check=True)
+    assert "SIGTERM to its benchmark processes" in stop.stdout
+    wait_for(lambda: (bg / "A.rc").exists() or None, timeout=60)
+    assert (copy / "reported").read_text() == "what ran"
+    log = (bg / "A.log").read_text()
+    assert "report written" in log and "next step" in log, log
+    assert (bg / "A.rc").read_text().strip() == "exit 0"  # the chain went on to its next step
+    again = subprocess.run(["bash", str(script), "stop", "A"], cwd=tree, env=env, capture_output=True, text=True)
+    assert "no benchmark process running" in again.stdout
