@@ -218,8 +218,9 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
         checked = together(*(functools.partial(require_weight_labels, http, url) for url in urls),
                            *(functools.partial(held, http, url) for url in urls))
         before = dict(zip(urls, checked[len(urls):]))
-        for url in urls:
-            results[url].before_s = time.perf_counter() - started
+        before_s = time.perf_counter() - started
+        for result in results.values():
+            result.before_s = before_s
         paused: list[str] = []
         try:
             for url in urls:

@@ -135,14 +135,12 @@ def require_weight_labels(http: httpx.Client, url: str) -> str:
     """The label of the weights *url* holds, or a :class:`WeightsError` that says why the server
     cannot take full weights: no dev mode (:class:`DevModeMissing`), or a vLLM release that
     cannot reload in place while LoRA is enabled (:func:`check_reload_with_lora`)."""
-    with ThreadPoolExecutor(2, thread_name_prefix="weights") as pool:  # two reads at once (together())
-        labelled, lora = pool.submit(weight_label, http, url), pool.submit(check_reload_with_lora, http, url)
-    label = labelled.result()
-    if label is None:  # said first: without dev mode nothing else matters
+    label = weight_label(http, url)
+    if label is None:
         raise DevModeMissing(
             f"{url} has no development endpoints: full weights can only be published to a vLLM "
             "started with VLLM_SERVER_DEV_MODE=1 (`nextstate vllm serve --dev-mode`)")
-    lora.result()
+    check_reload_with_lora(http, url)
     return label
 
 

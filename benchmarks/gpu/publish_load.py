@@ -228,11 +228,6 @@ def event_metrics(engine: Any, name: str) -> dict[str, Any]:
         return dict(ev.metrics or {}) if ev is not None else {}
 
 
-def publish_phases(metrics: dict[str, Any]) -> dict[str, float]:
-    """The seconds per step publish() recorded in its event (check_s, place_s, serve_s)."""
-    return dict(metrics.get("phases_s") or {})
-
-
 def reload_parts(metrics: dict[str, Any]) -> dict[str, float]:
     """The slowest server's reload steps outside vLLM's own part (vllm_client.weights.Reload:
     before_s, confirm_s, digest_s), from the publish event."""
@@ -311,7 +306,7 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 seen = await asyncio.wait_for(asyncio.gather(*watchers), 60)
                 metrics = event_metrics(engine, name)
                 rounds.append({"name": name, "written_at": written_at, "load_s": load_seconds(metrics),
-                               "phases_s": publish_phases(metrics), "reload_parts_s": reload_parts(metrics),
+                               "phases_s": dict(metrics.get("phases_s") or {}), "reload_parts_s": reload_parts(metrics),
                                "pool_s": t_pool - t0, "gateways_s": [s - t0 for s in seen],
                                "all_serving_s": max(seen) - t0})
                 print(f"publish {k}: {rounds[-1]}", flush=True)

@@ -266,10 +266,10 @@ def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[S
     assert "start" in stand_in.calls and "reload" not in " ".join(stand_in.calls)
     assert stand_in.label == "full-nccl-1" and torch.equal(stand_in.weights[sent[0][0]], sent[0][1])
     # where publish()'s time went, step by step, kept in its event (benchmarks/gpu/publish_load.py splits by it)
-    from benchmarks.gpu.publish_load import event_metrics, publish_phases, reload_parts
+    from benchmarks.gpu.publish_load import event_metrics, reload_parts
 
     metrics = event_metrics(engine, "full-nccl-1")
-    phases = publish_phases(metrics)
+    phases = metrics["phases_s"]
     assert set(phases) == {"check_s", "place_s", "serve_s"} and all(v >= 0 for v in phases.values())
     parts = reload_parts(metrics)  # and the server's own steps around the transfer
     assert set(parts) == {"before_s", "confirm_s", "digest_s"} and parts["confirm_s"] > 0
