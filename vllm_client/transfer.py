@@ -15,8 +15,9 @@ The server side is vLLM's own (0.26 and later): started with ``--weight-transfer
 
 This module is the trainer's side: :class:`TransferGroup` holds one group with every worker of
 the servers, and :func:`transfer_weights` makes every server serve the tensors it is given,
-all or none, around vLLM's pause: pause, start, update (the HTTP calls in threads while the
-trainer broadcasts), finish, label, resume, then the same confirmation as a reload from disk.
+all or none, around vLLM's pause: pause, read what each holds, start, update (the HTTP calls in
+threads while the trainer broadcasts), finish, label, resume, then the same confirmation as a
+reload from disk.
 A failure after the servers were paused puts back, from disk, the weights each held before
 (their model may be half-updated) and resumes every server whatever happens.
 
@@ -145,11 +146,17 @@ class TransferGroup:
 
     def connect(self) -> TransferGroup:
         """Ask each server's workers to join (``/init_weight_transfer_engine``, in threads: each
-        call returns only once the trainer has joined too) while this process joins as rank 0."""
+        call returns only once the trainer has joined too) while this process joins as rank 0.
+
+        Each server is first checked to take full weights at all (dev mode; not a vLLM that dies
+        reloading with LoRA: :func:`require_weight_labels`). Once here rather than before every
+        transfer: what it checks holds for the life of the server's process, and a restarted vLLM
+        leaves the group anyway (its workers joined the old one), so a new group checks it again."""
         if self.comm is not None:
             return self
         port = self.master_port or free_port(self.master_address)
         with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=5.0), trust_env=False) as http:
+            together(*(functools.partial(require_weight_labels, http, url) for url in self.urls))
             sizes = [world_size(http, url) for url in self.urls]
             world = 1 + sum(sizes)
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # each server's first rank
@@ -202,31 +209,32 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
                      pause_mode: str = PauseMode.KEEP, served_name: str | None = None,
                      digest: bool = True) -> list[Reload]:
     """Every server of *group* serves *tensors* (``(name, tensor)``, the checkpoint's names) as
-    *label*: pause (``keep`` by default: streams in flight freeze and continue after), start,
-    update while broadcasting, finish, label, resume; then confirm each as
+    *label*: pause (``keep`` by default: streams in flight freeze and continue after), read what
+    each holds, start, update while broadcasting, finish, label, resume; then confirm each as
     :func:`vllm_client.weights.reload_one` does. ``held(http, url)`` says ``(label, checkpoint
     directory)`` of what *url* holds now: on a failure after the pause, each server reloads it
     from disk before it resumes, and the error is raised. Returns one :class:`Reload` per server
-    (``reload_s``: start to finish, the transfer included)."""
+    (``reload_s``: start to finish, the transfer included; ``before_s``: the pause and the reads).
+
+    What a server holds is read once it is paused: before, its API server answers behind every
+    stream it serves (1.0 s p50 under 200 streams on an H200, ``publish_load.py``); paused, it has
+    none to serve. Whether it takes full weights at all was checked when the group connected."""
     if pause_mode not in PAUSE_MODES:
         raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, not {pause_mode!r}")
     urls = group.urls
     results = {url: Reload(url=url, label=label, path="nccl") for url in urls}
     started = time.perf_counter()
     with httpx.Client(timeout=httpx.Timeout(group.timeout_s, connect=5.0), trust_env=False) as http:
-        # every server at once: dev mode, a vLLM that can take full weights beside LoRA, what it holds
-        checked = together(*(functools.partial(require_weight_labels, http, url) for url in urls),
-                           *(functools.partial(held, http, url) for url in urls))
-        before = dict(zip(urls, checked[len(urls):]))
-        before_s = time.perf_counter() - started
-        for result in results.values():
-            result.before_s = before_s
         paused: list[str] = []
         try:
             for url in urls:
                 pause(http, url, pause_mode)
                 paused.append(url)
                 results[url].pause_s = time.perf_counter() - started
+            before = dict(zip(urls, together(*(functools.partial(held, http, url) for url in urls))))
+            before_s = time.perf_counter() - started
+            for result in results.values():
+                result.before_s = before_s
             begun = time.perf_counter()
             try:
                 for url in urls:

@@ -353,7 +353,7 @@ def _outside_parts(rounds: list[dict[str, Any]]) -> list[tuple[str, list[float]]
         ("checks (files, shapes, name)", [p.get("check_s", 0.0) + p.get("place_s", 0.0) for p in ph]),
         ("serving step around vLLM's part", [r["phases_s"].get("serve_s", 0.0) - r["load_s"] for r in done]),
         *[(f"… {label}", [(r.get("reload_parts_s") or {}).get(key, 0.0) for r in done])
-          for label, key in (("labels and held weights, before the pause", "before_s"),
+          for label, key in (("what it holds, read (NCCL: once paused, the pause included)", "before_s"),
                              ("confirming (label, not paused, one-token completion)", "confirm_s"),
                              ("weights checksum", "digest_s"))
           if any((r.get("reload_parts_s") or {}).get(key) for r in done)],

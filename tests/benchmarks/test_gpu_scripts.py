@@ -90,7 +90,7 @@ def test_tables_render() -> None:
     # and the serving step's own parts (vllm_client.weights.Reload), a step that took no time left out
     rounds[0]["reload_parts_s"] = {"before_s": 0.01, "confirm_s": 0.015, "digest_s": 0.0}
     text = publish_load.table(full)
-    assert "| … … labels and held weights, before the pause s | 0.010 |" in text
+    assert "| … … what it holds, read (NCCL: once paused, the pause included) s | 0.010 |" in text
     assert "| … … confirming (label, not paused, one-token completion) s | 0.015 |" in text
     assert "checksum" not in text
 

@@ -39,6 +39,7 @@ from datapool.db import make_engine, upgrade  # noqa: E402
 from datapool.versions import active_version  # noqa: E402
 from publishing.publish import PublishRequest, publish  # noqa: E402
 from vllm_client.transfer import NcclWeights, TransferGroup, transfer_weights  # noqa: E402
+from vllm_client.weights import weight_label  # noqa: E402
 
 
 class StandIn:
@@ -57,6 +58,8 @@ class StandIn:
         self.fail_update = False
         self.staged: dict[str, Any] | None = None
         self.reloaded: list[tuple[str, str]] = []
+        self.labels_read_paused: list[bool] = []  # for each GET /weight_info: was the server paused
+        self.lora = False  # started with --enable-lora (its /server_info says so)
         app = FastAPI()
         self.app = app
 
@@ -125,7 +128,12 @@ class StandIn:
 
         @app.get("/weight_info")
         def weight_info() -> dict[str, str]:
+            self.labels_read_paused.append(self.paused)
             return {"weight_version": self.label}
+
+        @app.get("/server_info")
+        def server_info() -> dict[str, Any]:
+            return {"vllm_config": {"lora_config": {"max_lora_rank": 16} if self.lora else None}}
 
         @app.post("/collective_rpc")
         def rpc(body: dict[str, Any]) -> dict[str, Any]:
@@ -195,10 +203,17 @@ def test_the_transfer_runs_vllms_update_lifecycle_inside_a_pause(server: tuple[S
         'init {"master_address": "127.0.0.1", "master_port": 29555, "rank_offset": 1, "world_size": 2}']
     stand_in.calls.clear()
     sent = _tensors()
-    (result,) = transfer_weights(group, sent, "v1", held=lambda http, u: ("default", "/models/base"),
-                                 served_name="smollm2")
+    held_when: list[str] = []
+
+    def held(http: httpx.Client, u: str) -> tuple[str, str]:  # what the server holds: read once it is paused
+        held_when.append("paused" if stand_in.paused else "serving")
+        return "default", "/models/base"
+
+    (result,) = transfer_weights(group, sent, "v1", held=held, served_name="smollm2")
     assert stand_in.calls == ["pause keep", "start", "update 2 packed=True", "finish", "label v1", "resume",
                               "completion"]
+    # behind 200 streams an unpaused vLLM answers these reads in ~1 s; paused, it has nothing else to do
+    assert held_when == ["paused"] and result.pause_s <= result.before_s <= result.total_s
     for name, tensor in sent:
         assert torch.equal(stand_in.weights[name], tensor)
     assert (stand_in.label, stand_in.paused, result.label, result.path) == ("v1", False, "v1", "nccl")
@@ -218,6 +233,25 @@ def test_a_failed_transfer_puts_back_what_the_server_held_and_resumes(server: tu
     assert stand_in.calls == ["pause keep", "start", "update 2 packed=True", "reload /store/full-old",
                               "label full-old", "resume"]
     assert (stand_in.label, stand_in.paused, stand_in.weights) == ("full-old", False, {})
+
+
+def test_a_server_that_cannot_take_full_weights_is_refused_when_the_group_connects(
+        server: tuple[StandIn, str]) -> None:
+    """vLLM 0.26 with LoRA enabled dies reloading full weights: refused once, before its workers
+    join a group, so that no transfer ever pauses it; the same server without LoRA joins, and its
+    label is not read again before each transfer."""
+    stand_in, url = server
+    stand_in.lora = True
+    with pytest.raises(WeightsError, match="with LoRA enabled"):
+        TransferGroup([url], communicator=stand_in.communicator).connect()
+    assert stand_in.calls == [] and not stand_in.paused
+    stand_in.lora = False
+    group = TransferGroup([url], communicator=stand_in.communicator).connect()
+    assert stand_in.labels_read_paused == [False, False]  # at each connect, while serving
+    stand_in.labels_read_paused.clear()
+    transfer_weights(group, _tensors(), "v1", held=lambda http, u: (weight_label(http, u) or "", "/models/base"),
+                     digest=False)
+    assert stand_in.labels_read_paused[0] is True  # what it holds, read once paused (then the confirmation's)
 
 
 def test_a_server_without_the_routes_is_told_how_to_start_vllm(tmp_path: Path) -> None:
