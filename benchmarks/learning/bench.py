@@ -43,7 +43,8 @@ untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures
 still serving); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
 (``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
-turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``). Every arm and seed is its
+turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``); ``graded`` votes 0 instead of −1
+on a reply on topic but too long (rl and combined: ``preference.graded_judge``). Every arm and seed is its
 own process with its own pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
 the shared vLLM(s). Each training round's drift from the base policy (``trainer.drift``: KL on
 the round's tokens, entropy, the teacher's top-k mass) and the gate's decision are kept per
@@ -215,7 +216,7 @@ class Job:
             self.votes = 1
         else:
             if self.spec.judge != "judge":
-                raise ValueError(f"{arm}: +ask words the python judge's hint; --judge llm writes its own")
+                raise ValueError(f"{arm}: +ask and +graded change the python judge; --judge llm votes on its own")
             self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
             self.votes = args.votes
         self.phases = Phases()
@@ -350,7 +351,8 @@ class Job:
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
-                    "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode, **curves,
+                    "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode,
+                    "python_judge": self.spec.judge if self.args.judge == "python" else None, **curves,
                     "latencies_s": latencies,
                     "train_reward_mean": statistics.fmean(rewards) if rewards else None, "turns": turns,
                     "rounds": rounds, "held_back": sum(r["decision"] == "refuse" for r in rounds)}
@@ -465,7 +467,8 @@ class Arm:
     #: the arm's own learning rate and optimizer steps per round (None: the preset's)
     lr: float | None = None
     updates: int | None = None
-    #: the python judge (benchmarks.learning.preference): its hint names the question (+ask) or not
+    #: the python judge (benchmarks.learning.preference): its hint names the question (+ask) or not,
+    #: a reply on topic but too long gets 0 (+graded) or -1
     judge: str = "judge"
     #: each round also trains on the turns of the last N rounds (OnlineConfig.replay_rounds)
     replay: int = 0
@@ -496,8 +499,10 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``preference.judge_naming_the_question``), ``seq`` (the loss averaged per reply, then over the
     replies: ``loss_agg_mode`` :data:`SEQ_AGG` instead of token-mean, so a long reply weighs as much
     as a short one), ``kltarget=T`` (with kl: the anchor's coefficient adapted each round toward a
-    KL to the base of T per reply token, ``OnlineConfig.kl_target``). Raises ValueError
-    for an unknown objective, baseline or option."""
+    KL to the base of T per reply token, ``OnlineConfig.kl_target``), ``graded`` (the python judge
+    votes 0 on a reply on topic but too long, -1 off topic: ``preference.graded_judge``; RL's reward
+    then prefers keeping the topic to getting short, so rl or combined only: OPD ignores the reward).
+    Raises ValueError for an unknown objective, baseline or option."""
     head, *options = arm.split("+")
     objective, *rest = head.split(":")
     if len(rest) > 2:
@@ -508,7 +513,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         kw["w_rl"] = float(rest[1])
     top_k = n_siblings = 0
     margin = lr = steps = None
-    judge = "judge"
+    ask = graded = False
     replay = 0
     kl_target = None
     for option in options:
@@ -533,7 +538,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             if not 0 < lr < 1:
                 raise ValueError(f"lr is a learning rate in (0, 1), not {value!r}")
         elif name == "ask" and not eq:
-            judge = "judge_naming_the_question"
+            ask = True
+        elif name == "graded" and not eq:
+            graded = True
         elif name == "seq" and not eq:
             kw["loss_agg_mode"] = SEQ_AGG
         elif name == "steps" and eq:
@@ -550,11 +557,14 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
                 raise ValueError(f"kltarget is a KL per reply token > 0, not {value!r}")
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], kltarget=T, tau=T, tail=W, topic[=M], "
-                             "siblings[=N], lr=X, steps=N, replay[=N], ask or seq")
+                             "siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
     if kl_target is not None and not kw.get("kl_coef"):
         raise ValueError("kltarget adapts the KL anchor from its starting coefficient: it needs +kl[=C]")
+    if graded and objective == "opd":
+        raise ValueError("graded grades the RL reward, which opd does not train on: it needs rl or combined")
+    judge = ("graded_" if graded else "") + ("judge_naming_the_question" if ask else "judge")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
                kl_target)
 
@@ -670,7 +680,8 @@ def main() -> None:
                         f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "
                         "default), ask "
                         "(the python judge's hint names the question the reply was to answer: opd+topk+ask), seq "
-                        f"(the loss averaged per reply, then over replies: {SEQ_AGG} instead of token-mean)")
+                        f"(the loss averaged per reply, then over replies: {SEQ_AGG} instead of token-mean), graded "
+                        "(the python judge votes 0, not -1, on a reply on topic but too long: combined+graded)")
     p.add_argument("--rl-baseline", choices=RL_BASELINES,
                    help="the RL baseline of rl/combined arms that name none (default: ObjectiveConfig's, "
                         f"{ObjectiveConfig().rl_baseline})")
@@ -711,9 +722,11 @@ def main() -> None:
     for arm in args.arms.split(","):
         if arm != "none":
             try:
-                arm_objective(arm, args.rl_baseline)
+                spec = arm_spec(arm, args.rl_baseline)
             except ValueError as exc:
                 p.error(f"--arms: {arm!r}: {exc}")
+            if args.judge == "llm" and spec.judge != "judge":
+                p.error(f"--arms: {arm!r}: +ask and +graded change the python judge; --judge llm votes on its own")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         merge(args)

@@ -94,6 +94,29 @@ def judge_naming_the_question(turn: dict[str, Any], next_state: dict[str, Any]) 
     return vote
 
 
+def _graded(vote: dict[str, Any], turn: dict[str, Any]) -> dict[str, Any]:
+    """*vote* with a miss on topic — a reply the user called too long, not off topic — graded 0."""
+    reply = (turn.get("response") or {}).get("content") or ""
+    question = _question((turn.get("request") or {}).get("messages") or [])
+    return vote | {"vote": 0} if vote["vote"] < 0 and on_topic(question, reply) else vote
+
+
+def graded_judge(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`judge` with the user's two corrections told apart (``+graded``): 0 for a reply on
+    topic but too long ("Too long…"), -1 still for one off topic or empty, short or not. Under
+    :func:`judge` both are -1, so RL never prefers keeping the topic to getting short, and the
+    online policy drifted off topic (held-out on-topic share 0.98 -> 0.88-0.94 on the GPU). The 0
+    keeps the user's correction as its hint: the pool keeps the hints of the majority's votes,
+    so OPD still distills it."""
+    return _graded(judge(turn, next_state), turn)
+
+
+def graded_judge_naming_the_question(turn: dict[str, Any], next_state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`graded_judge` whose hint names the question (``+graded+ask``:
+    :func:`judge_naming_the_question`)."""
+    return _graded(judge_naming_the_question(turn, next_state), turn)
+
+
 def topic_scorer(reply: str, messages: list[dict[str, Any]]) -> float:
     """Eval-gate topicality scorer (``OnlineConfig.topic_scorer``): 1 when the reply is on topic."""
     return float(on_topic(_question(messages), reply))

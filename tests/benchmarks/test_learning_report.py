@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,122 @@ def test_ask_names_the_question_in_the_hint():
     assert off["hint"] == f'{preference.OFF_TOPIC} The question was: "{question}"'
     turn["response"]["content"] = "A calorie is a unit of energy."
     assert preference.judge_naming_the_question(turn, said) == {"vote": 1, "rationale": "7 words, on topic"}
+
+
+def _turn(question: str, reply: str) -> tuple[dict, dict]:
+    """A turn as the python judge sees it, and its next state: the user's reaction."""
+    from benchmarks.learning import preference
+
+    return ({"request": {"messages": [{"role": "user", "content": question}]}, "response": {"content": reply}},
+            {"messages": [{"role": "user", "content": preference.reaction(question, reply)}]})
+
+
+def test_graded_judge_tells_too_long_from_off_topic():
+    """``+graded``: a reply on topic but too long gets 0 (the user's "Too long…"), one off topic or
+    empty -1 whatever its length, one that meets the preference +1; the hint is the binary judge's,
+    so OPD distills the same correction."""
+    from benchmarks.learning import preference
+
+    question, long_ = "What is a calorie?", " and so on, a unit of energy" * 5
+    cases = {"A calorie is a unit of energy." + long_: 0,  # long, on topic
+             "A unit of energy in food.": -1,  # short, off topic
+             "It is a unit of energy." + long_: -1,  # long, off topic
+             "A calorie is a unit of energy.": 1,  # short, on topic
+             "": -1}
+    for reply, grade in cases.items():
+        turn, said = _turn(question, reply)
+        graded, binary = preference.graded_judge(turn, said), preference.judge(turn, said)
+        assert graded["vote"] == grade, reply
+        assert binary["vote"] == (1 if grade == 1 else -1) and graded.get("hint") == binary.get("hint")
+    turn, said = _turn(question, "A calorie is a unit of energy." + long_)
+    assert said["messages"][0]["content"] == preference.CORRECTION
+    asked = preference.graded_judge_naming_the_question(turn, said)
+    assert asked["vote"] == 0 and asked["hint"] == f'{preference.CORRECTION} The question was: "{question}"'
+
+
+@st.composite
+def question_and_reply(draw: st.DrawFn) -> tuple[str, str]:
+    """A question (a benchmark's or any text) and a reply of 0 to 40 words, some of them the
+    question's: short and long, on and off topic, empty."""
+    question = draw(st.one_of(st.sampled_from(bench.TRAIN + bench.HELD_OUT + bench.GATE), st.text(max_size=60)))
+    word = st.one_of(st.sampled_from(question.split() or ["x"]), st.from_regex(r"[A-Za-z]{1,9}[.,?]?", fullmatch=True))
+    n = draw(st.integers(0, 40))
+    return question, draw(st.one_of(st.lists(word, min_size=n, max_size=n).map(" ".join), st.text(max_size=200)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(question_and_reply())
+def test_graded_judge_agrees_with_the_binary_one_on_every_success(pair):
+    from benchmarks.learning import preference
+
+    question, reply = pair
+    turn, said = _turn(question, reply)
+    graded, binary = preference.graded_judge(turn, said)["vote"], preference.judge(turn, said)["vote"]
+    assert graded in (-1, 0, 1)
+    assert (graded == 1) == (binary == 1)
+    assert graded != 0 or preference.on_topic(question, reply)
+
+
+def test_graded_reaches_the_judge_a_job_scores_with(tmp_path: Path, sqlite_url: str):
+    """``+graded`` parses, and the job's judge is the graded one (the binary one without it): a
+    long reply on topic is scored 0 with the user's correction kept as its hint (so OPD still
+    asks the teacher), and RL's batch baseline ranks it above the round's off-topic replies,
+    where the binary judge's all -1 gave no signal at all."""
+    import datetime as dt
+
+    import torch
+    from sqlalchemy.orm import Session as OrmSession
+
+    from benchmarks.learning import preference
+    from datapool.models import Judgement, Session, Turn
+    from trainer import objectives
+
+    assert (arm_spec("combined+graded").judge, arm_spec("combined").judge) == ("graded_judge", "judge")
+    assert arm_spec("rl:none+graded+ask").judge == "graded_judge_naming_the_question"
+    assert arm_spec("opd+ask").judge == "judge_naming_the_question"
+    for bad in ("opd+graded", "opd+topk+graded", "combined+graded=1"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
+    args = argparse.Namespace(rl_baseline=None, upstream="http://127.0.0.1:9/v1", teacher="http://127.0.0.1:9/v1",
+                              judge="python", votes=3, hint_gate=True)
+    question, now = "What is a calorie?", dt.datetime.now(dt.UTC)
+    replies = ["A calorie is a unit of energy," + " and so on" * 10, "Bathroom scale.", "Yes.", "No."]
+
+    def rewards(arm: str) -> list[tuple[float, str | None]]:
+        job = bench.Job(args, tmp_path, arm, 0)  # the pool: sqlite_url's, tmp_path / "pool.db"
+        ids = []
+        with OrmSession(job.engine) as db, db.begin():
+            for reply in replies:
+                sid, tid = f"s-{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+                db.add(Session(id=sid, source="header", mode="online", created_at=now, updated_at=now))
+                db.add(Turn(id=tid, session_id=sid, turn_type="main", endpoint="chat", status="ok", created_at=now,
+                            model="policy", upstream_model="smollm2", capture="white-box",
+                            request={"model": "policy", "messages": [{"role": "user", "content": question}]},
+                            response={"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]},
+                            next_state={"messages": [{"role": "user",
+                                                      "content": preference.reaction(question, reply)}]},
+                            token_ids=[5, 6, 7]))
+                ids.append(tid)
+        for tid in ids:
+            job.score(tid, teacher=False)
+        with OrmSession(job.engine) as db:
+            return [(db.get(Judgement, t).reward, db.get(Judgement, t).hint) for t in ids]
+
+    assert bench.Job(args, tmp_path, "combined", 0).judge.fn is preference.judge
+    assert bench.Job(args, tmp_path, "combined+graded", 0).judge.fn is preference.graded_judge
+    binary, graded = rewards("combined"), rewards("combined+graded")
+    assert [r for r, _ in binary] == [-1.0] * 4 and [r for r, _ in graded] == [0.0, -1.0, -1.0, -1.0]
+    assert graded[0][1] == binary[0][1] == preference.CORRECTION  # the hint OPD's teacher pass is asked with
+
+    def advantages(scores: list[float]) -> list[float]:
+        mask = torch.ones(len(scores), 3)
+        token = objectives.scores_to_token_rewards(torch.tensor(scores), mask)
+        return objectives.compute_advantages(bench.arm_objective("combined+graded"), response_mask=mask,
+                                             token_level_rewards=token)[:, 0].tolist()
+
+    assert advantages([r for r, _ in binary]) == [0.0] * 4
+    long_on_topic, *off_topic = advantages([r for r, _ in graded])
+    assert long_on_topic > 0 and all(a < 0 for a in off_topic)
 
 
 def test_round_tables_mean_each_round_over_the_seeds_and_count_held_back_rounds():
