@@ -162,7 +162,8 @@ def publish(engine: Engine, request: PublishRequest) -> dict[str, Any]:
     else:
         if request.activate and not urls:
             raise PublishError("no vLLM server given (vllm_urls is empty)")
-        check_checkpoint(directory, urls if request.activate else ())
+        check_checkpoint(directory, urls if request.activate else (),
+                         bases=request.transfer.group.base_paths if request.transfer is not None else None)
         pause_mode = request.pause_mode
     timeout_s = request.timeout_s if request.timeout_s is not None else DEFAULT_TIMEOUT_S[kind]
     return _publish(engine, request, kind, directory, name, urls, pause_mode, timeout_s,
@@ -246,15 +247,19 @@ def _check_adapter(adapter_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def check_checkpoint(checkpoint_dir: Path, vllm_urls: Sequence[str] = (), *, timeout_s: float = 30.0) -> None:
+def check_checkpoint(checkpoint_dir: Path, vllm_urls: Sequence[str] = (), *, timeout_s: float = 30.0,
+                     bases: Mapping[str, str] | None = None) -> None:
     """A full checkpoint vLLM can reload: ``config.json``, whole safetensors files, and (where
     the servers' base directories are readable here) the same architecture and tensor names and
-    shapes as the served model. Raises :class:`PublishError`."""
+    shapes as the served model. *bases*: servers' base directories already known (an NCCL
+    group's, read when it connected), by OpenAI base URL; the others are asked. Raises
+    :class:`PublishError`."""
     try:
         check_weight_files(checkpoint_dir)
         with httpx.Client(timeout=timeout_s, trust_env=False) as http:
             for url in vllm_urls:
-                base = Path(base_weights_path(http, openai_base(url)))
+                known = (bases or {}).get(openai_base(url))
+                base = Path(known or base_weights_path(http, openai_base(url)))
                 full_weights.check_same_architecture(checkpoint_dir, base)
                 full_weights.check_same_weights(checkpoint_dir, base)
     except WeightsError as exc:
@@ -334,9 +339,10 @@ def serve(target: versions.Target, urls: Sequence[str], *, pause_mode: str, time
             assert name is not None
             if sorted(transfer.group.urls) != sorted(urls):
                 raise PublishError(f"the NCCL group holds {transfer.group.urls}, the version goes to {list(urls)}")
+            bases = transfer.group.base_paths
             reloads = transfer_weights(transfer.group, transfer.tensors(), name, pause_mode=pause_mode,
                                        served_name=target.base_model,
-                                       held=lambda http, url: held_weights(http, url, path_of))
+                                       held=lambda http, url: held_weights(http, url, path_of, bases.get(url)))
             metrics["transfer"] = "nccl"
         elif kind == VersionKind.FULL:
             assert name is not None and path is not None

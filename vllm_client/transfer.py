@@ -47,6 +47,7 @@ from base.vocab import PauseMode
 from vllm_client.http import response_text, server_root
 from vllm_client.weights import (
     PAUSE_MODES,
+    base_weights_path,
     Reload,
     confirmed,
     pause,
@@ -143,20 +144,26 @@ class TransferGroup:
         self.timeout_s = timeout_s
         self._communicator = communicator
         self.comm: Communicator | None = None
+        #: each server's base model directory (its ``/v1/models`` root), read when it joined: what
+        #: a checkpoint is checked against (``publishing.publish.check_checkpoint``) without asking a
+        #: server that answers behind every stream it serves
+        self.base_paths: dict[str, str] = {}
 
     def connect(self) -> TransferGroup:
         """Ask each server's workers to join (``/init_weight_transfer_engine``, in threads: each
         call returns only once the trainer has joined too) while this process joins as rank 0.
 
         Each server is first checked to take full weights at all (dev mode; not a vLLM that dies
-        reloading with LoRA: :func:`require_weight_labels`). Once here rather than before every
-        transfer: what it checks holds for the life of the server's process, and a restarted vLLM
-        leaves the group anyway (its workers joined the old one), so a new group checks it again."""
+        reloading with LoRA: :func:`require_weight_labels`), and its base directory is kept
+        (:attr:`base_paths`). Once here rather than before every transfer: both hold for the life of
+        the server's process, and a restarted vLLM leaves the group anyway (its workers joined the
+        old one), so a new group reads them again."""
         if self.comm is not None:
             return self
         port = self.master_port or free_port(self.master_address)
         with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=5.0), trust_env=False) as http:
             together(*(functools.partial(require_weight_labels, http, url) for url in self.urls))
+            bases = together(*(functools.partial(base_weights_path, http, url) for url in self.urls))
             sizes = [world_size(http, url) for url in self.urls]
             world = 1 + sum(sizes)
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # each server's first rank
@@ -173,6 +180,7 @@ class TransferGroup:
             if failed:
                 self.comm = None
                 raise failed[0]
+            self.base_paths = dict(zip(self.urls, bases, strict=True))
         log.info("NCCL weight-transfer group of %d (this process and %s) on %s:%d", world,
                  ", ".join(f"{u}: {s}" for u, s in zip(self.urls, sizes, strict=True)), self.master_address, port)
         return self

@@ -337,13 +337,13 @@ def confirm_serving(http: httpx.Client, url: str, label: str, served_name: str |
             raise WeightsError(f"{url}: a completion after the new weights failed ({what}): {response_text(resp)}")
 
 
-def held_weights(http: httpx.Client, url: str, path_of: Callable[[httpx.Client, str, str | None], str | None]
-                 ) -> tuple[str, str]:
-    """``(label, path)`` of the weights *url* holds now."""
+def held_weights(http: httpx.Client, url: str, path_of: Callable[[httpx.Client, str, str | None], str | None],
+                 base: str | None = None) -> tuple[str, str]:
+    """``(label, path)`` of the weights *url* holds now; *base*: its base directory, if known."""
     before = weight_label(http, url)
     path = path_of(http, url, before) if before not in BASE_LABELS else None
     if path is None:  # its base, or a version we cannot find any more
-        return BASE_LABEL, base_weights_path(http, url)
+        return BASE_LABEL, base or base_weights_path(http, url)
     return str(before), path
 
 

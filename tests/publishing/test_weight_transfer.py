@@ -60,6 +60,7 @@ class StandIn:
         self.reloaded: list[tuple[str, str]] = []
         self.labels_read_paused: list[bool] = []  # for each GET /weight_info: was the server paused
         self.lora = False  # started with --enable-lora (its /server_info says so)
+        self.model_reads = 0  # GET /v1/models: behind every stream a busy vLLM serves
         app = FastAPI()
         self.app = app
 
@@ -150,6 +151,7 @@ class StandIn:
 
         @app.get("/v1/models")
         def models() -> dict[str, Any]:
+            self.model_reads += 1
             return {"data": [{"id": "smollm2", "root": str(base_dir), "parent": None}]}
 
         @app.post("/v1/completions")
@@ -290,14 +292,17 @@ def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[S
     upgrade(pool)
     engine = make_engine(pool)
     group = TransferGroup([url], communicator=stand_in.communicator).connect()
+    assert group.base_paths == {url: str(tmp_path / "on-another-host")}  # read when it joined
     sent = _tensors()
     stand_in.calls.clear()
+    stand_in.model_reads = 0
     version = publish(engine, PublishRequest(
         directory=_checkpoint(tmp_path / "ckpt"), base_model="smollm2", vllm_urls=[url], name="full-nccl-1",
         kind=VersionKind.FULL, store=tmp_path / "store", transfer=NcclWeights(group, lambda: sent)))
     assert version["status"] == "active" and active_version(engine)["name"] == "full-nccl-1"
     assert Path(version["path"]).parent == tmp_path / "store" and (Path(version["path"]) / "config.json").is_file()
     assert "start" in stand_in.calls and "reload" not in " ".join(stand_in.calls)
+    assert stand_in.model_reads == 0  # the checkpoint was checked against the base the group read
     assert stand_in.label == "full-nccl-1" and torch.equal(stand_in.weights[sent[0][0]], sent[0][1])
     # where publish()'s time went, step by step, kept in its event (benchmarks/gpu/publish_load.py splits by it)
     from benchmarks.gpu.publish_load import event_metrics, reload_parts
