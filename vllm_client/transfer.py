@@ -47,8 +47,8 @@ from base.vocab import PauseMode
 from vllm_client.http import response_text, server_root
 from vllm_client.weights import (
     PAUSE_MODES,
-    base_weights_path,
     Reload,
+    base_weights_path,
     confirmed,
     pause,
     reload_weights,
@@ -162,8 +162,9 @@ class TransferGroup:
             return self
         port = self.master_port or free_port(self.master_address)
         with httpx.Client(timeout=httpx.Timeout(self.timeout_s, connect=5.0), trust_env=False) as http:
-            together(*(functools.partial(require_weight_labels, http, url) for url in self.urls))
-            bases = together(*(functools.partial(base_weights_path, http, url) for url in self.urls))
+            checked = together(*(functools.partial(require_weight_labels, http, url) for url in self.urls),
+                               *(functools.partial(base_weights_path, http, url) for url in self.urls))
+            bases = checked[len(self.urls):]
             sizes = [world_size(http, url) for url in self.urls]
             world = 1 + sum(sizes)
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # each server's first rank
