@@ -262,7 +262,8 @@ def transfer_weights(group: TransferGroup, tensors: Sequence[tuple[str, Any]], l
                 resume(http, url)
         for url in urls:
             results[url].total_s = time.perf_counter() - started
-            confirmed(http, results[url], served_name, what=f"sent {label} over NCCL", digest=digest)
+        together(*(functools.partial(confirmed, http, results[url], served_name, what=f"sent {label} over NCCL",
+                                     digest=digest) for url in urls))
     log.info("sent %d tensors over NCCL to %s as %s in %.3fs", len(tensors), ", ".join(urls), label,
              max(r.total_s for r in results.values()))
     return [results[url] for url in urls]

@@ -309,15 +309,20 @@ def reload_one(http: httpx.Client, url: str, path: str, label: str, *, pause_mod
 
 
 def confirmed(http: httpx.Client, result: Reload, served_name: str | None, *, what: str, digest: bool) -> None:
-    """After the resume: :func:`confirm_serving` for *result*'s server and label, then (with
-    *digest*) the weights' digest; the seconds of each go on *result* (``confirm_s``, ``digest_s``)."""
-    at = time.perf_counter()
-    confirm_serving(http, result.url, result.label, served_name, what=what)
-    result.confirm_s = time.perf_counter() - at
-    if digest:
+    """After the resume: :func:`confirm_serving` for *result*'s server and label and (with
+    *digest*) the weights' digest, asked at once (:func:`together`; a failed confirmation is the
+    error raised); the seconds of each go on *result* (``confirm_s``, ``digest_s``)."""
+    def confirm() -> None:
+        at = time.perf_counter()
+        confirm_serving(http, result.url, result.label, served_name, what=what)
+        result.confirm_s = time.perf_counter() - at
+
+    def checksum() -> None:
         at = time.perf_counter()
         result.digest = weights_digest(http, result.url)
         result.digest_s = time.perf_counter() - at
+
+    together(confirm, *([checksum] if digest else []))
 
 
 def confirm_serving(http: httpx.Client, url: str, label: str, served_name: str | None, *, what: str) -> None:

@@ -61,6 +61,8 @@ class StandIn:
         self.labels_read_paused: list[bool] = []  # for each GET /weight_info: was the server paused
         self.lora = False  # started with --enable-lora (its /server_info says so)
         self.model_reads = 0  # GET /v1/models: behind every stream a busy vLLM serves
+        self.checksums = False  # a vLLM with /weight_checker (0.26 has none: 404)
+        self.meet: threading.Barrier | None = None  # the completion and the checksum wait for each other
         app = FastAPI()
         self.app = app
 
@@ -157,7 +159,17 @@ class StandIn:
         @app.post("/v1/completions")
         def completions() -> dict[str, Any]:
             self.calls.append("completion")
+            if self.meet is not None:
+                self.meet.wait()
             return {"choices": [{"text": "!"}]}
+
+        @app.post("/weight_checker")
+        def weight_checker() -> Any:
+            if not self.checksums:
+                return JSONResponse({"detail": "Not Found"}, status_code=404)
+            if self.meet is not None:
+                self.meet.wait()
+            return {"checksums": {name: str(hash(str(t.tolist()))) for name, t in sorted(self.weights.items())}}
 
     def communicator(self, info: dict[str, Any], packed: bool) -> Any:
         """The trainer's end: joins (so that ``/init_weight_transfer_engine`` returns) and hands
@@ -220,6 +232,20 @@ def test_the_transfer_runs_vllms_update_lifecycle_inside_a_pause(server: tuple[S
         assert torch.equal(stand_in.weights[name], tensor)
     assert (stand_in.label, stand_in.paused, result.label, result.path) == ("v1", False, "v1", "nccl")
     assert 0 <= result.pause_s <= result.total_s and result.reload_s <= result.total_s
+
+
+def test_the_confirmation_and_the_checksum_are_asked_at_once(server: tuple[StandIn, str]) -> None:
+    """After the resume, the one-token completion and the weights' checksum each answer behind
+    every stream the server serves: asked one after the other their waits added up. Here each
+    answers only once the other has been asked (a barrier of two), so asked in turn the first
+    times out and the transfer fails."""
+    stand_in, url = server
+    group = TransferGroup([url], communicator=stand_in.communicator).connect()
+    stand_in.checksums, stand_in.meet = True, threading.Barrier(2, timeout=5)
+    (result,) = transfer_weights(group, _tensors(), "v1", held=lambda http, u: ("default", "/models/base"),
+                                 served_name="smollm2")
+    assert result.digest is not None and result.confirm_s > 0 and result.digest_s > 0
+    assert stand_in.calls[-2:] == ["resume", "completion"] and not stand_in.meet.broken
 
 
 def test_a_failed_transfer_puts_back_what_the_server_held_and_resumes(server: tuple[StandIn, str]) -> None:
