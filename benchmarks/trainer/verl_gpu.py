@@ -42,17 +42,25 @@ memory: ``torch.cuda.max_memory_allocated()`` of the local process, veRL's
 ``perf/max_memory_allocated_gb`` (rank 0's actor worker) for veRL. veRL's gradient clip is
 disabled (``--clip-grad``, default 1e9) so both backends take the same optimizer step; both keep
 fp32 master weights (veRL: FSDP mixed precision, bf16 compute; local: ``fp32_master``).
+
+``--profile`` (``all``; ``run --profile-step N``): veRL's own torch profiler traces the first timed
+step of each veRL run (its ``global_profiler``, :func:`profile_overrides`); the traces stay beside
+the run's JSON and :func:`trace_summary` puts in it, and in the tables, the GPU's busy share of the
+traced window and the kernels and CPU ops that took longest: what an MFU far below the card's
+peak is spent on.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -166,12 +174,14 @@ def run(args: argparse.Namespace) -> None:
 
         gpus = args.gpus
         remove_padding = {"auto": None, "on": True, "off": False}[args.remove_padding]
+        trace_dir = Path(args.json).with_suffix("").with_name(Path(args.json).stem + "-trace")
+        profiling = profile_overrides(args.profile_step, trace_dir) if args.profile_step else []
         cfg = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, lora=lora, lr=args.lr,
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
                          gradient_checkpointing=args.gradient_checkpointing, fused_kernels=args.fused_kernels,
                          remove_padding=remove_padding, max_tokens_per_gpu=args.max_tokens_per_gpu,
                          old_logprob_pass=args.old_logprob_pass,
-                         overrides=tuple(args.override),
+                         overrides=(*args.override, *profiling),
                          output_dir=Path(args.json).parent / f"verl-{args.mode}-{args.variant or 'x'}-{gpus}",
                          ray_address=None)
         trainer = VerlTrainer(cfg, objective, batch_size=len(samples), total_steps=args.warmup + args.steps)
@@ -231,6 +241,10 @@ def run(args: argparse.Namespace) -> None:
         "device": device, "written": written, "n_params": n_total, "n_matmul": n_matmul, "tied": tied,
         "peak_tflops": bench.peak_tflops(device), "no_grad_pass": no_grad_pass, "versions": _versions(),
     }
+    if args.backend == "verl" and args.profile_step:
+        traces = sorted(trace_dir.glob("*.json*"))
+        result["profile"] = {"step": args.profile_step, **trace_summary(traces)} if traces else {
+            "step": args.profile_step, "traces": 0}
     if args.backend == "verl":
         result["verl_options"] = {"fused_kernels": args.fused_kernels, "remove_padding": args.remove_padding,
                                   "max_tokens_per_gpu": args.max_tokens_per_gpu, "override": list(args.override),
@@ -238,6 +252,56 @@ def run(args: argparse.Namespace) -> None:
     Path(args.json).write_text(json.dumps(result, indent=1))
     if args.backend == "verl":
         trainer.shutdown()
+
+
+# ------------------------------------------------------------------------------------ profile
+
+
+def profile_overrides(step: int, save_path: Path) -> list[str]:
+    """veRL's own torch profiler on the actor (``VerlConfig.overrides``) for its step *step* (veRL's
+    ``global_steps``, from 1): a chrome trace per rank, ``*.json.gz`` in *save_path*."""
+    return ["global_profiler.tool=torch", f"global_profiler.steps=[{step}]", f"global_profiler.save_path={save_path}",
+            "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.all_ranks=true"]
+
+
+def trace_summary(paths: list[Path], top: int = 12) -> dict[str, Any]:
+    """Where a profiled step's time went, from torch's chrome traces (``.json`` or ``.json.gz``):
+    the traced window, the GPU's busy time in it (the union of its kernels' intervals, so kernels
+    overlapping on streams count once), and the kernels and CPU ops (each with its callees) that
+    took longest in all. A GPU busy for a small share of the window is waiting on the CPU: on the
+    host's launches, Python, or the data pipeline."""
+    kernels: dict[str, list[float]] = {}
+    ops: dict[str, list[float]] = {}
+    spans: list[tuple[float, float]] = []
+    start, end = float("inf"), float("-inf")
+    for path in paths:
+        raw = gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
+        with raw as f:
+            events = json.load(f)
+        for ev in events.get("traceEvents", events) if isinstance(events, dict) else events:
+            if ev.get("ph") != "X" or "dur" not in ev:
+                continue
+            ts, dur = float(ev["ts"]), float(ev["dur"])
+            start, end = min(start, ts), max(end, ts + dur)
+            cat = ev.get("cat", "")
+            table = kernels if cat == "kernel" else ops if cat == "cpu_op" else None
+            if table is not None:
+                table.setdefault(ev.get("name", "?"), []).append(dur)
+            if cat == "kernel":
+                spans.append((ts, ts + dur))
+    busy, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            busy += b - max(a, reach)
+            reach = b
+    window = max(end - start, 0.0)
+
+    def ranked(table: dict[str, list[float]]) -> list[dict[str, Any]]:
+        rows = sorted(table.items(), key=lambda kv: -sum(kv[1]))[:top]
+        return [{"name": name, "calls": len(durs), "ms": sum(durs) / 1e3} for name, durs in rows]
+
+    return {"traces": len(paths), "window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gpu_busy": busy / window if window else 0.0, "kernels": ranked(kernels), "cpu_ops": ranked(ops)}
 
 
 # ---------------------------------------------------------------------------------------- all
@@ -338,6 +402,8 @@ def run_all(args: argparse.Namespace) -> None:
                     argv += ["--variant", variant, *VARIANTS[variant], *(f"--override={o}" for o in args.override)]
                     if args.max_tokens_per_gpu:
                         argv += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
+                    if args.profile:  # the first timed step (veRL counts its steps from 1)
+                        argv += ["--profile-step", str(args.warmup + 1)]
                     if args.push and (mode == "lora" or gpus == max(args.gpus)):
                         argv += ["--push"]
                 elif args.local_compile:
@@ -406,6 +472,10 @@ def _sec(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+def _cell(row: dict | None) -> str:
+    return f"{row['name'][:60]} | {row['calls']} | {row['ms']:,.1f}" if row else " | | "
+
+
 def tables(results: list[dict]) -> str:
     lines = []
     rows = summarise(results)
@@ -442,6 +512,16 @@ def tables(results: list[dict]) -> str:
             lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {losses} | {s0['lp_pos']:.4f} → "
                          f"{r['final_lp_pos']:.4f} ({r['final_lp_pos'] - s0['lp_pos']:+.4f}) | {s0['lp_neg']:.4f} → "
                          f"{r['final_lp_neg']:.4f} ({r['final_lp_neg'] - s0['lp_neg']:+.4f}) |")
+    for r in (r for r in rows if r.get("profile", {}).get("traces")):
+        prof, label = r["profile"], r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
+        lines += ["", (f"{r['model']} {r['backend']} {label} on {r['gpus']} GPU(s), step {prof['step']} traced "
+                       f"({prof['traces']} trace(s)): window {prof['window_ms']:,.1f} ms, GPU busy "
+                       f"{prof['gpu_busy_ms']:,.1f} ms ({_pct1(prof['gpu_busy'])})"), "",
+                  "| GPU kernel | calls | ms | CPU op (with callees) | calls | ms |", "|---|---|---|---|---|---|"]
+        for k in range(max(len(prof["kernels"]), len(prof["cpu_ops"]))):
+            g = prof["kernels"][k] if k < len(prof["kernels"]) else None
+            c = prof["cpu_ops"][k] if k < len(prof["cpu_ops"]) else None
+            lines.append(f"| {_cell(g)} | {_cell(c)} |")
     return "\n".join(lines)
 
 
@@ -505,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--override", action="append", default=[], help="veRL: a Hydra key=value (VerlConfig.overrides)")
     p.add_argument("--local-compile", action="store_true", help="local: LocalConfig.compile")
     p.add_argument("--push", action="store_true", help="veRL: write the weights through the checkpoint engine")
+    p.add_argument("--profile-step", type=int, default=0,
+                   help="veRL: its torch profiler on this step (from 1): traces beside --json, summed up in it")
     p.add_argument("--json", required=True)
     p = sub.add_parser("all")
     p.add_argument("--out", required=True)
@@ -531,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-lora", action="store_true", help="with --lora: the local backend's LoRA run too")
     p.add_argument("--push", action=argparse.BooleanOptionalAction, default=True,
                    help="veRL: write the weights after the LoRA run and the largest GPU count's run")
+    p.add_argument("--profile", action="store_true",
+                   help="veRL runs: a torch-profiler trace of the first timed step, and where its time went")
     p.add_argument("--run-timeout", type=float, default=240)
     p.add_argument("--prepare-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")

@@ -308,6 +308,63 @@ def test_runs_take_the_gpus_the_caller_made_visible() -> None:
         verl_gpu.visible_devices(2, "1")
 
 
+def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """``--profile``: veRL's torch profiler on one step (overrides the workers validate), and the
+    trace read back: the GPU's busy time is the union of its kernels (two overlapping kernels count
+    once), the longest kernels and CPU ops ranked; a real CPU trace of torch's profiler reads too."""
+    import gzip
+    import json
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    overrides = verl_gpu.profile_overrides(2, tmp_path / "trace")
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(overrides)), ObjectiveConfig(),
+                        batch_size=4, total_steps=3)
+    assert conf.global_profiler.tool == "torch" and list(conf.global_profiler.steps) == [2]
+    actor = omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
+    assert actor.profiler.enable and actor.profiler.tool == "torch"
+    assert actor.profiler.save_path == str(tmp_path / "trace")
+    # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
+              {"ph": "X", "cat": "kernel", "name": "rmsnorm", "ts": 600, "dur": 100},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},
+              {"ph": "i", "cat": "cpu_instant_event", "name": "mark", "ts": 50}]
+    path = tmp_path / "rank0.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = verl_gpu.trace_summary([path])
+    assert (got["window_ms"], got["gpu_busy_ms"], got["gpu_busy"]) == (1.0, 0.5, 0.5)
+    assert got["kernels"] == [{"name": "gemm", "calls": 2, "ms": 0.5}, {"name": "rmsnorm", "calls": 1, "ms": 0.1}]
+    assert got["cpu_ops"] == [{"name": "aten::mm", "calls": 1, "ms": 1.0}]
+    result = {**_result("verl", 1, 2.0, batch=64), "profile": {"step": 2, **got}}
+    text = verl_gpu.tables([result])
+    assert "step 2 traced (1 trace(s)): window 1.0 ms, GPU busy 0.5 ms (50.0 %)" in text
+    assert "| gemm | 2 | 0.5 | aten::mm | 1 | 1.0 |" in text and "| rmsnorm | 1 | 0.1 |" in text
+    # `all --profile` asks each veRL run (not the local one) to trace its first timed step
+    calls: list[list[str]] = []
+    orig_sub = verl_gpu._sub
+    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
+    try:
+        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
+                       "--warmup", "1", "--profile"])
+    finally:
+        verl_gpu._sub = orig_sub
+    runs = {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
+    assert runs["verl"][runs["verl"].index("--profile-step") + 1] == "2" and "--profile-step" not in runs["local"]
+    # torch's own export on this CPU: its ops, no kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+    real = tmp_path / "cpu.json"
+    prof.export_chrome_trace(str(real))
+    got = verl_gpu.trace_summary([real])
+    assert got["gpu_busy"] == 0.0 and got["kernels"] == [] and got["window_ms"] > 0
+    assert any(op["name"] == "aten::matmul" and op["calls"] == 3 for op in got["cpu_ops"])
+
+
 # ----------------------------------------------------------------------- top-k OPD on veRL
 
 
