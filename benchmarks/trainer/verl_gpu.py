@@ -43,11 +43,11 @@ memory: ``torch.cuda.max_memory_allocated()`` of the local process, veRL's
 disabled (``--clip-grad``, default 1e9) so both backends take the same optimizer step; both keep
 fp32 master weights (veRL: FSDP mixed precision, bf16 compute; local: ``fp32_master``).
 
-``--profile`` (``all``; ``run --profile-step N``): veRL's own torch profiler traces the first timed
-step of each veRL run (its ``global_profiler``, :func:`profile_overrides`); the traces stay beside
-the run's JSON and :func:`trace_summary` puts in it, and in the tables, the GPU's busy share of the
-traced window and the kernels and CPU ops that took longest: what an MFU far below the card's
-peak is spent on.
+``--profile`` (``all``; ``run --profile-step N``): veRL's own torch profiler traces one more step
+after the timed ones (itself not timed) of each veRL run (its ``global_profiler``,
+:func:`profile_overrides`); the traces stay beside the run's JSON, and :func:`trace_summary` puts in
+it, and in the tables, the GPU's busy share of the traced window and the kernels and CPU ops that
+took longest: what an MFU far below the card's peak is spent on.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
     objective = ObjectiveConfig(objective="rl", grpo=False)
     model_dir = Path(args.model_dir)
     lora = args.mode == "lora"
+    n_steps = max(args.warmup + args.steps, args.profile_step + 1 if args.profile_step else 0)
     started = time.perf_counter()
     no_grad_pass = args.backend == "verl"  # veRL's log-prob pass; "auto" skips it for this rl job (below)
     if args.backend == "local":
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> None:
                          overrides=(*args.override, *profiling),
                          output_dir=Path(args.json).parent / f"verl-{args.mode}-{args.variant or 'x'}-{gpus}",
                          ray_address=None)
-        trainer = VerlTrainer(cfg, objective, batch_size=len(samples), total_steps=args.warmup + args.steps)
+        trainer = VerlTrainer(cfg, objective, batch_size=len(samples), total_steps=n_steps)
 
         def logprobs():  # noqa: ANN202
             return trainer.response_logprobs(samples)
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"# {args.backend} {args.mode} {args.variant} gpus={gpus}: {len(samples)} samples, set up in "
           f"{setup_s:.1f}s", flush=True)
     steps = []
-    for i in range(args.warmup + args.steps):
+    for i in range(n_steps):
         # the policy before this step's update, outside the timing: veRL's own pass gives it in the step,
         # unless VerlConfig.old_logprob_pass "auto" skips that pass (this rl job of captured turns)
         lp, mask = logprobs() if args.backend == "local" or args.old_logprob_pass == "auto" else (None, None)
@@ -215,6 +216,7 @@ def run(args: argparse.Namespace) -> None:
         timing = {k.removeprefix("timing_s/"): v for k, v in m.items() if k.startswith("timing_s/")}
         steps.append({"step": i, "seconds": seconds, "pg_loss": m["pg_loss"], "lp_pos": pos, "lp_neg": neg,
                       "clipfrac": m.get("pg_clipfrac", 0.0), "warmup": i < args.warmup, "timing": timing,
+                      "profiled": bool(args.profile_step) and i == args.profile_step,
                       "verl_mfu": {k: v for k, v in m.items() if k.startswith("perf/mfu/")},
                       "mem_gb": max((v for k, v in m.items() if "max_memory_allocated" in k), default=None)})
         phases = " ".join(f"{k} {timing[k]:.2f}s" for k in ("old_log_prob", "update_actor") if k in timing)
@@ -258,8 +260,13 @@ def run(args: argparse.Namespace) -> None:
 
 
 def profile_overrides(step: int, save_path: Path) -> list[str]:
-    """veRL's own torch profiler on the actor (``VerlConfig.overrides``) for its step *step* (veRL's
-    ``global_steps``, from 1): a chrome trace per rank, ``*.json.gz`` in *save_path*."""
+    """veRL's own torch profiler on the actor (``VerlConfig.overrides``) for step *step*: a chrome
+    trace per rank, ``*.json.gz`` in *save_path*. Steps count from 0 as :func:`run`'s do (veRL's
+    ``global_steps``, which our driver, ``trainer.verl.ppo``, advances after each step from 0, and
+    whose profiler can start from the second step on: it decides at the end of one step whether to
+    trace the next)."""
+    if step < 1:
+        raise ValueError(f"veRL's profiler traces step 1 or later, not {step}")
     return ["global_profiler.tool=torch", f"global_profiler.steps=[{step}]", f"global_profiler.save_path={save_path}",
             "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.all_ranks=true"]
 
@@ -402,8 +409,8 @@ def run_all(args: argparse.Namespace) -> None:
                     argv += ["--variant", variant, *VARIANTS[variant], *(f"--override={o}" for o in args.override)]
                     if args.max_tokens_per_gpu:
                         argv += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
-                    if args.profile:  # the first timed step (veRL counts its steps from 1)
-                        argv += ["--profile-step", str(args.warmup + 1)]
+                    if args.profile:  # one more step after the timed ones, traced
+                        argv += ["--profile-step", str(args.warmup + args.steps)]
                     if args.push and (mode == "lora" or gpus == max(args.gpus)):
                         argv += ["--push"]
                 elif args.local_compile:
@@ -419,7 +426,7 @@ def run_all(args: argparse.Namespace) -> None:
 
 
 def _timed(r: dict) -> list[dict]:
-    return [s for s in r["steps"] if not s["warmup"]]
+    return [s for s in r["steps"] if not s["warmup"] and not s.get("profiled")]
 
 
 def _mean(xs: list[float]) -> float:
@@ -586,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-compile", action="store_true", help="local: LocalConfig.compile")
     p.add_argument("--push", action="store_true", help="veRL: write the weights through the checkpoint engine")
     p.add_argument("--profile-step", type=int, default=0,
-                   help="veRL: its torch profiler on this step (from 1): traces beside --json, summed up in it")
+                   help="veRL: its torch profiler on this step (from 0; >= 1), run after the timed ones if beyond "
+                        "them and not timed: traces beside --json, summed up in it")
     p.add_argument("--json", required=True)
     p = sub.add_parser("all")
     p.add_argument("--out", required=True)
@@ -614,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--push", action=argparse.BooleanOptionalAction, default=True,
                    help="veRL: write the weights after the LoRA run and the largest GPU count's run")
     p.add_argument("--profile", action="store_true",
-                   help="veRL runs: a torch-profiler trace of the first timed step, and where its time went")
+                   help="veRL runs: one more step after the timed ones, traced by torch's profiler, and where its "
+                        "time went")
     p.add_argument("--run-timeout", type=float, default=240)
     p.add_argument("--prepare-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")

@@ -351,7 +351,12 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     finally:
         verl_gpu._sub = orig_sub
     runs = {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
-    assert runs["verl"][runs["verl"].index("--profile-step") + 1] == "2" and "--profile-step" not in runs["local"]
+    # one step after the 1 + 4 timed (steps count from 0), left out of the timing
+    assert runs["verl"][runs["verl"].index("--profile-step") + 1] == "5" and "--profile-step" not in runs["local"]
+    traced = {**result, "steps": [*result["steps"], {**result["steps"][-1], "seconds": 60.0, "profiled": True}]}
+    assert verl_gpu.summarise([traced])[0]["s_mean"] == verl_gpu.summarise([result])[0]["s_mean"]
+    with pytest.raises(ValueError, match="step 1 or later"):
+        verl_gpu.profile_overrides(0, tmp_path)
     # torch's own export on this CPU: its ops, no kernels
     from torch.profiler import ProfilerActivity, profile
 
