@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> None:
 
         gpus = args.gpus
         remove_padding = {"auto": None, "on": True, "off": False}[args.remove_padding]
-        trace_dir = Path(args.json).with_suffix("").with_name(Path(args.json).stem + "-trace")
+        trace_dir = Path(args.json).with_name(Path(args.json).stem + "-trace")  # beside the run's JSON
         profiling = profile_overrides(args.profile_step, trace_dir) if args.profile_step else []
         cfg = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, lora=lora, lr=args.lr,
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
