@@ -257,9 +257,8 @@ def check_checkpoint(checkpoint_dir: Path, vllm_urls: Sequence[str] = (), *, tim
     try:
         check_weight_files(checkpoint_dir)
         with httpx.Client(timeout=timeout_s, trust_env=False) as http:
-            for url in vllm_urls:
-                known = (bases or {}).get(openai_base(url))
-                base = Path(known or base_weights_path(http, openai_base(url)))
+            for url in map(openai_base, vllm_urls):
+                base = Path((bases or {}).get(url) or base_weights_path(http, url))
                 full_weights.check_same_architecture(checkpoint_dir, base)
                 full_weights.check_same_weights(checkpoint_dir, base)
     except WeightsError as exc:

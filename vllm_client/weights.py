@@ -69,7 +69,7 @@ class Reload:
     reload_s: float = 0.0
     total_s: float = 0.0
     digest: str | None = None
-    before_s: float = 0.0  # its weight label, what it holds: read before the pause (over NCCL: the pause and then)
+    before_s: float = 0.0  # reading its label and what it holds (before the pause; over NCCL: pausing, then reading)
     confirm_s: float = 0.0  # after the resume: its label, not paused, a one-token completion
     digest_s: float = 0.0  # after that: the weights' checksum, where the server has the route
 

@@ -199,6 +199,10 @@ def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, float]
             "words": statistics.fmean(preference.words(r) for _, r in pairs)}
 
 
+#: why an arm that words or grades the python judge's votes (+ask, +graded) runs with --judge python only
+PYTHON_JUDGE_ONLY = "+ask and +graded change the python judge; --judge llm votes on its own"
+
+
 class Job:
     """One trained arm and seed: its own SQLite pool, gateway and online trainer."""
 
@@ -216,7 +220,7 @@ class Job:
             self.votes = 1
         else:
             if self.spec.judge != "judge":
-                raise ValueError(f"{arm}: +ask and +graded change the python judge; --judge llm votes on its own")
+                raise ValueError(f"{arm}: {PYTHON_JUDGE_ONLY}")
             self.judge = LLMJudge(f"hosted_vllm/{args.model}", prompt="prm-v1", api_base=args.teacher)
             self.votes = args.votes
         self.phases = Phases()
@@ -726,7 +730,7 @@ def main() -> None:
             except ValueError as exc:
                 p.error(f"--arms: {arm!r}: {exc}")
             if args.judge == "llm" and spec.judge != "judge":
-                p.error(f"--arms: {arm!r}: +ask and +graded change the python judge; --judge llm votes on its own")
+                p.error(f"--arms: {arm!r}: {PYTHON_JUDGE_ONLY}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.merge:
         merge(args)
