@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -169,22 +170,51 @@ class TransferGroup:
             world = 1 + sum(sizes)
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]  # each server's first rank
             info = {"master_address": self.master_address, "master_port": port, "world_size": world}
-            with ThreadPoolExecutor(len(self.urls)) as pool:
-                joins = [pool.submit(_post, http, url, "/init_weight_transfer_engine", "joining the NCCL group",
-                                     json={"init_info": info | {"rank_offset": offset}})
-                         for url, offset in zip(self.urls, offsets, strict=True)]
-                try:
-                    self.comm = self._communicator(info, self.packed)
-                finally:
-                    errors = [f.exception() for f in joins]
-            failed = [e for e in errors if e is not None]
-            if failed:
-                self.comm = None
-                raise failed[0]
+            self.comm = self._join(http, info, offsets)
             self.base_paths = dict(zip(self.urls, bases, strict=True))
         log.info("NCCL weight-transfer group of %d (this process and %s) on %s:%d", world,
                  ", ".join(f"{u}: {s}" for u, s in zip(self.urls, sizes, strict=True)), self.master_address, port)
         return self
+
+    def _join(self, http: httpx.Client, info: dict[str, Any], offsets: Sequence[int]) -> Communicator:
+        """This process's end of the group, made while every server's workers are asked to join.
+
+        NCCL's rendezvous waits for every member: a server whose join fails (its answer an error)
+        would leave this process waiting forever, so its end is made in a thread of its own and
+        the first failed join, or *timeout_s* without a group, ends the wait with the reason. The
+        thread left waiting is a daemon; a later :meth:`connect` makes a new group on a new port."""
+        made: Future[Communicator] = Future()
+
+        def make() -> None:
+            try:
+                made.set_result(self._communicator(info, self.packed))
+            except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
+                made.set_exception(exc)
+
+        pool = ThreadPoolExecutor(len(self.urls))
+        try:
+            joins = {pool.submit(_post, http, url, "/init_weight_transfer_engine", "joining the NCCL group",
+                                 json={"init_info": info | {"rank_offset": offset}}): url
+                     for url, offset in zip(self.urls, offsets, strict=True)}
+            threading.Thread(target=make, name="nccl-join", daemon=True).start()
+            deadline = time.monotonic() + self.timeout_s
+            every = [made, *joins]
+            while True:
+                failed = [f for f in every if f.done() and f.exception() is not None]
+                if failed:  # this process's end first: the servers' joins then fail for want of it
+                    raise failed[0].exception()  # type: ignore[misc]
+                waiting = [f for f in every if not f.done()]
+                if not waiting:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    names = [joins.get(f, "this process") for f in waiting]
+                    raise WeightsError(f"the NCCL group did not form within {self.timeout_s:g} s: still waiting for "
+                                       f"{', '.join(names)} (port {info['master_port']})")
+                wait(waiting, timeout=left, return_when=FIRST_COMPLETED)
+            return made.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def send(self, http: httpx.Client, tensors: Sequence[tuple[str, Any]]) -> None:
         """``/update_weights`` to every server (in threads) while the tensors are broadcast."""

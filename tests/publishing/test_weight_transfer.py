@@ -56,6 +56,7 @@ class StandIn:
         self.wire: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.workers = workers
         self.fail_update = False
+        self.fail_join: str | None = None  # /init_weight_transfer_engine answers 500 with this (workers that failed)
         self.staged: dict[str, Any] | None = None
         self.reloaded: list[tuple[str, str]] = []
         self.labels_read_paused: list[bool] = []  # for each GET /weight_info: was the server paused
@@ -74,6 +75,8 @@ class StandIn:
         async def init(request: Request) -> dict[str, str]:
             body = await request.json()
             self.calls.append(f"init {json.dumps(body['init_info'], sort_keys=True)}")
+            if self.fail_join:
+                return JSONResponse({"error": self.fail_join}, status_code=500)  # type: ignore[return-value]
             # vLLM's call returns once every member joined: here, once the trainer's end exists
             for _ in range(200):
                 if self.joined.is_set():
@@ -280,6 +283,35 @@ def test_a_server_that_cannot_take_full_weights_is_refused_when_the_group_connec
     transfer_weights(group, _tensors(), "v1", held=lambda http, u: (weight_label(http, u) or "", "/models/base"),
                      digest=False)
     assert stand_in.labels_read_paused[0] is True  # what it holds, read once paused (then the confirmation's)
+
+
+def test_a_server_whose_workers_cannot_join_ends_the_connect_with_its_reason(server: tuple[StandIn, str]) -> None:
+    """NCCL's rendezvous waits for every member: a server whose join answers an error (its workers
+    failed to join) left this process's end waiting for ever, with nothing said. Here the trainer's
+    end never returns (as NCCL's does not while a member is missing) and the server answers 500:
+    the connect fails at once with the server's reason, and the group stays unconnected."""
+    stand_in, url = server
+    stand_in.fail_join = "NCCL error: unhandled cuda error (out of memory)"
+    release = threading.Event()
+    group = TransferGroup([url], communicator=lambda info, packed: release.wait(60), timeout_s=30)
+    t0 = time.monotonic()
+    with pytest.raises(WeightsError, match="out of memory"):
+        group.connect()
+    release.set()
+    assert time.monotonic() - t0 < 10 and group.comm is None
+
+
+def test_a_group_that_never_forms_ends_at_the_timeout(server: tuple[StandIn, str]) -> None:
+    """Neither end fails and neither finishes (a member that never arrives): the connect ends after
+    ``timeout_s`` saying who it still waited for."""
+    stand_in, url = server
+    release = threading.Event()
+    group = TransferGroup([url], communicator=lambda info, packed: release.wait(60), timeout_s=1)
+    t0 = time.monotonic()
+    with pytest.raises(WeightsError, match=r"did not form within 1 s: still waiting for .*this process"):
+        group.connect()
+    release.set()
+    assert time.monotonic() - t0 < 10 and group.comm is None
 
 
 def test_a_server_without_the_routes_is_told_how_to_start_vllm(tmp_path: Path) -> None:
