@@ -267,8 +267,11 @@ def profile_overrides(step: int, save_path: Path) -> list[str]:
     trace the next)."""
     if step < 1:
         raise ValueError(f"veRL's profiler traces step 1 or later, not {step}")
+    # the actor's tool and save_path set on the actor too: its defaults point at global_profiler's, but the
+    # worker gets actor_rollout_ref alone, where they resolve to null (a no-op profiler, no trace)
     return ["global_profiler.tool=torch", f"global_profiler.steps=[{step}]", f"global_profiler.save_path={save_path}",
-            "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.all_ranks=true"]
+            "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.all_ranks=true",
+            "actor_rollout_ref.actor.profiler.tool=torch", f"actor_rollout_ref.actor.profiler.save_path={save_path}"]
 
 
 def trace_summary(paths: list[Path], top: int = 12) -> dict[str, Any]:

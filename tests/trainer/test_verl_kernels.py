@@ -357,15 +357,25 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     assert verl_gpu.summarise([traced])[0]["s_mean"] == verl_gpu.summarise([result])[0]["s_mean"]
     with pytest.raises(ValueError, match="step 1 or later"):
         verl_gpu.profile_overrides(0, tmp_path)
-    # torch's own export on this CPU: its ops, no kernels
-    from torch.profiler import ProfilerActivity, profile
+    # the actor's profiler as veRL's worker builds it (ActorRolloutRefWorker.__init__), from actor_rollout_ref
+    # alone, as the worker gets it: global_profiler's settings do not reach it (with the actor's defaults,
+    # which point there, it was a no-op profiler, and the GPU run wrote no trace); on this CPU its trace
+    # holds the ops, no kernels
+    from omegaconf import OmegaConf
+    from verl.utils.profiler import DistProfiler, ProfilerConfig
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            torch.ones(64, 64) @ torch.ones(64, 64)
-    real = tmp_path / "cpu.json"
-    prof.export_chrome_trace(str(real))
-    got = verl_gpu.trace_summary([real])
+    alone = OmegaConf.create(OmegaConf.to_container(conf.actor_rollout_ref, resolve=False)).actor.profiler
+    tool = alone.get("tool")
+    profiler = DistProfiler(rank=0, config=omega_conf_to_dataclass(alone, dataclass_type=ProfilerConfig),
+                            tool_config=omega_conf_to_dataclass(alone.tool_config[tool]) if tool else None,
+                            save_file_prefix="actor_rollout")
+    profiler.start(role="train", profile_step=2)
+    for _ in range(3):
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    profiler.stop()
+    traces = sorted((tmp_path / "trace").glob("*.json*"))
+    assert len(traces) == 1 and "step2" in traces[0].name
+    got = verl_gpu.trace_summary(traces)
     assert got["gpu_busy"] == 0.0 and got["kernels"] == [] and got["window_ms"] > 0
     assert any(op["name"] == "aten::matmul" and op["calls"] == 3 for op in got["cpu_ops"])
 
