@@ -280,7 +280,11 @@ async def main_async(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if args.transfer == "nccl":  # this process is the trainer's end of the group (its own GPU)
             from vllm_client.transfer import NcclWeights, TransferGroup
 
-            group = await asyncio.to_thread(TransferGroup([args.upstream]).connect)
+            # 120 s: the group forms in seconds; one that does not says who it still waited for
+            print(f"joining the NCCL group with {args.upstream} ...", flush=True)
+            t0 = time.perf_counter()
+            group = await asyncio.to_thread(TransferGroup([args.upstream], timeout_s=120).connect)
+            print(f"joined in {time.perf_counter() - t0:.1f} s", flush=True)
         async with httpx.AsyncClient(timeout=30) as http:
             for k in range(args.publishes):
                 directory = work / f"{args.kind}-{k}"
