@@ -62,13 +62,16 @@ from a turn being scored to the gateway serving a version trained on it.
 
 A job writes its checkpoints as they come (``progress.json``): one that fails (a vLLM that
 died) or is still running at --deadline-min is reported up to its last checkpoint, marked
-partial, with the number of seeds behind each mean where fewer than all reached it.
+partial, with the number of seeds behind each mean where fewer than all reached it. One stopped
+with no checkpoint for 3 minutes (``STALL_S``) has its threads' stacks and its gateway's log
+printed first: where it waited.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -934,6 +937,7 @@ def run_job(spec_path: Path) -> None:
     args = argparse.Namespace(**spec["args"])
     work = spec_path.parent
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_jobs asks a stalled job where it waits
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -1011,6 +1015,7 @@ def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], 
                     if (partial := partial_result(d, f"failed (exit {proc.returncode})")) is not None:
                         done(partial)
     finally:
+        stalled = stalled_jobs(running)
         for proc in running:
             proc.terminate()
         for proc, (arm, seed, d) in running.items():
@@ -1022,9 +1027,43 @@ def run_jobs(args: argparse.Namespace, work: Path, jobs: list[tuple[str, int]], 
             with contextlib.suppress(OSError, ValueError):
                 os.killpg(int((d / "gateway.pid").read_text()), signal.SIGTERM)
             stopped.append(f"{arm}-{seed}")
+            if proc in stalled:
+                log.warning("job %s seed %d had no checkpoint for %.0f s when it was stopped; where its threads "
+                            "waited, and its gateway's log:\n%s", arm, seed, stalled[proc], stall_report(d))
             if (partial := partial_result(d, "stopped")) is not None:
                 done(partial)
     return failed, stopped
+
+
+#: a running job with no checkpoint for this long when the run stops it is reported as stalled
+STALL_S = 180.0
+
+
+def stalled_jobs(running: dict[Any, tuple[str, int, Path]], stall_s: float = STALL_S) -> dict[Any, float]:
+    """The running jobs whose last checkpoint (``progress.json``; before the first, the job's start)
+    is older than *stall_s*, with its age; each is asked (SIGUSR1) to write its threads' stacks into
+    its log (:func:`run_job` registers faulthandler for it), so that a job that waited minutes on
+    one call says which."""
+    now, out = time.time(), {}
+    for proc, (_, _, d) in running.items():
+        mark = d / "progress.json" if (d / "progress.json").exists() else d / "job.json"
+        with contextlib.suppress(OSError):
+            if (age := now - mark.stat().st_mtime) >= stall_s and proc.poll() is None:
+                proc.send_signal(signal.SIGUSR1)
+                out[proc] = age
+    if out:
+        time.sleep(1.0)  # the stacks are written by the job itself
+    return out
+
+
+def stall_report(d: Path, lines: int = 60) -> str:
+    """The tail of a stalled job's log (its stacks last) and of its gateway's."""
+    parts = []
+    for path in [d / "job.log", *sorted((d / "gw").glob("gateway-*.log"))]:
+        with contextlib.suppress(OSError):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            parts.append(f"--- {path.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts) or "(no log)"
 
 
 def run(args: argparse.Namespace, work: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -420,3 +421,42 @@ def test_a_run_stopped_by_sigterm_still_writes_its_report(signal, tmp_path: Path
     assert [(r["arm"], r["seed"], r["curve"], r["partial"]) for r in report["results"]] == [("rl", 0, [0.0, 0.25], True)]
     assert report["config"]["interrupted"] == type(signal).__name__ and report["config"]["stopped"] == ["rl-0"]
     assert (tmp_path / "cut.png").exists()
+
+
+def test_a_stalled_job_says_where_it_waited(tmp_path: Path):
+    """A job that made no checkpoint for minutes when the run stopped it (one of 15 on the GPU sat
+    ten minutes after its first round with nothing in the report) is asked for its threads' stacks
+    before it is stopped, and the report prints them with its gateway's log; a job that checkpointed
+    recently is left alone. Real processes, registered for the signal as ``run_job`` registers."""
+    child = ("import faulthandler, signal, sys, time\n"
+             "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+             "def waiting_on_the_policy_reply():\n"
+             "    time.sleep(60)\n"
+             "print('ready', flush=True)\n"
+             "waiting_on_the_policy_reply()\n")
+    running = {}
+    for name, age in (("stalled", 600), ("busy", 5)):
+        d = tmp_path / name
+        (d / "gw").mkdir(parents=True)
+        (d / "job.json").write_text("{}")
+        (d / "progress.json").write_text("{}")
+        then = time.time() - age
+        os.utime(d / "progress.json", (then, then))
+        (d / "gw" / "gateway-1234.log").write_text("INFO loading adapter v1 into http://127.0.0.1:8601/v1\n")
+        with open(d / "job.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-c", child], stdout=log, stderr=subprocess.STDOUT)
+        running[proc] = (name, 0, d)
+    try:
+        deadline = time.monotonic() + 20
+        while any(b"ready" not in (d / "job.log").read_bytes() for _, _, d in running.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stalled = bench.stalled_jobs(running, stall_s=180)
+        assert [running[p][0] for p in stalled] == ["stalled"] and list(stalled.values())[0] >= 600
+        report = bench.stall_report(tmp_path / "stalled")
+        assert "waiting_on_the_policy_reply" in report and "loading adapter v1" in report
+        assert "waiting_on_the_policy_reply" not in (tmp_path / "busy" / "job.log").read_text()
+    finally:
+        for proc in running:
+            proc.kill()
+            proc.wait()
