@@ -18,6 +18,12 @@ from typing import Any
 import orjson
 
 
+#: ``json.dumps(value, sort_keys=True, ensure_ascii=False)``, the encoder built once: the text the
+#: pool's stitching hashes are taken of (datapool.canonical, datapool.edits), so it stays the
+#: standard library's, byte for byte; json.dumps builds a new encoder at every call with these options
+canonical_dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False).encode
+
+
 def dumps(value: Any) -> bytes:
     """*value* as compact UTF-8 JSON bytes."""
     try:

@@ -25,6 +25,9 @@ from typing import Any
 from cachetools import LRUCache
 
 CACHE_CHARS = 32 * 1024 * 1024  # texts whose scan is remembered, by their total length
+BUILTIN_MIN_CHARS = 6  # the shortest text a built-in class matches (an email a@b.io)
+# what Redactor.value passes over (exact types: a str subclass is scanned as text)
+_SCALARS = frozenset({int, float, bool})
 
 CLASSES = ("secrets", "email", "phone", "card", "iban", "custom")
 DEFAULT_CLASSES = ("secrets",)
@@ -214,6 +217,10 @@ class Redactor:
         self._lock = threading.Lock()
         for name, expr in (custom or {}).items():
             self.detectors.append(Detector(_slug(name), "custom", re.compile(expr)))
+        # a text shorter than every detector's shortest match is passed over: the built-in ones match
+        # 6 characters or more; a custom expression may match fewer (a 4-digit PIN), so with one every
+        # text is scanned
+        self.min_chars = 1 if custom else BUILTIN_MIN_CHARS
 
     @property
     def active(self) -> bool:
@@ -221,7 +228,7 @@ class Redactor:
 
     def spans(self, text: str) -> list[tuple[int, int, str]]:
         """Non-overlapping (start, end, detector) of everything to redact in *text*, in order."""
-        if len(text) < 6:  # shorter than any detector's match
+        if len(text) < self.min_chars:
             return []
         with self._lock:
             cached = self._cache.get(text)
@@ -290,14 +297,32 @@ class Redactor:
     def value(self, value: Any, found: Found) -> Any:
         """*value* (JSON: dicts, lists, strings) with every string redacted; the same object when
         nothing changed."""
+        # a captured turn is mostly JSON in which nothing is found: walk it without building
+        # anything, and copy a dict or list only once one of its values changed
         if isinstance(value, str):
-            return self.text(value, found)
+            return self.text(value, found) if len(value) >= self.min_chars else value
         if isinstance(value, dict):
-            changed = {k: self.value(v, found) for k, v in value.items()}
-            return value if all(changed[k] is value[k] for k in value) else changed
+            changed: dict[Any, Any] | None = None
+            for k, v in value.items():
+                if v is None or v.__class__ in _SCALARS:
+                    continue
+                new = self.value(v, found)
+                if new is not v:
+                    if changed is None:
+                        changed = dict(value)
+                    changed[k] = new
+            return value if changed is None else changed
         if isinstance(value, list):
-            items = [self.value(v, found) for v in value]
-            return value if all(a is b for a, b in zip(items, value)) else items
+            items: list[Any] | None = None
+            for i, v in enumerate(value):
+                if v is None or v.__class__ in _SCALARS:
+                    continue
+                new = self.value(v, found)
+                if new is not v:
+                    if items is None:
+                        items = list(value)
+                    items[i] = new
+            return value if items is None else items
         return value
 
 

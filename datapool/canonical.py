@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from datapool.records import TurnRecord
+from base.jsonfast import canonical_dumps
 from base.vocab import Endpoint, TurnKind, TurnStatus
 
 Message = dict[str, Any]
@@ -112,7 +113,7 @@ class CanonicalHistory:
     def add(self, message: Message) -> dict[str, Any]:
         """Feed one message; returns its canonical form."""
         canon = self.canonical(message)
-        self._hash.update(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode())
+        self._hash.update(canonical_dumps(canon).encode())
         self._hash.update(b"\x1e")
         return canon
 

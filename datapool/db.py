@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import DateTime, Engine, create_engine, event
+from sqlalchemy import DateTime, Engine, Table, create_engine, event, insert
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.types import TypeDecorator
 
@@ -111,6 +112,42 @@ def dialect_insert(db: Session) -> Any:
     """``insert`` of the session's dialect, for ``on_conflict_do_nothing`` / ``_do_update``
     (PostgreSQL and SQLite both have them; the generic insert does not)."""
     return postgresql.insert if db.get_bind().dialect.name == "postgresql" else sqlite.insert
+
+
+def insert_rows(db: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
+    """``db.execute(insert(table), rows)``, as PostgreSQL's ``COPY … FROM STDIN`` there.
+
+    Every row has the same keys (the columns it fills). Each value goes through its column
+    type's bind processing as in the insert (the JSON columns as the engine's serializer writes
+    them, times in UTC), and a column the rows leave out gets its Python-side default as the
+    insert would give it (where that default is a function's, the rows go by the insert as
+    before): the same rows. The capture writer's executemany of a batch's turns cost SQLAlchemy's per-row
+    parameter handling and one pipelined statement per row (benchmarks/gateway/README.md). A
+    failure is raised as SQLAlchemy's ``DBAPIError`` of the driver's error, as from ``execute``."""
+    if not rows:
+        return
+    dialect = db.get_bind().dialect
+    given = list(rows[0])
+    defaults: dict[str, Any] = {c.name: c.default for c in table.c if c.name not in rows[0] and c.default is not None}
+    if dialect.name != "postgresql" or not all(d.is_scalar for d in defaults.values()):
+        db.execute(insert(table), list(rows))
+        return
+    fixed = [d.arg for d in defaults.values()]
+    names = given + list(defaults)
+    processors = [table.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in names]
+    quote = dialect.identifier_preparer.quote
+    sql = f"COPY {dialect.identifier_preparer.format_table(table)} ({', '.join(map(quote, names))}) FROM STDIN"
+    raw = db.connection().connection.dbapi_connection
+    assert raw is not None
+    error = dialect.loaded_dbapi.Error
+    try:
+        with raw.cursor() as cursor, cursor.copy(sql) as copy:
+            for row in rows:
+                values = [row[n] for n in given]
+                values += fixed
+                copy.write_row([v if p is None else p(v) for v, p in zip(values, processors)])
+    except error as exc:
+        raise DBAPIError.instance(sql, None, exc, error, dialect=dialect) from exc
 
 
 def alembic_config(url: str):  # type: ignore[no-untyped-def]

@@ -12,11 +12,11 @@ by message (:func:`align`). The rules are in docs/sessions.md#edited-histories.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from base.jsonfast import canonical_dumps
 from base.vocab import Endpoint, TurnKind, TurnStatus
 from datapool.canonical import Continuation, Message, Prepared, canonical_message, continuations_of
 
@@ -86,7 +86,7 @@ def _loose(m: Message) -> dict[str, Any]:
 
 
 def _digest(canon: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(canon, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
+    return hashlib.sha256(canonical_dumps(canon).encode()).hexdigest()[:32]
 
 
 def _call_of(messages: Sequence[Message], call_id: Any) -> list[Any]:
@@ -137,7 +137,7 @@ def system_of(messages: Sequence[Message]) -> str | None:
     system = [canonical_message(m) for m in messages if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES]
     if not system:
         return None
-    return hashlib.sha256(json.dumps(system, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:32]
+    return hashlib.sha256(canonical_dumps(system).encode()).hexdigest()[:32]
 
 
 def pair_key(prompt: str, reply: str) -> str:
@@ -189,10 +189,11 @@ def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list
             if isinstance(reply, dict)]
 
 
-def request_pairs(messages: Sequence[Message]) -> list[tuple[int, str]]:
+def request_pairs(messages: Sequence[Message], forms: Sequence[str | None] | None = None) -> list[tuple[int, str]]:
     """(index of the assistant message, pair key of it and the non-system message before it) for
-    every assistant message of a request, latest first."""
-    forms = loose_forms(messages)
+    every assistant message of a request, latest first; *forms*: ``loose_forms(messages)``, when
+    the caller has them."""
+    forms = loose_forms(messages) if forms is None else forms
     out: list[tuple[int, str]] = []
     prev: str | None = None
     for i, (m, f) in enumerate(zip(messages, forms)):

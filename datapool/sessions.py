@@ -423,7 +423,11 @@ class Stitcher:
         unique: dict[str, TurnRecord] = {}
         for r in records:
             unique.setdefault(r.id, r)
-        stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
+        if self.dialect == "postgresql":  # one array: an IN list's parameters are rendered and parsed anew per batch
+            stored = set(self.db.scalars(text("SELECT id FROM turns WHERE id = ANY(CAST(:ids AS varchar[]))"),
+                                         {"ids": list(unique)}))
+        else:
+            stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
         prepared = [tenant_scoped(with_pairs(prepare(r))) for r in fresh]
         self._lock(prepared)

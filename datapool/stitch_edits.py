@@ -97,7 +97,7 @@ class EditedTurns:
         r = p.record
         messages = r.messages
         forms = loose_forms(messages)
-        keys = [(i + 1, tenant_hash(r.tenant, h), False) for i, h in request_pairs(messages)]
+        keys = [(i + 1, tenant_hash(r.tenant, h), False) for i, h in request_pairs(messages, forms)]
         keys += [(j + 1, tenant_hash(r.tenant, h), True) for j, h in request_tails(messages, forms)]
         keys = sorted((k for k in keys if k[0] > after), key=lambda k: -k[0])
         if not keys:

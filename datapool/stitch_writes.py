@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, delete, select, update
 from sqlalchemy.orm import Session as OrmSession
 
 from datapool.canonical import Prepared
-from datapool.db import dialect_insert
+from datapool.db import dialect_insert, insert_rows
 from datapool.edits import TAIL_INDEX, is_system_free_index
 from datapool.models import Session, ToolCallArguments, Turn, TurnContinuation
 from datapool.records import TurnRecord
@@ -80,15 +80,16 @@ class PendingWrites:
 
     def flush(self) -> None:
         """Write what was decided since the last flush: a few bulk statements."""
-        sessions = [
+        # the sessions this batch inferred have ids of its own making (uuid4): nothing to conflict with
+        insert_rows(self.db, _sessions, [
             dict(row, updated_at=max(row["updated_at"], self.touched.get(sid, row["updated_at"]), key=clock))
             for sid, row in self.new_sessions.items()
-        ]
-        sessions += self.named_sessions.values()
-        if sessions:
-            self.db.execute(dialect_insert(self.db)(_sessions).on_conflict_do_nothing(), sessions)
+        ])
+        if self.named_sessions:
+            self.db.execute(dialect_insert(self.db)(_sessions).on_conflict_do_nothing(),
+                            list(self.named_sessions.values()))
         if self.unstored:
-            self.db.execute(insert(_turns), [turn_row(p, t) for p, t in self.unstored])
+            insert_rows(self.db, _turns, [turn_row(p, t) for p, t in self.unstored])
             continuations = [
                 {"hash": c.hash, "turn_id": t.id, "choice_index": c.choice_index, "created_at": t.created_at,
                  "answered": t.status == TurnStatus.OK, "system_free": is_system_free_index(c.choice_index)}
@@ -96,7 +97,7 @@ class PendingWrites:
                 for c in p.continuations
             ]
             if continuations:
-                self.db.execute(insert(TurnContinuation.__table__), continuations)
+                insert_rows(self.db, TurnContinuation.__table__, continuations)
             for _, t in self.unstored:
                 t.stored = True
         if self.changed_next_state:

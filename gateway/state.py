@@ -34,6 +34,13 @@ from gateway.vllm_watch import VLLMWatch, vllm_bases
 
 log = logging.getLogger("nextstate.gateway")
 
+# the collector's first generation runs after this many more objects allocated than freed (the
+# interpreter's default is 700). A request's parsing and the capture writer's batch pass 700 many
+# times over while they are alive, and each collection walked what they held: ~0.25 ms each,
+# ~20 µs of CPU per request in all. At 10,000 a collection takes ~3 ms, 30 times less often;
+# at 50,000 one took ~13 ms, a pause the added p99 would show (benchmarks/gateway/README.md)
+GC_GEN0_THRESHOLD = 10_000
+
 
 
 @dataclass
@@ -146,9 +153,13 @@ async def running(settings: Settings, model_list: list[dict[str, Any]] | None, p
     # what the start imported and built lives as long as the process: out of the collector's
     # generations, so that a full collection under load walks only what requests allocate
     gc.freeze()
+    threshold = gc.get_threshold()
+    if 0 < threshold[0] < GC_GEN0_THRESHOLD:  # 0: the collector is off, leave it so
+        gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
     try:
         yield gw
     finally:
+        gc.set_threshold(*threshold)
         follower.cancel()
         watching.cancel()
         await asyncio.to_thread(watch.stop)

@@ -23,7 +23,7 @@ from datapool.capture import CaptureWriter, Spool
 from datapool.db import make_engine, upgrade
 from datapool.models import Turn
 from datapool.records import TurnRecord
-from base.redact import CLASSES, Found, Redactor, parse_classes
+from base.redact import BUILTIN_MIN_CHARS, CLASSES, Found, Redactor, parse_classes
 from base.settings import Settings
 from datapool.token_mask import Decoder, mask_ids, redact_text
 from tests.support.planted import PERSONAL, SECRETS, plant, random_text
@@ -87,6 +87,29 @@ def test_custom_patterns() -> None:
     assert found.counts == {"ticket_id": 1}
 
 
+def test_a_custom_pattern_shorter_than_the_built_in_ones_is_found() -> None:
+    """Texts shorter than every built-in class's shortest match are passed over; a custom pattern
+    that matches fewer characters (a 4-digit PIN) still finds them, alone or inside a turn's JSON."""
+    redactor = Redactor(("secrets",), {"pin": r"\b\d{4}\b"})
+    found = Found()
+    assert redactor.text("4242", found) == "[REDACTED:pin]"
+    assert redactor.value({"args": ["4242", {"pin": "1234"}], "n": 4242}, found) == {
+        "args": ["[REDACTED:pin]", {"pin": "[REDACTED:pin]"}], "n": 4242}
+    assert found.counts == {"pin": 3}
+
+
+def test_no_built_in_class_matches_fewer_characters_than_it_passes_over() -> None:
+    import re._parser as sre_parse  # the regular expressions' own widths
+
+    redactor = Redactor(CLASSES)
+    for d in redactor.detectors:
+        shortest = sre_parse.parse(d.pattern.pattern).getwidth()[0]
+        if d.name == "phone":  # its expression takes 5 characters; its check wants 7 digits of them
+            assert shortest >= 5 and d.check is not None and d.check("+1 23") is None and d.check("123-4567")
+            continue
+        assert shortest >= BUILTIN_MIN_CHARS, (d.name, shortest)
+
+
 def _record(text: str, *, white_box: bool = False, ids: list[int] | None = None) -> TurnRecord:
     """*text* in every field of a turn a person or a tool could have written it in."""
     messages = [{"role": "user", "content": text},
@@ -104,6 +127,46 @@ def test_every_field_of_a_record_is_redacted() -> None:
     found = redact_text(record, Redactor())
     assert secret not in json.dumps(record.to_json())
     assert found.counts["anthropic_key"] == 7 and record.redaction == {"counts": {"anthropic_key": 7}}
+
+
+def _value_as_before(redactor: Redactor, value: Any, found: Found) -> Any:
+    """Redactor.value as it was written first (a new dict and list at every level, then compared)."""
+    if isinstance(value, str):
+        return redactor.text(value, found)
+    if isinstance(value, dict):
+        changed = {k: _value_as_before(redactor, v, found) for k, v in value.items()}
+        return value if all(changed[k] is value[k] for k in value) else changed
+    if isinstance(value, list):
+        items = [_value_as_before(redactor, v, found) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
+def _secret_or_text() -> st.SearchStrategy[str]:
+    return st.one_of(FILLER, st.builds(lambda rng, a, b: a + plant(rng, SECRETS)[1] + b,
+                                       st.randoms(use_true_random=False), FILLER, FILLER))
+
+
+_JSON_WITH_SECRETS = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _secret_or_text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(FILLER, inner, max_size=4), max_leaves=15)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_JSON_WITH_SECRETS)
+def test_a_value_walked_without_copies_is_redacted_as_before(value: Any) -> None:
+    """Redactor.value copies a dict or list only where something in it changed: the result, the
+    counts, and which objects come back unchanged are those of the first, copying walk."""
+    redactor = Redactor()
+    before, after = Found(), Found()
+    expected = _value_as_before(redactor, value, before)
+    got = redactor.value(value, after)
+    assert got == expected and (got is value) == (expected is value)
+    assert after.counts == before.counts and after.originals == before.originals
+    if isinstance(value, (dict, list)) and got is not value:
+        keys = value.keys() if isinstance(value, dict) else range(len(value))
+        for k in keys:  # an unchanged member is the same object, as before
+            assert (got[k] is value[k]) == (expected[k] is value[k])
 
 
 async def test_writer_redacts_before_the_pool_and_the_spool(tmp_path: Path) -> None:
