@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -91,6 +92,14 @@ class VllmNccl:
 #: what a 404 from a weight-transfer route means
 MISSING = (f"full weights over NCCL need vLLM >= 0.26 started with VLLM_SERVER_DEV_MODE=1 and {' '.join(SERVE_ARGS)} "
            "(`nextstate vllm serve --weight-transfer nccl`)")
+
+
+def _cuda_device() -> int | None:
+    """This thread's current CUDA device, where torch is loaded and has a GPU; else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.current_device())
 
 
 def _post(http: httpx.Client, url: str, path: str, what: str, **kw: Any) -> None:
@@ -184,9 +193,12 @@ class TransferGroup:
         the first failed join, or *timeout_s* without a group, ends the wait with the reason. The
         thread left waiting is a daemon; a later :meth:`connect` makes a new group on a new port."""
         made: Future[Communicator] = Future()
+        device = _cuda_device()  # CUDA's current device is per thread: the new one starts on device 0
 
         def make() -> None:
             try:
+                if device is not None:
+                    sys.modules["torch"].cuda.set_device(device)
                 made.set_result(self._communicator(info, self.packed))
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
                 made.set_exception(exc)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -299,6 +300,32 @@ def test_a_server_whose_workers_cannot_join_ends_the_connect_with_its_reason(ser
         group.connect()
     release.set()
     assert time.monotonic() - t0 < 10 and group.comm is None
+
+
+def test_the_trainers_end_is_made_on_the_callers_cuda_device(server: tuple[StandIn, str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's end is made in a thread of its own, and CUDA's current device is per thread
+    (a new one starts on device 0): it is made on the device the caller had current. A stand-in
+    of torch's CUDA calls records where ``set_device`` was called from."""
+    stand_in, url = server
+    seen: list[tuple[int, str]] = []
+
+    class Cuda:
+        @staticmethod
+        def is_available() -> bool:
+            return True
+
+        @staticmethod
+        def current_device() -> int:
+            return 1
+
+        @staticmethod
+        def set_device(device: int) -> None:
+            seen.append((device, threading.current_thread().name))
+
+    monkeypatch.setitem(sys.modules, "torch", type("Torch", (), {"cuda": Cuda}))
+    TransferGroup([url], communicator=stand_in.communicator).connect()
+    assert seen == [(1, "nccl-join")]
 
 
 def test_a_group_that_never_forms_ends_at_the_timeout(server: tuple[StandIn, str]) -> None:
