@@ -294,6 +294,21 @@ class Redactor:
         out.append(text[last:])
         return "".join(out)
 
+    def _members(self, value: Any, members: Iterable[tuple[Any, Any]], copy: Callable[[Any], Any],
+                 found: Found) -> Any:
+        """*value* (a dict or list, its *members* as (key, member)) redacted: a *copy* of it made
+        once a member changed, else *value* itself."""
+        changed = None
+        for k, v in members:
+            if v is None or v.__class__ in _SCALARS:
+                continue
+            new = self.value(v, found)
+            if new is not v:
+                if changed is None:
+                    changed = copy(value)
+                changed[k] = new
+        return value if changed is None else changed
+
     def value(self, value: Any, found: Found) -> Any:
         """*value* (JSON: dicts, lists, strings) with every string redacted; the same object when
         nothing changed."""
@@ -302,27 +317,9 @@ class Redactor:
         if isinstance(value, str):
             return self.text(value, found) if len(value) >= self.min_chars else value
         if isinstance(value, dict):
-            changed: dict[Any, Any] | None = None
-            for k, v in value.items():
-                if v is None or v.__class__ in _SCALARS:
-                    continue
-                new = self.value(v, found)
-                if new is not v:
-                    if changed is None:
-                        changed = dict(value)
-                    changed[k] = new
-            return value if changed is None else changed
+            return self._members(value, value.items(), dict, found)
         if isinstance(value, list):
-            items: list[Any] | None = None
-            for i, v in enumerate(value):
-                if v is None or v.__class__ in _SCALARS:
-                    continue
-                new = self.value(v, found)
-                if new is not v:
-                    if items is None:
-                        items = list(value)
-                    items[i] = new
-            return value if items is None else items
+            return self._members(value, enumerate(value), list, found)
         return value
 
 

@@ -42,7 +42,6 @@ log = logging.getLogger("nextstate.gateway")
 GC_GEN0_THRESHOLD = 10_000
 
 
-
 @dataclass
 class Gateway:
     """Everything a request handler needs, built once per process."""
