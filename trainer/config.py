@@ -323,6 +323,12 @@ class OnlineConfig:
     #: the coefficient stays fixed. Needs kl_coef > 0; computes the drift metrics every round
     kl_target: float | None = None
     kl_horizon: float = 1.0  # rounds: at 1, the coefficient moves at most 20 % a round
+    #: with kl_target: the coefficient never falls below its starting value, so the anchor only
+    #: tightens. veRL's controller moves both ways alike; a faster one (kl_horizon 0.25: up to ×1.8 a
+    #: round) then also drops the coefficient ×0.2 a round while the drift is under the target, and
+    #: cannot rise fast enough once it is over (GPU runs, kl_horizon 1: KL 0.75 at round 6 against a
+    #: target of 0.3, the coefficient at 0.095 from 0.1)
+    kl_floor: bool = False
     # live monitor
     rollback_window: int = 16  # live scored turns of a version before it is judged
     rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's

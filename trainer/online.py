@@ -189,6 +189,7 @@ class OnlineTrainer:
             from verl.trainer.ppo.core_algos import AdaptiveKLController
 
             self.kl = AdaptiveKLController(objective.kl_coef, config.kl_target, config.kl_horizon)
+            self.kl_start = objective.kl_coef  # the floor, with OnlineConfig.kl_floor
         self.last_error: str | None = None
 
     # -- the run ---------------------------------------------------------------------------------
@@ -358,6 +359,8 @@ class OnlineTrainer:
         assert self.kl is not None
         metrics["kl_coef"] = self.objective.kl_coef
         self.kl.update(metrics["drift_kl_k3"], 1)
+        if self.cfg.kl_floor:
+            self.kl.value = max(self.kl.value, self.kl_start)
         self.objective = replace(self.objective, kl_coef=float(self.kl.value))
         trainer.objective = self.objective
         metrics["kl_coef_next"] = self.objective.kl_coef

@@ -332,7 +332,8 @@ class Job:
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
-                            drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target, **gate)
+                            drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
+                            kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -481,6 +482,10 @@ class Arm:
     replay: int = 0
     #: the KL anchor adapted toward this KL to the base per round (OnlineConfig.kl_target); None: fixed
     kl_target: float | None = None
+    #: with kl_target: the controller's horizon in rounds (OnlineConfig.kl_horizon) and whether the
+    #: coefficient may fall below its start (OnlineConfig.kl_floor)
+    kl_horizon: float = 1.0
+    kl_floor: bool = False
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -506,7 +511,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``preference.judge_naming_the_question``), ``seq`` (the loss averaged per reply, then over the
     replies: ``loss_agg_mode`` :data:`SEQ_AGG` instead of token-mean, so a long reply weighs as much
     as a short one), ``kltarget=T`` (with kl: the anchor's coefficient adapted each round toward a
-    KL to the base of T per reply token, ``OnlineConfig.kl_target``), ``graded`` (the python judge
+    KL to the base of T per reply token, ``OnlineConfig.kl_target``; ``klh=H``: the controller's horizon in
+    rounds, ``OnlineConfig.kl_horizon``, 1 by default, at most ×(1 + 0.2 / H) a round; ``klfloor``: the
+    coefficient never below its start, ``OnlineConfig.kl_floor``), ``graded`` (the python judge
     votes 0 on a reply on topic but too long, -1 off topic: ``preference.graded_judge``; RL's reward
     then prefers keeping the topic to getting short, so rl or combined only: OPD ignores the reward).
     Raises ValueError for an unknown objective, baseline or option."""
@@ -523,6 +530,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ask = graded = False
     replay = 0
     kl_target = None
+    kl_horizon, kl_floor = 1.0, False
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -562,18 +570,26 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             kl_target = float(value)
             if kl_target <= 0:
                 raise ValueError(f"kltarget is a KL per reply token > 0, not {value!r}")
+        elif name == "klh" and eq:
+            kl_horizon = float(value)
+            if not 0 < kl_horizon <= 100:
+                raise ValueError(f"klh is the KL controller's horizon in rounds, in (0, 100], not {value!r}")
+        elif name == "klfloor" and not eq:
+            kl_floor = True
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], kltarget=T, tau=T, tail=W, topic[=M], "
-                             "siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], kltarget=T, klh=H, klfloor, tau=T, "
+                             "tail=W, topic[=M], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
     if kl_target is not None and not kw.get("kl_coef"):
         raise ValueError("kltarget adapts the KL anchor from its starting coefficient: it needs +kl[=C]")
+    if (kl_horizon != 1.0 or kl_floor) and kl_target is None:
+        raise ValueError("klh and klfloor shape the KL controller: they need +kltarget=T")
     if graded and objective == "opd":
         raise ValueError("graded grades the RL reward, which opd does not train on: it needs rl or combined")
     judge = ("graded_" if graded else "") + ("judge_naming_the_question" if ask else "judge")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
-               kl_target)
+               kl_target, kl_horizon, kl_floor)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -680,7 +696,10 @@ def main() -> None:
                         "(combined:batch:0.5), to run the variants side by side; then options after a +: "
                         f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), tau=T / tail=W (with topk: "
                         f"the teacher tempered / its tail's weight), kl[=C] (the KL anchor to the base policy, C "
-                        f"{KL_DEFAULT} by default: opd+topk+kl), topic[=M] (hold back a candidate whose on-topic share "
+                        f"{KL_DEFAULT} by default: opd+topk+kl), kltarget=T (with kl: its coefficient adapted each "
+                        "round toward a KL to the base of T per reply token), klh=H (with kltarget: the controller's "
+                        "horizon, rounds; 0.25 moves it up to x1.8 a round), klfloor (with kltarget: never below its "
+                        "start), topic[=M] (hold back a candidate whose on-topic share "
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "

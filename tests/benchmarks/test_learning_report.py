@@ -138,7 +138,11 @@ def test_an_arm_may_adapt_its_kl_anchor_toward_a_target():
     adapted = arm_spec("combined+topk+kl=0.1+kltarget=0.2+seq+steps=6")
     assert (adapted.kl_target, adapted.objective.kl_coef, adapted.updates) == (0.2, 0.1, 6)
     assert arm_spec("combined+kl").kl_target is None
-    for bad in ("combined+kltarget=0.2", "combined+kl+kltarget=0", "combined+kl+kltarget"):
+    fast = arm_spec("combined+kl=0.1+kltarget=0.3+klh=0.25+klfloor")
+    assert (fast.kl_target, fast.kl_horizon, fast.kl_floor) == (0.3, 0.25, True)
+    assert (adapted.kl_horizon, adapted.kl_floor) == (1.0, False)
+    for bad in ("combined+kltarget=0.2", "combined+kl+kltarget=0", "combined+kl+kltarget", "combined+kl+klh=0.5",
+                "combined+kl+klfloor", "combined+kl+kltarget=0.3+klh=0", "combined+kl+kltarget=0.3+klfloor=1"):
         with pytest.raises(ValueError):
             arm_spec(bad)
     assert arm_slug("combined+lr=2e-3+steps=4") == "combined-lr-2e-3-steps-4"

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -638,4 +639,28 @@ def test_the_kl_anchor_follows_its_target_round_by_round(pg: str, servers: list[
         _online(pg, servers, model_dir, tmp_path, kl_target=0.2)
     with pytest.raises(ValueError, match="kl_target must be > 0"):
         OnlineConfig(kl_target=0)
+    online.engine.dispose()
+
+
+@pytest.mark.parametrize("floor", [False, True])
+def test_a_floored_kl_anchor_only_tightens(pg: str, servers: list[str], model_dir: Path, tmp_path: Path,
+                                           floor: bool) -> None:
+    """OnlineConfig.kl_floor: a fast controller (kl_horizon 0.25: up to ×1.8 a round) tightens the anchor
+    as the drift passes the target and, floored, never loosens it below its starting value; unfloored it
+    falls ×0.2 a round under the target (veRL's controller, both ways alike)."""
+    config = OnlineConfig(version_prefix=f"t{uuid.uuid4().hex[:6]}", kl_target=0.3, kl_horizon=0.25, kl_floor=floor)
+    online = OnlineTrainer(make_engine(pg), objective=ObjectiveConfig(kl_coef=0.1), local=LocalConfig(model_dir=model_dir),
+                           filters=Filters(), config=config,
+                           vllm_urls=servers, base_model="smollm2", output_root=tmp_path / "runs",
+                           store=tmp_path / "store")
+    trainer = SimpleNamespace(objective=online.objective)
+    coefs = []
+    for drift in (0.07, 0.34, 0.6, 0.1):  # under, a little over, far over, under the target of 0.3
+        online._adapt_kl(trainer, metrics := {"drift_kl_k3": drift})  # type: ignore[arg-type]
+        coefs.append(metrics["kl_coef_next"])
+        assert trainer.objective.kl_coef == online.objective.kl_coef == metrics["kl_coef_next"]
+    if floor:
+        assert coefs == pytest.approx([0.1, 0.1 * (1 + (0.34 / 0.3 - 1) / 0.25), 0.1 * 1.5333 * 1.8, 0.1], rel=1e-3)
+    else:
+        assert coefs == pytest.approx([0.02, 0.02 * 1.5333, 0.02 * 1.5333 * 1.8, 0.02 * 1.5333 * 1.8 * 0.2], rel=1e-3)
     online.engine.dispose()
