@@ -229,13 +229,13 @@ def event_metrics(engine: Any, name: str) -> dict[str, Any]:
 
 
 def reload_parts(metrics: dict[str, Any]) -> dict[str, float]:
-    """The slowest server's reload steps outside vLLM's own part (vllm_client.weights.Reload:
-    before_s, confirm_s, digest_s), from the publish event."""
+    """The slowest server's reload steps (vllm_client.weights.Reload: pause_s, before_s, reload_s,
+    confirm_s, digest_s), from the publish event."""
     reloads = metrics.get("reloads") or []
     if not reloads:
         return {}
     slowest = max(reloads, key=lambda r: r.get("total_s") or 0.0)
-    return {k: float(slowest.get(k) or 0.0) for k in ("before_s", "confirm_s", "digest_s")}
+    return {k: float(slowest.get(k) or 0.0) for k in ("pause_s", "before_s", "reload_s", "confirm_s", "digest_s")}
 
 
 def load_seconds(metrics: dict[str, Any]) -> float | None:
@@ -357,7 +357,9 @@ def _outside_parts(rounds: list[dict[str, Any]]) -> list[tuple[str, list[float]]
         ("checks (files, shapes, name)", [p.get("check_s", 0.0) + p.get("place_s", 0.0) for p in ph]),
         ("serving step around vLLM's part", [r["phases_s"].get("serve_s", 0.0) - r["load_s"] for r in done]),
         *[(f"… {label}", [(r.get("reload_parts_s") or {}).get(key, 0.0) for r in done])
-          for label, key in (("what it holds, read (NCCL: once paused, the pause included)", "before_s"),
+          for label, key in (("the pause (vLLM's /pause answered)", "pause_s"),
+                             ("what it holds, read (NCCL: once paused, the pause included)", "before_s"),
+                             ("the weights: start, sent, finish, label (NCCL; from disk: the reload)", "reload_s"),
                              ("confirming (label, not paused, one-token completion)", "confirm_s"),
                              ("weights checksum", "digest_s"))
           if any((r.get("reload_parts_s") or {}).get(key) for r in done)],

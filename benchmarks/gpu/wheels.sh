@@ -19,7 +19,7 @@ plat=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --
 for p in litellm==1.110.2 fastuuid==0.14.0 sqlalchemy==2.1.9 greenlet==3.5.6 alembic==1.20.1 mako==1.4.3 \
   pydantic-settings celery==5.7.0 kombu==5.7.0 billiard vine amqp click-didyoumean click-repl click-plugins \
   prompt_toolkit wcwidth tzlocal==5.4.5 tzdata redis==8.1.0 itsdangerous==2.2.0 h2 hpack hyperframe \
-  importlib_metadata==8.7.0 nh3 markdown-it-py mdurl detect-secrets==1.5.0 orjson; do
+  importlib_metadata==8.7.0 nh3 markdown-it-py mdurl detect-secrets==1.5.0 orjson liger-kernel==0.8.5; do
   python3 -m pip download -q "${plat[@]}" -d "$out" "$p" 2>&1 | grep -v '^WARNING: Location' || true
 done
 ls "$out" | wc -l

@@ -126,6 +126,10 @@ VARIANTS: dict[str, list[str]] = {
     # veRL's torch.compile of the actor (trainer.verl.config turns it off: eager is what was measured)
     "fused-compile": ["--fused-kernels", "--remove-padding", "off",
                       "--override=actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"],
+    # Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (veRL's model.use_liger; liger-kernel from
+    # benchmarks/gpu/wheels.sh): the profiled fused step (micro-batch 16) spent more GPU time in elementwise
+    # kernels (fp32 multiplies, dtype copies: RMSNorm's upcasts) than in its matmuls
+    "fused-liger": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true"],
 }
 
 

@@ -88,8 +88,11 @@ def test_tables_render() -> None:
     assert "| … serving step around vLLM's part s | 0.030 |" in text
     assert "| … registering it in the pool, and the rest s | 0.050 |" in text
     # and the serving step's own parts (vllm_client.weights.Reload), a step that took no time left out
-    rounds[0]["reload_parts_s"] = {"before_s": 0.01, "confirm_s": 0.015, "digest_s": 0.0}
+    rounds[0]["reload_parts_s"] = {"pause_s": 0.004, "before_s": 0.01, "reload_s": 0.2, "confirm_s": 0.015,
+                                   "digest_s": 0.0}
     text = publish_load.table(full)
+    assert "| … … the pause (vLLM's /pause answered) s | 0.004 |" in text
+    assert "| … … the weights: start, sent, finish, label (NCCL; from disk: the reload) s | 0.200 |" in text
     assert "| … … what it holds, read (NCCL: once paused, the pause included) s | 0.010 |" in text
     assert "| … … confirming (label, not paused, one-token completion) s | 0.015 |" in text
     assert "checksum" not in text

@@ -396,7 +396,8 @@ def test_publish_sends_a_full_version_over_nccl_and_registers_it(server: tuple[S
     phases = metrics["phases_s"]
     assert set(phases) == {"check_s", "place_s", "serve_s"} and all(v >= 0 for v in phases.values())
     parts = reload_parts(metrics)  # and the server's own steps around the transfer
-    assert set(parts) == {"before_s", "confirm_s", "digest_s"} and parts["confirm_s"] > 0
+    assert set(parts) == {"pause_s", "before_s", "reload_s", "confirm_s", "digest_s"}
+    assert parts["confirm_s"] > 0 and 0 < parts["pause_s"] <= parts["before_s"] and parts["reload_s"] > 0
     # a group made for other servers is refused before anything is paused
     other = TransferGroup(["http://127.0.0.1:9/v1"], communicator=stand_in.communicator)
     stand_in.calls.clear()

@@ -294,6 +294,7 @@ def test_weak_scaling_plan() -> None:
     assert seen["fused-noreshard"].override == ["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"]
     assert not seen["plain"].fused_kernels and seen["fused-rmpad"].remove_padding == "on"
     assert seen["fused-compile"].override == ["actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"]
+    assert seen["fused-liger"].override == ["actor_rollout_ref.model.use_liger=true"] and seen["fused-liger"].fused_kernels
 
 
 def test_runs_take_the_gpus_the_caller_made_visible() -> None:
@@ -324,6 +325,13 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     actor = omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
     assert actor.profiler.enable and actor.profiler.tool == "torch"
     assert actor.profiler.save_path == str(tmp_path / "trace")
+    # the fused-liger variant's override names a key veRL's model config has (a misspelt one would be added)
+    plain = build_config(VerlConfig(model_dir=tiny_qwen3), ObjectiveConfig(), batch_size=4, total_steps=3)
+    assert plain.actor_rollout_ref.model.use_liger is False
+    liger = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(o.removeprefix("--override=") for o in
+                                                                         verl_gpu.VARIANTS["fused-liger"][3:])),
+                         ObjectiveConfig(), batch_size=4, total_steps=3)
+    assert liger.actor_rollout_ref.model.use_liger is True
     # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
