@@ -253,6 +253,23 @@ def examples(engine: Any, records: list[Any], kinds: dict[str, tuple[Any, Any]],
     return out
 
 
+def final_extra(suite: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--final-heldout N``: the held-out tasks after the first --heldout of the N (the generator's
+    files are prefix-stable: the first --heldout are the tasks every evaluation answers)."""
+    n = getattr(args, "final_heldout", None)
+    return load_split(suite, "heldout", n)[args.heldout:] if n else []
+
+
+def widened(first: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """One version's pass@1 over the --heldout tasks (*first*, its evaluation) and the rest of the
+    --final-heldout tasks (*extra*), as one evaluation over all of them."""
+    n1, n2 = first["tasks"], extra["tasks"]
+    return {"tasks": n1 + n2, "pass_at_1": (first["pass_at_1"] * n1 + extra["pass_at_1"] * n2) / (n1 + n2),
+            "first": {"tasks": n1, "pass_at_1": first["pass_at_1"]},
+            "rest": {k: extra[k] for k in ("tasks", "pass_at_1", "by_kind", "by_version", "failed", "timed_out",
+                                           "seconds")}}
+
+
 def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any]], args: argparse.Namespace,
              workdir: Path, engine: Any = None) -> dict[str, Any]:
     """Held-out pass@1: each task once, greedy (`nextstate rollout --eval`'s report); with the engine
@@ -270,7 +287,7 @@ def evaluate(gateway_url: str, run: str, suite: str, heldout: list[dict[str, Any
         kind, level = kinds[r.task_id]
         by_kind[f"{kind}/L{level}"].append(r.passed(1.0))
     return {"pass_at_1": sum(r.passed(1.0) for r in summary.records) / len(summary.records),
-            "by_version": {v: x["pass@1"] for v, x in report["by_version"].items()},
+            "tasks": len(summary.records), "by_version": {v: x["pass@1"] for v, x in report["by_version"].items()},
             "by_kind": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_kind.items())},
             "failed": report["failed"], "timed_out": report["timed_out"], "sent": tally.sent,
             "captured": tally.captured, "seconds": round(time.monotonic() - started, 1)} | (
@@ -407,6 +424,7 @@ class Job:
                 self.pipelined(gw.url, batches, heldout, row, t0)
             else:
                 self.in_turn(gw.url, batches, heldout, row, t0)
+            self.final(gw.url, row)
         finally:
             gw.stop()
             self.unload()
@@ -551,6 +569,26 @@ class Job:
                  steps)
         (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
 
+    def final(self, gw_url: str, row: dict[str, Any]) -> None:
+        """``--final-heldout N``: the last published version, still serving, answers the held-out tasks
+        beyond the first --heldout too; its pass@1 over all N goes in ``row["final_heldout"]``. Most of a
+        64-task pass@1's spread between seeds is the evaluation's own (binomial), which N tasks shrink
+        without evaluating every iteration on N."""
+        extra = final_extra(self.suite, self.args)
+        if not extra or not row["iterations"]:
+            return
+        last = row["iterations"][-1]
+        started = time.monotonic()
+        ev = evaluate(gw_url, f"{self.prefix}-final-eval", self.suite, extra, self.args, self.work)
+        if set(ev["by_version"]) != set(last["heldout"]["by_version"]):
+            log.warning("%s %s seed %d: the final held-out answers came from %s, the last evaluation's from %s",
+                        self.suite, self.arm, self.seed, sorted(ev["by_version"]), sorted(last["heldout"]["by_version"]))
+        row["final_heldout"] = widened(last["heldout"], ev) | {"iteration": last["iteration"],
+                                                                "eval_s": round(time.monotonic() - started, 1)}
+        log.info("%s %s seed %d: held-out pass@1 %.3f over %d tasks after iteration %d", self.suite, self.arm, self.seed,
+                 row["final_heldout"]["pass_at_1"], row["final_heldout"]["tasks"], last["iteration"])
+        (self.work / "progress.json").write_text(json.dumps(row, indent=1, default=str))
+
     def unload(self) -> None:
         from datapool.versions import BASE
         from publishing.publish import activate
@@ -670,6 +708,9 @@ def base_rates(args: argparse.Namespace, suites: list[str], work: Path) -> dict[
                 heldout = load_split(suite, "heldout", args.heldout)
                 out[suite] = evaluate(gw.url, f"base-{suite}-{uuid.uuid4().hex[:6]}", suite, heldout, args, work,
                                       engine=engine)
+                if extra := final_extra(suite, args):
+                    rest = evaluate(gw.url, f"base-{suite}-final-{uuid.uuid4().hex[:6]}", suite, extra, args, work)
+                    out[suite]["final_heldout"] = widened(out[suite], rest)
                 log.info("base %s: held-out pass@1 %.3f over %d tasks %s", suite, out[suite]["pass_at_1"],
                          len(heldout), out[suite]["by_kind"])
             return out
@@ -834,6 +875,49 @@ def compare_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines + ([""] + speed if len(speed) > 2 else []))
 
 
+def final_bases(base: dict[str, Any]) -> str:
+    return ", ".join(f"{suite} {b['final_heldout']['pass_at_1']:.3f} over {b['final_heldout']['tasks']}"
+                     for suite, b in base.items() if b.get("final_heldout")) or "not measured"
+
+
+def final_table(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
+    """``--final-heldout``: per suite, each arm's last version over all N held-out tasks (mean ± SE over
+    the seeds that have it), its gain over the base's on the same N, and each arm against outcome-only:
+    the difference in SE unpaired and paired by seed (the seeds both arms have; one seed's arms
+    trained from the same task draws). Empty when no row has it."""
+    have = [r for r in rows if r.get("final_heldout")]
+    if not have:
+        return ""
+    lines = ["| suite | arm | seeds | tasks | iteration | pass@1 (mean ± SE) | gain over base | vs outcome, unpaired "
+             "| vs outcome, paired by seed |", "|---|---|---|---|---|---|---|---|---|"]
+    for suite in dict.fromkeys(r["suite"] for r in have):
+        by_arm = {arm: {r["seed"]: r["final_heldout"] for r in have if r["suite"] == suite and r["arm"] == arm}
+                  for arm in dict.fromkeys(r["arm"] for r in have if r["suite"] == suite)}
+        b = (base.get(suite) or {}).get("final_heldout", {}).get("pass_at_1")
+
+        def stats(vals: list[float]) -> tuple[float, float]:
+            return statistics.fmean(vals), (statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan"))
+
+        ref = by_arm.get("outcome")
+        for arm, seeds in by_arm.items():
+            m, se = stats([f["pass_at_1"] for f in seeds.values()])
+            tasks = "/".join(str(t) for t in sorted({f["tasks"] for f in seeds.values()}))
+            its = "/".join(str(t) for t in sorted({f["iteration"] for f in seeds.values()}))
+            unpaired = paired = "–"
+            if ref and arm != "outcome":
+                rm, rse = stats([f["pass_at_1"] for f in ref.values()])
+                sd = (se ** 2 + rse ** 2) ** 0.5
+                unpaired = f"{m - rm:+.3f} ({(m - rm) / sd:+.1f} SE)" if sd > 0 else f"{m - rm:+.3f}"
+                both = sorted(set(seeds) & set(ref))
+                if len(both) > 1:
+                    dm, dse = stats([seeds[k]["pass_at_1"] - ref[k]["pass_at_1"] for k in both])
+                    paired = (f"{dm:+.3f} ({dm / dse:+.1f} SE, {len(both)} seeds)" if dse > 0 else f"{dm:+.3f}")
+            gain = f"{m - b:+.3f}" if b is not None else "–"
+            lines.append(f"| {suite} | {arm} | {len(seeds)} | {tasks} | {its} | {m:.3f} ± {se:.3f} | {gain} | {unpaired} "
+                         f"| {paired} |")
+    return "\n".join(lines)
+
+
 def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, Any], minutes: float,
           failed: list[str], escapes: dict[str, Any] | None = None, runs: dict[str, Any] | None = None) -> None:
     """The report: TAG.md (tables), TAG.json (config, base, rows, escapes; *runs*: what :func:`merge`
@@ -843,6 +927,8 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], base: dict[str, 
     text = (f"{title} ({minutes:.1f} min)\n\nHeld-out pass@1 (mean ± std over seeds):\n\n"
             + (table(rows) if rows else "no results") + "\n\nLast point, and time to the same pass@1:\n\n"
             + (compare_table(rows) if rows else "")
+            + (f"\n\nThe last version over every --final-heldout task (base {final_bases(base)}):\n\n{final}"
+               if (final := final_table(rows, base)) else "")
             + ("\n\nHeld-out pass@1 by task kind (mean over seeds):\n\n" + kind_table(rows, base) if rows else "")
             + "\n\nPer iteration:\n\n" + (load_table(rows) if rows else "")
             + ("\n\nFailed jobs: " + ", ".join(failed) if failed else "")
@@ -941,9 +1027,14 @@ def merge_runs(runs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     merged_escapes = ({"tries": dict(tries), "accepted_connections": sum(e.get("accepted_connections", 0)
                                                                            for e in escapes),
                        "contained": all(e.get("contained") for e in escapes if "tries" in e)} if tries else {})
+    base = {suite: dict(b) for suite, b in first["base"].items()}
+    for _, data in runs:  # the base over every --final-heldout task: from the first run that measured it
+        for suite, b in data["base"].items():
+            if b.get("final_heldout") and not base.get(suite, {}).get("final_heldout"):
+                base.setdefault(suite, {})["final_heldout"] = b["final_heldout"]
     return {
         "rows": sorted(rows.values(), key=lambda r: (r["suite"], arm_order.get(r["arm"], len(arm_order)), r["seed"])),
-        "base": first["base"],
+        "base": base,
         "escapes": merged_escapes,
         "failed": [f for _, d in runs for f in d["config"].get("failed") or []],
         "minutes": sum(d["config"].get("minutes") or 0.0 for _, d in runs),
@@ -988,6 +1079,10 @@ def main() -> None:
     p.add_argument("--tasks", type=int, help="training tasks per iteration (each n times: one GRPO group)")
     p.add_argument("--n", type=int, help="samples per training task")
     p.add_argument("--heldout", type=int, help="held-out tasks per evaluation")
+    p.add_argument("--final-heldout", type=int, metavar="N",
+                   help="the base and each job's last version also answer held-out tasks --heldout+1 .. N, and the "
+                        "report compares the arms over all N (a 64-task pass@1's spread between seeds is mostly the "
+                        "evaluation's own); the curves stay on the first --heldout")
     p.add_argument("--concurrency", type=int, help="rollouts (environments) running at once per job")
     p.add_argument("--jobs", type=int, help="suite/arm/seed jobs at once")
     p.add_argument("--batch-size", type=int)
@@ -1062,6 +1157,12 @@ def main() -> None:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.tag = args.tag or ("calibration" if args.calibrate else args.preset)
+    if args.final_heldout is not None:
+        for suite in args.suites.split(","):
+            have = len(ro.load_tasks(TASKS / suite / "heldout.jsonl")) if suite in SUITES else 0
+            if not args.heldout < args.final_heldout <= have:
+                p.error(f"--final-heldout: between --heldout ({args.heldout}) and {suite}'s {have} held-out tasks, "
+                        f"not {args.final_heldout}")
     if args.integrated_norm == "dense" and args.advantage_scope != "iteration":
         p.error("--integrated-norm dense takes an iteration's advantages at once: use --advantage-scope iteration")
     for s in args.suites.split(","):

@@ -23,7 +23,7 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
                                                       tmp_path: Path) -> None:
     args = argparse.Namespace(
         upstream=vllm_server.base_url, teacher=None, model=vllm_server.model, model_dir=str(model_dir),
-        iterations=1, tasks=2, n=2, heldout=2,
+        iterations=1, tasks=2, n=2, heldout=2, final_heldout=4,
         concurrency=8, batch_size=8, micro_batch_size=8, lr=2e-3, timeout=300.0, temperature=1.0,
         task_sampling="learnable", **bench.TRAINING)  # the presets' training: the iteration's turns at once, advantages over whole groups
     job = bench.Job(args, tmp_path, "toolcall", "integrated", seed=0)
@@ -57,5 +57,11 @@ def test_one_iteration_trains_publishes_and_evaluates(vllm_server: RunningVLLM, 
                           .where(Session.mode == "offline")).all()
         assert rows and all(r.integrated_reward == pytest.approx(r.outcome + r.vote_mean) for r in rows)
         evals = db.scalar(select(func.count()).select_from(Session).where(Session.mode == "eval"))
-        assert evals == 2
+        assert evals == 2 + 2  # the iteration's evaluation, then --final-heldout's two more tasks
+    # --final-heldout 4: the last version answered held-out tasks 3 and 4 too; its pass@1 is over all four
+    final = row["final_heldout"]
+    assert (final["tasks"], final["iteration"], final["rest"]["tasks"]) == (4, 1, 2)
+    assert list(final["rest"]["by_version"]) == [f"{job.prefix}-v1"]
+    assert final["first"] == {"tasks": 2, "pass_at_1": row["pass_at_1"][1]}
+    assert final["pass_at_1"] == pytest.approx((2 * row["pass_at_1"][1] + 2 * final["rest"]["pass_at_1"]) / 4)
     assert json.loads((tmp_path / "progress.json").read_text())["pass_at_1"] == row["pass_at_1"]

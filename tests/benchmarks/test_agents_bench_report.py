@@ -359,3 +359,45 @@ def test_learnable_batches_draw_each_iteration_when_it_starts() -> None:
     # 10 of 40 tasks are mixed: a uniform draw of 8 holds 2 of them on average
     assert sum(group_of(t) == "mixed/1" for t in second) >= 6
     assert len(list(batches)) == 3
+
+
+def test_the_final_table_compares_the_arms_over_every_final_task(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--final-heldout: a run without it (seeds 0-2) merged with one that has it (seeds 3-5): the curves
+    read all six seeds, the final table the three that answered all 256 tasks, against the base over
+    the same 256, unpaired and paired by seed."""
+    curves = {"outcome": [0.2, 0.3, 0.4], "integrated": [0.2, 0.3, 0.5]}
+    old, new = _run(range(3), curves), _run(range(3, 6), curves, final_heldout=256)
+    finals = {("outcome", 3): 0.30, ("outcome", 4): 0.40, ("outcome", 5): 0.35,
+              ("integrated", 3): 0.36, ("integrated", 4): 0.45, ("integrated", 5): 0.39}
+    for row in new["results"]:
+        row["final_heldout"] = {"tasks": 256, "iteration": 2, "pass_at_1": finals[row["arm"], row["seed"]]}
+    new["base"]["terminal"]["final_heldout"] = {"tasks": 256, "pass_at_1": 0.18}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(old))
+    b.write_text(json.dumps(new))
+    monkeypatch.setattr("sys.argv", ["run", "--merge", str(a), str(b), "--tag", "ab", "--out", str(tmp_path)])
+    bench.main()
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert merged["base"]["terminal"]["final_heldout"]["pass_at_1"] == 0.18  # from the run that measured it
+    text = (tmp_path / "ab.md").read_text()
+    assert "(base terminal 0.180 over 256)" in text
+    assert "| terminal | outcome | 3 | 256 | 2 | 0.350 ± 0.029 | +0.170 | – | – |" in text
+    # integrated 0.400 ± 0.026; unpaired 0.05 / sqrt(0.029² + 0.026²) = 1.3 SE; paired: +0.06, +0.05,
+    # +0.04, mean 0.05, SE 0.01/sqrt(3) -> 8.7 SE: the seeds' shared spread cancels
+    assert "| terminal | integrated | 3 | 256 | 2 | 0.400 ± 0.026 | +0.220 | +0.050 (+1.3 SE) | +0.050 (+8.7 SE, 3 seeds) |" in text
+    assert "| terminal | integrated | 6 | 2 |" in text  # the 64-task comparison still reads all six seeds
+    assert bench.final_table([_row("terminal", "outcome", 0, [0.1, 0.2], [0, 1])], {}) == ""
+
+
+def test_final_heldout_must_lie_between_heldout_and_the_file(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    for n in ("64", "257"):
+        monkeypatch.setattr("sys.argv", ["run", "--preset", "gpu", "--suites", "terminal", "--final-heldout", n])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2 and f"between --heldout (64) and terminal's 256 held-out tasks, not {n}" in \
+            capsys.readouterr().err
+    assert [t["id"] for t in bench.final_extra("terminal", argparse.Namespace(heldout=64, final_heldout=70))] == [
+        f"terminal-heldout-{i:04d}" for i in range(64, 70)]
+    assert bench.final_extra("terminal", argparse.Namespace(heldout=64, final_heldout=None)) == []

@@ -53,9 +53,14 @@ def load(suite: str, split: str) -> list[dict[str, Any]]:
 
 
 def test_committed_files_are_the_generators_output(tmp_path: Path) -> None:
-    written = generate.write(tmp_path, 200, 64)
+    written = generate.write(tmp_path / "all", 200, 256)
     for name, path in written.items():
         assert path.read_bytes() == (HERE / f"{name}.jsonl").read_bytes(), f"{name}: rerun python -m examples.agents.generate"
+    # prefix-stable: the first 64 held-out tasks are the 64 a shorter file holds, so --heldout 64 answers
+    # the tasks every run before the file grew answered (and --final-heldout the ones after them)
+    for name, path in generate.write(tmp_path / "short", 200, 64).items():
+        lines = path.read_text().splitlines()
+        assert lines == (HERE / f"{name}.jsonl").read_text().splitlines()[:len(lines)], name
     for suite in generate.SUITES:
         train, held = load(suite, "train"), load(suite, "heldout")
         assert len(train) >= 200 and len(held) >= 64
