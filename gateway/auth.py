@@ -34,7 +34,7 @@ from fastapi import Request
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
 from base.errors import CsrfFailed, LoginRequired, RequestError
-from gateway.state import gateway_of
+from gateway.state import Gateway, gateway_of
 from gateway.tenants import check_tenant_page, check_tenant_route, key_hash
 from base.settings import Settings
 
@@ -154,13 +154,20 @@ async def require_api_key(request: Request) -> None:
 
 
 async def check_api_key(request: Request, headers: Mapping[str, str]) -> None:
-    """require_api_key given the request's *headers* already read (gateway.serving.serve_proxy).
-    Not a dependency itself: FastAPI would read a *headers* parameter as the request's body."""
-    accepted, tenant = await gateway_of(request).keys.lookup(client_key(headers))
+    """require_api_key given the request's *headers* already read. Not a dependency itself:
+    FastAPI would read a *headers* parameter as the request's body."""
+    request.state.tenant = await accepted_tenant(gateway_of(request), headers)
+
+
+async def accepted_tenant(gw: Gateway, headers: Mapping[str, str]) -> str | None:
+    """The tenant of the client key in *headers* (None: a key of no tenant, or no key needed);
+    401 for a missing or unknown key. gateway.serving.serve_proxy calls it with the gateway at
+    hand and keeps the tenant itself, without Starlette's request state."""
+    accepted, tenant = await gw.keys.lookup(client_key(headers))
     if not accepted:
         raise RequestError(401, "missing or invalid API key (Authorization: Bearer <key> or x-api-key)",
                           code="invalid_api_key")
-    request.state.tenant = tenant
+    return tenant
 
 
 async def require_ui(request: Request) -> Admin:

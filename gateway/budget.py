@@ -71,12 +71,17 @@ def requested_budget(body: dict[str, Any]) -> int | None:
     return max(asked) if asked else None
 
 
+#: ``json.dumps(value, ensure_ascii=False)`` with its encoder built once (json.dumps builds one per
+#: call for any option of its own): the bound below is this text's size, as before
+_PROMPT_JSON = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def prompt_bound(body: dict[str, Any]) -> int:
     """An upper bound on the prompt's tokens without the tokenizer: its JSON's bytes (a token of
     a byte-level BPE spans at least one byte; JSON only adds bytes) plus the template's tokens."""
     messages = body.get("messages")
     n = len(messages) if isinstance(messages, list) else 1
-    size = len(json.dumps([messages, body.get("tools")], ensure_ascii=False).encode())
+    size = len(_PROMPT_JSON([messages, body.get("tools")]).encode())
     return size + _PER_MESSAGE * n + _OVERHEAD
 
 

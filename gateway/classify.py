@@ -48,7 +48,52 @@ def first_message(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
     return next((m for m in messages if isinstance(m, dict) and m.get("role") in roles), None)
 
 
-def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+_UNREAD: Any = object()
+
+
+class Texts:
+    """The parts of a request's messages the classification rules read, each found once: the
+    first system (or developer) message and its text, the user messages and the first one's
+    text. The client profiles, the session keys and the side-turn rules ask for the same few
+    (the built-in ones: the system message's text five times a request), each a scan of the
+    messages and a join of their text parts otherwise. Each is found at its first use: a
+    request that names its session or whose rules never look at a message scans nothing."""
+
+    __slots__ = ("messages", "_system", "_system_text", "_users", "_user_text")
+
+    def __init__(self, messages: Any):
+        self.messages = messages
+        self._system = self._system_text = self._users = self._user_text = _UNREAD
+
+    def system(self) -> dict[str, Any] | None:
+        """The first system (or developer) message (:func:`first_message`)."""
+        if self._system is _UNREAD:
+            self._system = first_message(self.messages, _SYSTEM_ROLES)
+        return self._system
+
+    def system_text(self) -> str | None:
+        """The first system message's text (:func:`message_text`); None without one."""
+        if self._system_text is _UNREAD:
+            system = self.system()
+            self._system_text = None if system is None else message_text(system)
+        return self._system_text
+
+    def users(self) -> list[dict[str, Any]]:
+        """The user messages, in order."""
+        if self._users is _UNREAD:
+            messages = self.messages if isinstance(self.messages, list) else []
+            self._users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        return self._users
+
+    def first_user_text(self) -> str | None:
+        """The first user message's text; None without one."""
+        if self._user_text is _UNREAD:
+            users = self.users()
+            self._user_text = message_text(users[0]) if users else None
+        return self._user_text
+
+
+def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any], texts: Texts) -> str | None:
     if key.source == "header":
         return headers.get(key.name or "")
     if key.source in ("user", "field"):
@@ -57,15 +102,17 @@ def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any])
         metadata = body.get("metadata")
         value = metadata.get(key.name) if isinstance(metadata, dict) else None
     else:
-        message = first_message(body.get("messages"), _SYSTEM_ROLES if key.source == "system" else ("user",))
-        value = message_text(message) if message is not None else None
+        value = texts.system_text() if key.source == "system" else texts.first_user_text()
     return value if isinstance(value, str) else None
 
 
-def session_key(keys: Sequence[SessionKey], headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
-    """The session id the first configured key finds in the request, if any."""
+def session_key(keys: Sequence[SessionKey], headers: Mapping[str, str], body: dict[str, Any],
+                texts: Texts | None = None) -> str | None:
+    """The session id the first configured key finds in the request, if any (*texts*: its
+    messages' parts, when the caller found some already)."""
+    texts = texts or Texts(body.get("messages"))
     for key in keys:
-        text = _key_text(key, headers, body)
+        text = _key_text(key, headers, body, texts)
         if not text:
             continue
         if key.pattern is None:
@@ -81,7 +128,7 @@ def session_key(keys: Sequence[SessionKey], headers: Mapping[str, str], body: di
 
 
 def session_of(headers: Mapping[str, str], body: dict[str, Any], path_session: str | None,
-               keys: Sequence[SessionKey]) -> tuple[str | None, str | None]:
+               keys: Sequence[SessionKey], texts: Texts | None = None) -> tuple[str | None, str | None]:
     """(session id, how it was known) of a request; (None, None) leaves it to prefix stitching.
     A session id the client named that is not valid is a 400."""
     if path_session is not None:
@@ -89,7 +136,7 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any], path_session: s
     elif headers.get("x-session-id"):
         sid, source = headers["x-session-id"], SessionSource.HEADER
     else:
-        found = session_key(keys, headers, body)
+        found = session_key(keys, headers, body, texts)
         return (found, SessionSource.KEY) if found else (None, None)
     if not SESSION_ID.match(sid):
         raise RequestError(400, "session id must be 1-128 characters of letters, digits and . _ : -, "
@@ -98,33 +145,35 @@ def session_of(headers: Mapping[str, str], body: dict[str, Any], path_session: s
     return sid, source
 
 
-def _matches(rule: SideTurnRule, headers: Mapping[str, str], body: dict[str, Any]) -> bool:
+def _matches(rule: SideTurnRule, headers: Mapping[str, str], body: dict[str, Any], texts: Texts) -> bool:
     if rule.header is not None:
         value = headers.get(rule.header)
         if value is None or (rule.header_pattern is not None and not rule.header_pattern.search(value)):
             return False
     if rule.tools is not None and bool(body.get("tools") or body.get("functions")) != rule.tools:
         return False
-    messages = body.get("messages")
-    messages = messages if isinstance(messages, list) else []
-    users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if rule.user_messages is not None and len(users) != rule.user_messages:
+    if rule.user_messages is not None and len(texts.users()) != rule.user_messages:
         return False
-    if rule.user_pattern is not None and not (users and rule.user_pattern.search(message_text(users[0]))):
-        return False
+    if rule.user_pattern is not None:
+        text = texts.first_user_text()
+        if text is None or not rule.user_pattern.search(text):
+            return False
     if rule.system_pattern is not None:
-        system = first_message(messages, _SYSTEM_ROLES)
-        if system is None or not rule.system_pattern.search(message_text(system)):
+        text = texts.system_text()
+        if text is None or not rule.system_pattern.search(text):
             return False
     return True
 
 
-def side_rule(rules: Sequence[SideTurnRule], headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+def side_rule(rules: Sequence[SideTurnRule], headers: Mapping[str, str], body: dict[str, Any],
+              texts: Texts | None = None) -> str | None:
     """The name of the first side-turn rule the request matches, if any."""
-    return next((rule.name for rule in rules if _matches(rule, headers, body)), None)
+    texts = texts or Texts(body.get("messages"))
+    return next((rule.name for rule in rules if _matches(rule, headers, body, texts)), None)
 
 
-def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequence[SideTurnRule]) -> str:
+def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequence[SideTurnRule],
+                 texts: Texts | None = None) -> str:
     """``X-Turn-Type`` if sent (a bad value is a 400), else side if a side-turn rule matches or
     the request has the shape of a summarisation call (datapool.edits.summary_shape)."""
     sent = headers.get("x-turn-type")
@@ -133,7 +182,7 @@ def turn_kind_of(headers: Mapping[str, str], body: dict[str, Any], rules: Sequen
         if value not in _TURN_KINDS:
             raise RequestError(400, "X-Turn-Type must be `main` or `side`", param="X-Turn-Type")
         return value
-    rule = side_rule(rules, headers, body)
+    rule = side_rule(rules, headers, body, texts)
     if rule is not None:
         log.debug("side turn by rule %s", rule)
         return TurnKind.SIDE

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from base.settings import OPENCLAW_SESSION_ID, ClientProfile, Settings
-from gateway.classify import first_message, message_text
+from gateway.classify import Texts
 
 # Claude Code and Qwen Code wrap context they add in these; a person's message may carry several
 # before the words typed
@@ -94,7 +94,7 @@ def profiles(settings: Settings) -> list[ClientProfile]:
     return own + [p for p in BUILTIN_PROFILES if p.name not in names]
 
 
-def _matches(p: ClientProfile, headers: Mapping[str, str], body: dict[str, Any], wire_format: str) -> bool:
+def _matches(p: ClientProfile, headers: Mapping[str, str], wire_format: str, texts: Texts) -> bool:
     if p.wire_format is not None and p.wire_format != wire_format:
         return False
     if p.user_agent is not None and not p.user_agent.search(headers.get("user-agent", "")):
@@ -104,16 +104,18 @@ def _matches(p: ClientProfile, headers: Mapping[str, str], body: dict[str, Any],
         if value is None or (p.header_pattern is not None and not p.header_pattern.search(value)):
             return False
     if p.system_pattern is not None:
-        system = first_message(body.get("messages"), ("system", "developer"))
-        if system is None or not p.system_pattern.search(message_text(system)):
+        text = texts.system_text()
+        if text is None or not p.system_pattern.search(text):
             return False
     return True
 
 
 def recognise(known: Sequence[ClientProfile], headers: Mapping[str, str], body: dict[str, Any],
-              wire_format: str) -> ClientProfile | None:
-    """The first profile the request (its chat form) matches, if any."""
-    return next((p for p in known if _matches(p, headers, body, wire_format)), None)
+              wire_format: str, texts: Texts | None = None) -> ClientProfile | None:
+    """The first profile the request (its chat form) matches, if any (*texts*: its messages'
+    parts, shared with the session keys and side-turn rules that read them next)."""
+    texts = texts or Texts(body.get("messages"))
+    return next((p for p in known if _matches(p, headers, wire_format, texts)), None)
 
 
 def person_words(skip: Sequence[re.Pattern[str]], text: str) -> str:

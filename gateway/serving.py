@@ -32,11 +32,11 @@ from base.jsonfast import dumps as _dumps
 from base.jsonfast import loads
 from base.settings import ClientProfile
 from base.vocab import Endpoint, TurnStatus, WireFormat
-from gateway.auth import check_api_key
+from gateway.auth import accepted_tenant
 from gateway.budget import HEADER as BUDGET_HEADER
 from gateway.budget import fit as fit_budget
-from gateway.classify import session_of, turn_kind_of
-from gateway.clients import profiles, recognise
+from gateway.classify import Texts, session_of, turn_kind_of
+from gateway.clients import recognise
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, from_upstream, openai_error, respond, unavailable, unexpected
 from gateway.events import EventStream
 from gateway.formats import SENT_ARGUMENTS, load_translators, messages_to_chat, responses_to_chat
@@ -109,9 +109,10 @@ async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, 
     response: Response | None = None
     try:
         sent = _Headers(scope["headers"])
+        gw: Gateway = app.state.gateway  # type: ignore[attr-defined]
         try:
-            await check_api_key(request, sent)
-            response = await proxy(request, route[0], route[1], sent)
+            tenant = await accepted_tenant(gw, sent)
+            response = await proxy(request, route[0], route[1], sent, gw=gw, tenant=tenant)
         except NextstateError as exc:
             response = respond(request, exc)
         await response(scope, receive, send)
@@ -127,7 +128,7 @@ class _Headers(dict[str, str]):
     lookup, and a request's session keys, side-turn rules and client profiles make dozens."""
 
     def __init__(self, raw: list[tuple[bytes, bytes]]):
-        super().__init__((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in reversed(raw))
+        super().__init__({k.decode("latin-1").lower(): v.decode("latin-1") for k, v in reversed(raw)})
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         return dict.get(self, key.lower(), default)
@@ -139,15 +140,16 @@ class _Headers(dict[str, str]):
         return dict.__contains__(self, key.lower() if isinstance(key, str) else key)
 
 
-def _session(request: Request, headers: _Headers, path_session: str | None, body: dict[str, Any],
-             client: ClientProfile | None) -> tuple[str | None, str | None]:
-    keys = gateway_of(request).settings.session_keys
-    return session_of(headers, body, path_session, [*client.session_keys, *keys] if client else keys)
+def _session(gw: Gateway, headers: _Headers, path_session: str | None, body: dict[str, Any],
+             client: ClientProfile | None, texts: Texts) -> tuple[str | None, str | None]:
+    keys = gw.settings.session_keys
+    return session_of(headers, body, path_session, [*client.session_keys, *keys] if client else keys, texts)
 
 
-def _turn_type(request: Request, headers: _Headers, body: dict[str, Any], client: ClientProfile | None) -> str:
-    rules = gateway_of(request).settings.side_turn_rules
-    return turn_kind_of(headers, body, [*client.side_turn_rules, *rules] if client else rules)
+def _turn_type(gw: Gateway, headers: _Headers, body: dict[str, Any], client: ClientProfile | None,
+               texts: Texts) -> str:
+    rules = gw.settings.side_turn_rules
+    return turn_kind_of(headers, body, [*client.side_turn_rules, *rules] if client else rules, texts)
 
 
 async def _history(gw: Gateway, response_id: str | None, tenant: str | None) -> list[dict[str, Any]]:
@@ -180,11 +182,18 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Headers | None = None) -> Response:
-    """The reply to a proxied call; *sent*: the request's headers, when the caller read them."""
-    gw = gateway_of(request)
+_NO_TENANT: Any = object()
+
+
+async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Headers | None = None, *,
+                gw: Gateway | None = None, tenant: str | None = _NO_TENANT) -> Response:
+    """The reply to a proxied call; *sent*: the request's headers, when the caller read them;
+    *gw* and *tenant* (the client key's, None for none), when the caller knows them already
+    (serve_proxy: each a Starlette State lookup otherwise), else from the request."""
+    gw = gw or gateway_of(request)
     started = time.perf_counter()
-    tenant = getattr(request.state, "tenant", None)
+    if tenant is _NO_TENANT:
+        tenant = getattr(request.state, "tenant", None)
     raw = await read_body(request, gw.settings.max_body_bytes, sent)
     reply: Reply | None = None
     if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):
@@ -202,10 +211,11 @@ async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Hea
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
     if sent is None:
         sent = _Headers(request.scope["headers"])
-    client = recognise(profiles(gw.settings), sent, body, fmt)
-    session_id, source = _session(request, sent, path_session, body, client)
+    texts = Texts(body.get("messages"))  # what the client, session and side-turn rules read, found once
+    client = recognise(gw.client_profiles, sent, body, fmt, texts)
+    session_id, source = _session(gw, sent, path_session, body, client, texts)
     session_id = scoped_session_id(tenant, session_id)  # a tenant's sessions are its own
-    turn_type = _turn_type(request, sent, body, client)
+    turn_type = _turn_type(gw, sent, body, client, texts)
     target = await gw.upstreams.resolve(body["model"])
     record = TurnRecord(
         id=uuid.uuid4().hex,

@@ -9,7 +9,7 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,8 +24,9 @@ from datapool.db import make_engine
 from datapool.queries import active_policy_version
 from datapool.queue import Enqueuer
 from base.redact import Redactor
-from base.settings import Settings
+from base.settings import ClientProfile, Settings
 from datapool.traces import Traces, traces
+from gateway.clients import profiles
 from gateway.metrics import Metrics
 from gateway.redaction import decoders
 from gateway.tenants import KeyRing
@@ -61,6 +62,12 @@ class Gateway:
     vllm_watch: VLLMWatch | None = None
     #: the span exporter, when otel_traces is on (datapool.traces)
     traces: Traces | None = None
+    #: the client profiles a request is recognised by (gateway.clients.profiles of the settings),
+    #: listed once rather than per request
+    client_profiles: list[ClientProfile] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client_profiles = profiles(self.settings)
 
 
 def gateway_of(request: Request) -> Gateway:

@@ -1,7 +1,7 @@
 """CPU per request of the gateway driven in process: no server, no load generator, no other row.
 
     python -m benchmarks.gateway.inprocess [--requests 2000] [--rounds 2] [--concurrency 8]
-        [--formats chat,responses,messages] [--root PATH] [--floor]
+        [--formats chat,responses,messages] [--root PATH] [--floor] [--rate RPS] [--cprofile PATH]
 
 Starts the benchmark's fixed-reply upstream (a process of its own) and a fresh PostgreSQL pool,
 builds the gateway's ASGI application in this process (``--root``: from another checkout, e.g. a
@@ -11,6 +11,13 @@ streamed. Per format and mode and round it prints the CPU seconds per request of
 (the event loop and the capture writer, whose turns are waited for before the clock stops) and of
 the event loop's thread alone, and, over the run, the garbage collector's time per generation.
 ``--floor``: the same calls to benchmarks/gateway/floor.py's application (no writer).
+``--rate``: the requests started at that many per second instead of back to back, as ``--quick``
+measures its CPU column (200 RPS): the event loop then sleeps between requests and wakes for each,
+and the capture writer's batches are as small as that rate makes them (a request costs about
+twice its CPU of a back-to-back run, the floor's too). ``--cprofile PATH``: cProfile of the event
+loop's thread (its CPU clock) over the measured rounds, saved to PATH (``python -m pstats PATH``)
+and its widest frames printed; the profiler's own cost per call inflates every frame (~2.5x the
+request's CPU), so read it for shares and call counts, and this run's µs per request as no measure.
 
 Without uvicorn and the load generator beside it on 2 shared cores, one round moves by a few
 per cent rather than the third that ``--quick``'s CPU column can: what a change on the request
@@ -21,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import gc
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -44,6 +53,9 @@ def main() -> None:
     ap.add_argument("--formats", default="chat,responses,messages")
     ap.add_argument("--root", type=Path, default=HERE, help="the checkout whose gateway is measured")
     ap.add_argument("--floor", action="store_true", help="benchmarks/gateway/floor.py's application instead")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="requests started per second (0: back to back, --concurrency at a time)")
+    ap.add_argument("--cprofile", type=Path, help="save a cProfile of the event loop's thread here")
     args = ap.parse_args()
     root = args.root.resolve()
     sys.path.insert(0, str(root))
@@ -137,6 +149,7 @@ async def _measure(app: Any, args: argparse.Namespace, formats: dict[str, Any], 
             entry[1] += time.thread_time() - began[0]
 
     gc.callbacks.append(on_gc)
+    profiler = cProfile.Profile(time.thread_time) if args.cprofile else None
     rows: dict[str, list[tuple[float, float]]] = {}
     total = 0
     try:
@@ -151,7 +164,14 @@ async def _measure(app: Any, args: argparse.Namespace, formats: dict[str, Any], 
                             await call(fmt, stream)
 
                     cpu, loop_cpu = time.process_time(), time.thread_time()
-                    await asyncio.gather(*(one() for _ in range(args.requests)))
+                    if profiler is not None:
+                        profiler.enable()  # this thread's: the writer's threads are not profiled
+                    if args.rate:
+                        await _paced(one, args.requests, args.rate)
+                    else:
+                        await asyncio.gather(*(one() for _ in range(args.requests)))
+                    if profiler is not None:
+                        profiler.disable()
                     loop_cpu = time.thread_time() - loop_cpu
                     if writer is not None:
                         await writer.flushed()
@@ -170,6 +190,23 @@ async def _measure(app: Any, args: argparse.Namespace, formats: dict[str, Any], 
         f"generation {g}: {n} runs, {s * 1e3:.0f} ms" for g, (n, s) in sorted(collected.items()))
         + f"; {sum(s for _, s in collected.values()) / max(total, 1) * 1e6:.1f} µs per request, "
         f"thresholds {thresholds}")
+    if profiler is not None:
+        profiler.dump_stats(args.cprofile)
+        print(f"event loop's profile: {args.cprofile}, {total} requests; the widest frames by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+async def _paced(one: Any, n: int, rate: float) -> None:
+    """*n* calls of *one*, started *rate* per second (open loop: a slow one does not delay the start of
+    the next, which waits only for --concurrency calls in flight)."""
+    tasks = []
+    start = time.perf_counter()
+    for i in range(n):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
 
 
 if __name__ == "__main__":
