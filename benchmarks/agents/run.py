@@ -834,11 +834,15 @@ def mean_curve(rs: list[dict[str, Any]], key: str) -> list[float]:
     return [statistics.fmean(r[key][i] for r in rs) for i in range(points)]
 
 
+def mean_se(vals: list[float]) -> tuple[float, float]:
+    """The mean of *vals* and its standard error (nan for one value)."""
+    return statistics.fmean(vals), (statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan"))
+
+
 def final_se(rs: list[dict[str, Any]]) -> tuple[float, float]:
     """The mean over seeds of the last point every seed reached, and its standard error."""
     last = min(len(r["pass_at_1"]) for r in rs) - 1
-    vals = [r["pass_at_1"][last] for r in rs]
-    return statistics.fmean(vals), (statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan"))
+    return mean_se([r["pass_at_1"][last] for r in rs])
 
 
 def compare_table(rows: list[dict[str, Any]]) -> str:
@@ -894,23 +898,19 @@ def final_table(rows: list[dict[str, Any]], base: dict[str, Any]) -> str:
         by_arm = {arm: {r["seed"]: r["final_heldout"] for r in have if r["suite"] == suite and r["arm"] == arm}
                   for arm in dict.fromkeys(r["arm"] for r in have if r["suite"] == suite)}
         b = (base.get(suite) or {}).get("final_heldout", {}).get("pass_at_1")
-
-        def stats(vals: list[float]) -> tuple[float, float]:
-            return statistics.fmean(vals), (statistics.stdev(vals) / len(vals) ** 0.5 if len(vals) > 1 else float("nan"))
-
         ref = by_arm.get("outcome")
         for arm, seeds in by_arm.items():
-            m, se = stats([f["pass_at_1"] for f in seeds.values()])
+            m, se = mean_se([f["pass_at_1"] for f in seeds.values()])
             tasks = "/".join(str(t) for t in sorted({f["tasks"] for f in seeds.values()}))
             its = "/".join(str(t) for t in sorted({f["iteration"] for f in seeds.values()}))
             unpaired = paired = "–"
             if ref and arm != "outcome":
-                rm, rse = stats([f["pass_at_1"] for f in ref.values()])
+                rm, rse = mean_se([f["pass_at_1"] for f in ref.values()])
                 sd = (se ** 2 + rse ** 2) ** 0.5
                 unpaired = f"{m - rm:+.3f} ({(m - rm) / sd:+.1f} SE)" if sd > 0 else f"{m - rm:+.3f}"
                 both = sorted(set(seeds) & set(ref))
                 if len(both) > 1:
-                    dm, dse = stats([seeds[k]["pass_at_1"] - ref[k]["pass_at_1"] for k in both])
+                    dm, dse = mean_se([seeds[k]["pass_at_1"] - ref[k]["pass_at_1"] for k in both])
                     paired = (f"{dm:+.3f} ({dm / dse:+.1f} SE, {len(both)} seeds)" if dse > 0 else f"{dm:+.3f}")
             gain = f"{m - b:+.3f}" if b is not None else "–"
             lines.append(f"| {suite} | {arm} | {len(seeds)} | {tasks} | {its} | {m:.3f} ± {se:.3f} | {gain} | {unpaired} "

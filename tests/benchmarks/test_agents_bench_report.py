@@ -385,7 +385,8 @@ def test_the_final_table_compares_the_arms_over_every_final_task(tmp_path: Path,
     assert "| terminal | outcome | 3 | 256 | 2 | 0.350 ± 0.029 | +0.170 | – | – |" in text
     # integrated 0.400 ± 0.026; unpaired 0.05 / sqrt(0.029² + 0.026²) = 1.3 SE; paired: +0.06, +0.05,
     # +0.04, mean 0.05, SE 0.01/sqrt(3) -> 8.7 SE: the seeds' shared spread cancels
-    assert "| terminal | integrated | 3 | 256 | 2 | 0.400 ± 0.026 | +0.220 | +0.050 (+1.3 SE) | +0.050 (+8.7 SE, 3 seeds) |" in text
+    assert ("| terminal | integrated | 3 | 256 | 2 | 0.400 ± 0.026 | +0.220 | +0.050 (+1.3 SE) "
+            "| +0.050 (+8.7 SE, 3 seeds) |") in text
     assert "| terminal | integrated | 6 | 2 |" in text  # the 64-task comparison still reads all six seeds
     assert bench.final_table([_row("terminal", "outcome", 0, [0.1, 0.2], [0, 1])], {}) == ""
 

@@ -649,8 +649,8 @@ def test_a_floored_kl_anchor_only_tightens(pg: str, servers: list[str], model_di
     as the drift passes the target and, floored, never loosens it below its starting value; unfloored it
     falls ×0.2 a round under the target (veRL's controller, both ways alike)."""
     config = OnlineConfig(version_prefix=f"t{uuid.uuid4().hex[:6]}", kl_target=0.3, kl_horizon=0.25, kl_floor=floor)
-    online = OnlineTrainer(make_engine(pg), objective=ObjectiveConfig(kl_coef=0.1), local=LocalConfig(model_dir=model_dir),
-                           filters=Filters(), config=config,
+    online = OnlineTrainer(make_engine(pg), objective=ObjectiveConfig(kl_coef=0.1),
+                           local=LocalConfig(model_dir=model_dir), filters=Filters(), config=config,
                            vllm_urls=servers, base_model="smollm2", output_root=tmp_path / "runs",
                            store=tmp_path / "store")
     trainer = SimpleNamespace(objective=online.objective)
