@@ -150,13 +150,12 @@ async def require_api_key(request: Request) -> None:
     """Dependency of the client routes: a known client key (``api_keys``, a tenant's key) as the
     bearer token, when any exists; ``request.state.tenant`` is the key's tenant (or None)."""
     # async: FastAPI runs a plain `def` dependency in a worker thread, a thread hop per request
-    await check_api_key(request, request.headers)
+    request.state.tenant = await accepted_tenant(gateway_of(request), request.headers)
 
 
-async def check_api_key(request: Request, headers: Mapping[str, str]) -> None:
-    """require_api_key given the request's *headers* already read. Not a dependency itself:
-    FastAPI would read a *headers* parameter as the request's body."""
-    request.state.tenant = await accepted_tenant(gateway_of(request), headers)
+def tenant_of(request: Request) -> str | None:
+    """The tenant :func:`require_api_key` found for a client route's request (None: none)."""
+    return getattr(request.state, "tenant", None)
 
 
 async def accepted_tenant(gw: Gateway, headers: Mapping[str, str]) -> str | None:

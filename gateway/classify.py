@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 from base.settings import SessionKey, SideTurnRule
@@ -48,49 +49,33 @@ def first_message(messages: Any, roles: Sequence[str]) -> dict[str, Any] | None:
     return next((m for m in messages if isinstance(m, dict) and m.get("role") in roles), None)
 
 
-_UNREAD: Any = object()
-
-
 class Texts:
     """The parts of a request's messages the classification rules read, each found once: the
-    first system (or developer) message and its text, the user messages and the first one's
-    text. The client profiles, the session keys and the side-turn rules ask for the same few
-    (the built-in ones: the system message's text five times a request), each a scan of the
-    messages and a join of their text parts otherwise. Each is found at its first use: a
-    request that names its session or whose rules never look at a message scans nothing."""
-
-    __slots__ = ("messages", "_system", "_system_text", "_users", "_user_text")
+    first system (or developer) message's text, the user messages and the first one's text. The
+    client profiles, the session keys and the side-turn rules ask for the same few (the built-in
+    ones: the system message's text five times a request), each a scan of the messages and a
+    join of their text parts otherwise. Each is found at its first use: a request that names its
+    session or whose rules never look at a message scans nothing."""
 
     def __init__(self, messages: Any):
         self.messages = messages
-        self._system = self._system_text = self._users = self._user_text = _UNREAD
 
-    def system(self) -> dict[str, Any] | None:
-        """The first system (or developer) message (:func:`first_message`)."""
-        if self._system is _UNREAD:
-            self._system = first_message(self.messages, _SYSTEM_ROLES)
-        return self._system
-
+    @cached_property
     def system_text(self) -> str | None:
-        """The first system message's text (:func:`message_text`); None without one."""
-        if self._system_text is _UNREAD:
-            system = self.system()
-            self._system_text = None if system is None else message_text(system)
-        return self._system_text
+        """The first system (or developer) message's text (:func:`message_text`); None without one."""
+        system = first_message(self.messages, _SYSTEM_ROLES)
+        return None if system is None else message_text(system)
 
+    @cached_property
     def users(self) -> list[dict[str, Any]]:
         """The user messages, in order."""
-        if self._users is _UNREAD:
-            messages = self.messages if isinstance(self.messages, list) else []
-            self._users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        return self._users
+        messages = self.messages if isinstance(self.messages, list) else []
+        return [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
 
+    @cached_property
     def first_user_text(self) -> str | None:
         """The first user message's text; None without one."""
-        if self._user_text is _UNREAD:
-            users = self.users()
-            self._user_text = message_text(users[0]) if users else None
-        return self._user_text
+        return message_text(self.users[0]) if self.users else None
 
 
 def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any], texts: Texts) -> str | None:
@@ -102,7 +87,7 @@ def _key_text(key: SessionKey, headers: Mapping[str, str], body: dict[str, Any],
         metadata = body.get("metadata")
         value = metadata.get(key.name) if isinstance(metadata, dict) else None
     else:
-        value = texts.system_text() if key.source == "system" else texts.first_user_text()
+        value = texts.system_text if key.source == "system" else texts.first_user_text
     return value if isinstance(value, str) else None
 
 
@@ -152,14 +137,14 @@ def _matches(rule: SideTurnRule, headers: Mapping[str, str], body: dict[str, Any
             return False
     if rule.tools is not None and bool(body.get("tools") or body.get("functions")) != rule.tools:
         return False
-    if rule.user_messages is not None and len(texts.users()) != rule.user_messages:
+    if rule.user_messages is not None and len(texts.users) != rule.user_messages:
         return False
     if rule.user_pattern is not None:
-        text = texts.first_user_text()
+        text = texts.first_user_text
         if text is None or not rule.user_pattern.search(text):
             return False
     if rule.system_pattern is not None:
-        text = texts.system_text()
+        text = texts.system_text
         if text is None or not rule.system_pattern.search(text):
             return False
     return True

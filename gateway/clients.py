@@ -104,7 +104,7 @@ def _matches(p: ClientProfile, headers: Mapping[str, str], wire_format: str, tex
         if value is None or (p.header_pattern is not None and not p.header_pattern.search(value)):
             return False
     if p.system_pattern is not None:
-        text = texts.system_text()
+        text = texts.system_text
         if text is None or not p.system_pattern.search(text):
             return False
     return True

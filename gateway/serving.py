@@ -182,18 +182,12 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-_NO_TENANT: Any = object()
-
-
 async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Headers | None = None, *,
-                gw: Gateway | None = None, tenant: str | None = _NO_TENANT) -> Response:
-    """The reply to a proxied call; *sent*: the request's headers, when the caller read them;
-    *gw* and *tenant* (the client key's, None for none), when the caller knows them already
-    (serve_proxy: each a Starlette State lookup otherwise), else from the request."""
+                tenant: str | None, gw: Gateway | None = None) -> Response:
+    """The reply to a proxied call for the client key's *tenant* (None for none); *sent*: the
+    request's headers, when the caller read them; *gw*, when the caller has it at hand."""
     gw = gw or gateway_of(request)
     started = time.perf_counter()
-    if tenant is _NO_TENANT:
-        tenant = getattr(request.state, "tenant", None)
     raw = await read_body(request, gw.settings.max_body_bytes, sent)
     reply: Reply | None = None
     if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):

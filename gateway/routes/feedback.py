@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from datapool.judgements import record_feedback
-from gateway.auth import require_api_key
+from gateway.auth import require_api_key, tenant_of
 from base.errors import RequestError
 from gateway.pool import in_pool, in_thread
 from gateway.protocol import FeedbackRequest, read_model
@@ -25,7 +25,7 @@ async def feedback(request: Request) -> dict[str, Any]:
     body = await read_model(request, FeedbackRequest, gw.settings.max_body_bytes)
     stored = await in_pool(gw.engine, record_feedback, write=True, turn_id=body.turn_id,
                            response_id=body.response_id, value=body.value, text=body.text,
-                           tenant=getattr(request.state, "tenant", None))
+                           tenant=tenant_of(request))
     if stored is None:
         which = f"turn {body.turn_id!r}" if body.turn_id else f"response {body.response_id!r}"
         raise RequestError(404, f"no {which} in the pool (capture is write-behind: retry shortly "

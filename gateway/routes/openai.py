@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from base.errors import CallError, RequestError
 from datapool import queries
 from base.vocab import WireFormat
-from gateway.auth import require_api_key
+from gateway.auth import require_api_key, tenant_of
 from gateway.formats import messages_to_chat
 from gateway.replies import responses_object
 from gateway.pool import in_pool
@@ -105,31 +105,31 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @proxy_route("POST", "/v1/chat/completions", body=ChatCompletionRequest)
 async def chat_completions(request: Request, session_id: str | None = None) -> Response:
-    return await proxy(request, WireFormat.CHAT, session_id)
+    return await proxy(request, WireFormat.CHAT, session_id, tenant=tenant_of(request))
 
 
 @proxy_route("POST", "/v1/completions", body=CompletionRequest)
 async def completions(request: Request, session_id: str | None = None) -> Response:
-    return await proxy(request, WireFormat.COMPLETIONS, session_id)
+    return await proxy(request, WireFormat.COMPLETIONS, session_id, tenant=tenant_of(request))
 
 
 @proxy_route("POST", "/v1/responses", body=ResponsesRequest)
 async def responses(request: Request, session_id: str | None = None) -> Response:
     """OpenAI's Responses API (what the OpenAI Agents SDK and Codex speak)."""
-    return await proxy(request, WireFormat.RESPONSES, session_id)
+    return await proxy(request, WireFormat.RESPONSES, session_id, tenant=tenant_of(request))
 
 
 @proxy_route("POST", "/v1/messages", body=MessagesRequest)
 async def messages(request: Request, session_id: str | None = None) -> Response:
     """Anthropic's Messages API (what Anthropic's SDKs and Claude Code speak)."""
-    return await proxy(request, WireFormat.MESSAGES, session_id)
+    return await proxy(request, WireFormat.MESSAGES, session_id, tenant=tenant_of(request))
 
 
 @proxy_route("GET", "/v1/responses/{response_id}")
 async def get_response(request: Request, response_id: str, session_id: str | None = None) -> dict[str, Any]:
     """A stored Response, read back from the pool (any replica answers it)."""
     gw = gateway_of(request)
-    t = await in_pool(gw.engine, queries.turn_by_response_id, response_id, getattr(request.state, "tenant", None))
+    t = await in_pool(gw.engine, queries.turn_by_response_id, response_id, tenant_of(request))
     if t is None or t.response is None:
         raise RequestError(404, f"Response with id '{response_id}' not found.", param="response_id")
     usage = t.usage or {}
