@@ -204,9 +204,12 @@ class TransferGroup:
                 made.set_exception(exc)
 
         pool = ThreadPoolExecutor(len(self.urls))
+        # a server's join answers once the whole group formed: its read may not end before the deadline
+        # below does, or a group that never forms reads as that server's timeout instead of who was missing
+        patient = httpx.Timeout(self.timeout_s + 10.0, connect=5.0)
         try:
             joins = {pool.submit(_post, http, url, "/init_weight_transfer_engine", "joining the NCCL group",
-                                 json={"init_info": info | {"rank_offset": offset}}): url
+                                 json={"init_info": info | {"rank_offset": offset}}, timeout=patient): url
                      for url, offset in zip(self.urls, offsets, strict=True)}
             threading.Thread(target=make, name="nccl-join", daemon=True).start()
             deadline = time.monotonic() + self.timeout_s

@@ -225,10 +225,12 @@ def dev_post(http: httpx.Client, url: str, path: str, what: str, *, missing_ok: 
              missing: str | None = None, **kw: Any) -> httpx.Response | None:
     """POST a development endpoint; with *missing_ok* a 404 returns None, else it is a
     :class:`DevModeMissing` that says how to start vLLM (*missing*; default: dev mode) for
-    ``/pause``, ``/collective_rpc`` and any path given a *missing*."""
+    ``/pause``, ``/collective_rpc`` and any path given a *missing*. A ``timeout`` in *kw* replaces
+    the client's."""
     # a fresh connection each time: after a failed reload vLLM drops the connection it answered on
+    kw.setdefault("timeout", http.timeout)
     try:
-        resp = httpx.post(f"{server_root(url)}{path}", timeout=http.timeout, trust_env=False, **kw)
+        resp = httpx.post(f"{server_root(url)}{path}", trust_env=False, **kw)
     except httpx.HTTPError as exc:
         raise WeightsError(f"{url}: {what} failed: {type(exc).__name__}: {exc} (see the vLLM log)") from exc
     if resp.status_code == 404 and missing_ok:
