@@ -119,6 +119,16 @@ def test_search_finds_a_session_by_a_word_in_a_tool_result(page: Any, ids: dict[
     assert rows.count() == 1 and rows.first.get_attribute("data-session") == ids["weather"]
     assert page.evaluate("window.__same_page") is True  # counts and rows came without a reload
     shot(page, "03-search")
+    # leaving the search box (as a click on a result does) must not run the same search again: its
+    # swap would replace the rows under the pointer and the click would be lost. htmx issues a
+    # change-triggered request synchronously inside the event, so the count below is exact.
+    again = page.evaluate("""() => {
+        let n = 0; const count = () => { n += 1; };
+        document.body.addEventListener('htmx:beforeRequest', count);
+        document.getElementById('q').blur();
+        document.body.removeEventListener('htmx:beforeRequest', count);
+        return n; }""")
+    assert again == 0
     rows.first.locator("a").first.click()
     page.wait_for_url(f"**/admin/sessions/{ids['weather']}")
     # the tool result is rendered as a tool message, the next state is highlighted
