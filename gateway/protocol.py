@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from base.vocab import EndReason, SessionMode
@@ -176,18 +178,43 @@ def _no_lone_surrogates(body: Any) -> None:
 async def read_body(request: Request, limit: int, headers: Mapping[str, str] | None = None) -> bytes:
     """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed);
     *headers*: the request's, looked up case-insensitively, when the caller read them already."""
-    declared = (request.headers if headers is None else headers).get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
-                          code="request_too_large")
+    _check_declared((request.headers if headers is None else headers).get("content-length"), limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise RequestError(413, f"request body exceeds the limit of {limit} bytes",
-                              code="request_too_large")
+            raise _too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def receive_body(receive: Receive, limit: int, headers: Mapping[str, str]) -> bytes:
+    """:func:`read_body` of a request no Starlette ``Request`` was made for: its ASGI messages
+    read as ``Request.stream`` reads them (a hang-up raises its ClientDisconnect)."""
+    _check_declared(headers.get("content-length"), limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        elif message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+
+
+def _check_declared(declared: str | None, limit: int) -> None:
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise RequestError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
+                          code="request_too_large")
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
 
 
 class FeedbackRequest(BaseModel):

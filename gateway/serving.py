@@ -48,6 +48,7 @@ from gateway.protocol import (
     ResponsesRequest,
     parse_body,
     read_body,
+    receive_body,
 )
 from gateway.replies import MessagesReply, Reply, ResponsesReply
 from gateway.recording import (
@@ -93,7 +94,9 @@ def proxy_route(scope: Scope) -> tuple[str, str | None] | None:
 
 
 async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, route: tuple[str, str | None]) -> None:
-    """A POST to a proxy route (:func:`proxy_route`), answered by `proxy` with no layer between.
+    """A POST to a proxy route (:func:`proxy_route`), answered as `proxy` answers it with no layer
+    between: the body read from *receive* itself, no Starlette ``Request`` made unless for an
+    error's reply.
 
     Between the server and a handler, FastAPI's application, Starlette's error, telemetry and
     body-limit middlewares, its router and its dependency solving cost a few hundred
@@ -105,20 +108,21 @@ async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, 
     500 of gateway.errors.unexpected if nothing was sent yet, then the exception raised on to
     the server, which logs it."""
     scope["app"] = app
-    request = Request(scope, receive)
+    started = time.perf_counter()
     response: Response | None = None
     try:
         sent = _Headers(scope["headers"])
         gw: Gateway = app.state.gateway  # type: ignore[attr-defined]
         try:
             tenant = await accepted_tenant(gw, sent)
-            response = await proxy(request, route[0], route[1], sent, gw=gw, tenant=tenant)
+            raw = await receive_body(receive, gw.settings.max_body_bytes, sent)
+            response = await _proxied(gw, scope["headers"], raw, started, route[0], route[1], sent, tenant)
         except NextstateError as exc:
-            response = respond(request, exc)
+            response = respond(Request(scope, receive), exc)
         await response(scope, receive, send)
     except Exception as exc:
         if response is None or not getattr(response, "started", True):
-            await (await unexpected(request, exc))(scope, receive, send)
+            await (await unexpected(Request(scope, receive), exc))(scope, receive, send)
         raise
 
 
@@ -182,13 +186,19 @@ async def sent_arguments(gw: Gateway, chat: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Headers | None = None, *,
-                tenant: str | None, gw: Gateway | None = None) -> Response:
-    """The reply to a proxied call for the client key's *tenant* (None for none); *sent*: the
-    request's headers, when the caller read them; *gw*, when the caller has it at hand."""
-    gw = gw or gateway_of(request)
+async def proxy(request: Request, fmt: str, path_session: str | None, *, tenant: str | None) -> Response:
+    """The reply to a proxied call for the client key's *tenant* (None for none), as FastAPI's
+    routes (gateway.routes.openai) call it; `serve_proxy` calls `_proxied` with the body it read."""
+    gw = gateway_of(request)
     started = time.perf_counter()
-    raw = await read_body(request, gw.settings.max_body_bytes, sent)
+    raw = await read_body(request, gw.settings.max_body_bytes)
+    return await _proxied(gw, request.scope["headers"], raw, started, fmt, path_session, None, tenant)
+
+
+async def _proxied(gw: Gateway, raw_headers: list[tuple[bytes, bytes]], raw: bytes, started: float, fmt: str,
+                   path_session: str | None, sent: _Headers | None, tenant: str | None) -> Response:
+    """The reply to the call of body *raw* (`proxy`); *sent*: the request's headers, when the
+    caller read them."""
     reply: Reply | None = None
     if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):
         await load_translators()
@@ -204,7 +214,7 @@ async def proxy(request: Request, fmt: str, path_session: str | None, sent: _Hea
         body = parse_body(raw, _SCHEMAS[fmt])
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
     if sent is None:
-        sent = _Headers(request.scope["headers"])
+        sent = _Headers(raw_headers)
     texts = Texts(body.get("messages"))  # what the client, session and side-turn rules read, found once
     client = recognise(gw.client_profiles, sent, body, fmt, texts)
     session_id, source = _session(gw, sent, path_session, body, client, texts)
@@ -330,13 +340,11 @@ class _Call:
         self.acc.feed(obj)
         self._finish(resp.status)
         if self.reply is not None:
-            return Response(_dumps(self.reply.whole(obj)), status_code=resp.status,
-                            media_type="application/json", headers=self.headers)
+            return _Whole(_dumps(self.reply.whole(obj)), resp.status, self.headers)
         if not wants.everything:
             strip_for_client(obj, wants)
             raw = _dumps(obj)
-        return Response(raw, status_code=resp.status, media_type="application/json",
-                        headers=self.headers)
+        return _Whole(raw, resp.status, self.headers)
 
     async def _post(self, *, failover: bool = True) -> aiohttp.ClientResponse:
         """The call sent to the target's vLLM. A server that refuses the connection (it died or is
@@ -489,10 +497,30 @@ class _Call:
             obj = result.model_dump(mode="json", exclude_none=True)
             self.acc.feed(obj)
             self._finish(200)
-            return Response(_dumps(obj if self.reply is None else self.reply.whole(obj)), media_type="application/json",
-                            headers=self.headers)
+            return _Whole(_dumps(obj if self.reply is None else self.reply.whole(obj)), 200, self.headers)
         # LiteLLM's exceptions from a provider's stream are many; each is the upstream's failure
         return self._streamed(_litellm_events(result), ClientWants(logprobs=True, token_ids=True), (Exception,))
+
+
+class _Whole(Response):
+    """A whole JSON reply: the status, headers and body Starlette's ``Response(body,
+    media_type="application/json", headers=...)`` sends, as the two ASGI messages, without its
+    rendering and header steps (a reply's headers here are the gateway's own: never a
+    content-length or content-type of their own)."""
+
+    def __init__(self, body: bytes, status_code: int, headers: dict[str, str]):
+        self.status_code = status_code
+        self.background = None
+        self.body = body
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        self.raw_headers += ((b"content-length", str(len(body)).encode()), _JSON_TYPE)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+_JSON_TYPE = (b"content-type", b"application/json")
 
 
 async def _litellm_events(chunks: Any) -> AsyncIterator[list[SSEvent]]:

@@ -124,7 +124,7 @@ def test_an_unexpected_error_on_a_proxy_route_is_a_500_in_the_clients_dialect(
     async def broken(*_: Any, **__: Any) -> Any:
         raise RuntimeError("a bug on the request path")
 
-    monkeypatch.setattr(serving, "proxy", broken)
+    monkeypatch.setattr(serving, "_proxied", broken)  # what serve_proxy calls with the body it read
     settings_ = Settings(upstream_url="http://127.0.0.1:9/v1", database_url=f"sqlite:///{tmp_path / 'p.db'}",
                          data_dir=tmp_path / "d")
     with TestClient(create_app(settings_), raise_server_exceptions=False) as c, \
