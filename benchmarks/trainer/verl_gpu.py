@@ -130,6 +130,13 @@ VARIANTS: dict[str, list[str]] = {
     # benchmarks/gpu/wheels.sh): the profiled fused step (micro-batch 16) spent more GPU time in elementwise
     # kernels (fp32 multiplies, dtype copies: RMSNorm's upcasts) than in its matmuls
     "fused-liger": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true"],
+    # the liger step still waited on the host a third of the time, most of it dtype copies (aten::to): the
+    # model built in bf16 (veRL's fsdp_config.model_dtype; parameters, gradients and Adam's moments in bf16,
+    # no fp32 master) leaves FSDP2's mixed precision nothing to cast; and the same kept gathered
+    "liger-bf16": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
+                   "--override=actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"],
+    "liger-noreshard": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
+                        "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
 }
 
 

@@ -296,6 +296,9 @@ def test_weak_scaling_plan() -> None:
     assert seen["fused-compile"].override == ["actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"]
     assert seen["fused-liger"].override == ["actor_rollout_ref.model.use_liger=true"]
     assert seen["fused-liger"].fused_kernels
+    assert seen["liger-bf16"].override == ["actor_rollout_ref.model.use_liger=true",
+                                           "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
+    assert seen["liger-noreshard"].override[1] == "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"
 
 
 def test_runs_take_the_gpus_the_caller_made_visible() -> None:
@@ -333,6 +336,17 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
                                                                          verl_gpu.VARIANTS["fused-liger"][3:])),
                          ObjectiveConfig(), batch_size=4, total_steps=3)
     assert liger.actor_rollout_ref.model.use_liger is True
+    # liger-bf16's model dtype reaches the engine's config as a precision veRL's engine builds the model in
+    from verl.utils.torch_dtypes import PrecisionType
+
+    bf16 = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(o.removeprefix("--override=") for o in
+                                                                        verl_gpu.VARIANTS["liger-bf16"][3:])),
+                        ObjectiveConfig(), batch_size=4, total_steps=3)
+    engine = omega_conf_to_dataclass(bf16.actor_rollout_ref.actor).fsdp_config
+    assert PrecisionType.to_dtype(engine.model_dtype) == torch.bfloat16
+    assert bf16.actor_rollout_ref.model.use_liger is True
+    assert PrecisionType.to_dtype(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).fsdp_config.model_dtype) \
+        == torch.float32
     # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
