@@ -328,6 +328,8 @@ class OnlineTrainer:
                                                                 if k in metrics))
         if self.kl is not None and "drift_kl_k3" in metrics:
             self._adapt_kl(trainer, metrics)
+        if self.objective.opd_topk and 0 < self.cfg.opd_topk_rounds <= self.step:
+            self._end_topk(trainer, metrics)
         out = trainer.save(self.output_root / f"run-{self.run_id}" / f"step-{self.step}-{secrets.token_hex(3)}")
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"
         stats = {"run_id": self.run_id, "step": self.step, "turns": len(train), "objective": self.objective.objective,
@@ -366,6 +368,15 @@ class OnlineTrainer:
         metrics["kl_coef_next"] = self.objective.kl_coef
         log.info("round %d: KL to the base %.4g (target %.4g): kl_coef %.4g -> %.4g", self.step,
                  metrics["drift_kl_k3"], self.kl.target, metrics["kl_coef"], metrics["kl_coef_next"])
+
+    def _end_topk(self, trainer: LocalTrainer, metrics: dict[str, Any]) -> None:
+        """Top-k OPD's last round (:attr:`OnlineConfig.opd_topk_rounds`): the next rounds, and a trainer
+        rebuilt later, train with the sampled-token OPD advantage; ``opd_topk_next`` in the metrics."""
+        self.objective = replace(self.objective, opd_topk=False)
+        trainer.objective = self.objective
+        metrics["opd_topk_next"] = False
+        log.info("round %d: top-k OPD for %d round(s) done: sampled-token OPD from the next round on", self.step,
+                 self.cfg.opd_topk_rounds)
 
     def _done(self, result: RoundResult) -> RoundResult:
         if self.on_round:

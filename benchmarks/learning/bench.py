@@ -333,7 +333,8 @@ class Job:
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
                             drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
-                            kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor, **gate)
+                            kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor,
+                            opd_topk_rounds=self.spec.topk_rounds, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -486,6 +487,8 @@ class Arm:
     #: coefficient may fall below its start (OnlineConfig.kl_floor)
     kl_horizon: float = 1.0
     kl_floor: bool = False
+    #: with topk: top-k OPD for this many rounds, then sampled-token OPD (OnlineConfig.opd_topk_rounds); 0: always
+    topk_rounds: int = 0
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -500,7 +503,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``combined:batch:0.5``, ``opd+topk``, ``combined+topk=8+kl=0.05``); an arm without a
     baseline takes *rl_baseline*, else ``ObjectiveConfig``'s default. Options: ``topk[=K]``
     (top-k OPD: the teacher keeps its K most likely tokens per position, default
-    :data:`TOPK_DEFAULT`), ``kl[=C]`` (the KL anchor to the base policy: ``kl_coef``, default
+    :data:`TOPK_DEFAULT`), ``topkrounds=N`` (with topk: top-k OPD for the first N rounds, the
+    sampled-token OPD after: ``OnlineConfig.opd_topk_rounds``),
+    ``kl[=C]`` (the KL anchor to the base policy: ``kl_coef``, default
     :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
     margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
@@ -531,6 +536,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     replay = 0
     kl_target = None
     kl_horizon, kl_floor = 1.0, False
+    topk_rounds = 0
     for option in options:
         name, eq, value = option.partition("=")
         if name == "topk":
@@ -576,9 +582,16 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
                 raise ValueError(f"klh is the KL controller's horizon in rounds, in (0, 100], not {value!r}")
         elif name == "klfloor" and not eq:
             kl_floor = True
+        elif name == "topkrounds" and eq:
+            topk_rounds = int(value)
+            if not 1 <= topk_rounds <= 100:
+                raise ValueError(f"topkrounds is 1 to 100 rounds of top-k OPD, not {value!r}")
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], kl[=C], kltarget=T, klh=H, klfloor, tau=T, "
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, kl[=C], kltarget=T, klh=H, "
+                             "klfloor, tau=T, "
                              "tail=W, topic[=M], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
+    if topk_rounds and not top_k:
+        raise ValueError("topkrounds ends top-k OPD after N rounds: it needs +topk")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
     if kl_target is not None and not kw.get("kl_coef"):
@@ -589,7 +602,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         raise ValueError("graded grades the RL reward, which opd does not train on: it needs rl or combined")
     judge = ("graded_" if graded else "") + ("judge_naming_the_question" if ask else "judge")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
-               kl_target, kl_horizon, kl_floor)
+               kl_target, kl_horizon, kl_floor, topk_rounds)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -694,7 +707,8 @@ def main() -> None:
                    help="comma-separated: none, rl, opd, combined; rl and combined may name the RL baseline "
                         "after a colon (rl:none, combined:batch), combined also w_rl after another "
                         "(combined:batch:0.5), to run the variants side by side; then options after a +: "
-                        f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), tau=T / tail=W (with topk: "
+                        f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), topkrounds=N (with topk: "
+                        "top-k for the first N rounds, then sampled-token OPD), tau=T / tail=W (with topk: "
                         f"the teacher tempered / its tail's weight), kl[=C] (the KL anchor to the base policy, C "
                         f"{KL_DEFAULT} by default: opd+topk+kl), kltarget=T (with kl: its coefficient adapted each "
                         "round toward a KL to the base of T per reply token), klh=H (with kltarget: the controller's "

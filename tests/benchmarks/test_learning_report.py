@@ -132,6 +132,18 @@ def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
     assert (arm_spec("combined").lr, arm_spec("combined").updates) == (None, None)
 
 
+def test_an_arm_may_end_top_k_opd_after_n_rounds():
+    """``topkrounds=N`` with ``topk``: top-k OPD for N rounds, then the sampled token's
+    (OnlineConfig.opd_topk_rounds); without top-k, or out of range, it is refused."""
+    arm = arm_spec("combined+topk+topkrounds=3+kl=0.1+kltarget=0.3+replay=4+seq+steps=6")
+    assert (arm.topk_rounds, arm.top_k, arm.objective.opd_topk) == (3, TOPK_DEFAULT, True)
+    assert arm_spec("combined+topk").topk_rounds == 0
+    for bad in ("combined+topkrounds=3", "combined+topk+topkrounds=0", "combined+topk+topkrounds",
+                "combined+topk+topkrounds=101"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
+
+
 def test_an_arm_may_adapt_its_kl_anchor_toward_a_target():
     """``kltarget=T`` with ``kl[=C]``: the anchor starts at C and follows a KL to the base of T per
     reply token (OnlineConfig.kl_target); without an anchor to start from it is refused."""

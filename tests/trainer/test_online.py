@@ -664,3 +664,33 @@ def test_a_floored_kl_anchor_only_tightens(pg: str, servers: list[str], model_di
     else:
         assert coefs == pytest.approx([0.02, 0.02 * 1.5333, 0.02 * 1.5333 * 1.8, 0.02 * 1.5333 * 1.8 * 0.2], rel=1e-3)
     online.engine.dispose()
+
+
+def test_top_k_opd_for_n_rounds_then_the_sampled_token(pg: str, servers: list[str], model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """OnlineConfig.opd_topk_rounds: the first N rounds train with top-k OPD (the teacher's top-k KL is in
+    the round's loss), the rounds after with the sampled-token OPD advantage from the same teacher passes
+    (no top-k term), and a trainer rebuilt later keeps it."""
+    objective = ObjectiveConfig(objective="combined", opd_topk=True)
+    engine = make_engine(pg)
+    session = f"topk-{uuid.uuid4().hex[:6]}"
+    _stored_scored_turns(engine, session, [1.0, -1.0, 1.0, -1.0])
+    with OrmSession(engine) as db, db.begin():
+        for j in db.scalars(select(Judgement).where(Judgement.turn_id.like(f"{session}-%"))):
+            j.teacher_logprobs = [-0.5, -0.7]
+            j.teacher_topk_ids, j.teacher_topk_logprobs = [[3, 7], [4, 9]], [[-0.5, -1.5], [-0.7, -1.2]]
+    engine.dispose()
+    online = OnlineTrainer(make_engine(pg), objective=objective, local=LocalConfig(model_dir=model_dir),
+                           filters=Filters(), config=OnlineConfig(version_prefix=f"t{uuid.uuid4().hex[:6]}", k=2,
+                                                                  staleness=10, opd_topk_rounds=1),
+                           vllm_urls=servers, base_model="smollm2", output_root=tmp_path / "runs",
+                           store=tmp_path / "store")
+    first, second = online.run_round(), online.run_round()
+    assert first is not None and second is not None
+    assert "topk_kl" in first.metrics and first.metrics["opd_topk_next"] is False
+    assert "topk_kl" not in second.metrics and "opd_topk_next" not in second.metrics
+    assert second.metrics["loss"] != 0.0  # the sampled-token OPD (and RL) trained instead
+    assert online.objective.opd_topk is False and online._trainer().objective.opd_topk is False
+    with pytest.raises(ValueError, match="opd_topk_rounds"):
+        OnlineConfig(opd_topk_rounds=-1)
+    online.engine.dispose()
