@@ -175,10 +175,9 @@ def _no_lone_surrogates(body: Any) -> None:
         raise RequestError(400, "request body has an unpaired UTF-16 surrogate escape", code="invalid_json") from exc
 
 
-async def read_body(request: Request, limit: int, headers: Mapping[str, str] | None = None) -> bytes:
-    """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed);
-    *headers*: the request's, looked up case-insensitively, when the caller read them already."""
-    _check_declared((request.headers if headers is None else headers).get("content-length"), limit)
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 once it passes ``limit`` bytes (declared or streamed)."""
+    _check_declared(request.headers.get("content-length"), limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -190,7 +189,8 @@ async def read_body(request: Request, limit: int, headers: Mapping[str, str] | N
 
 async def receive_body(receive: Receive, limit: int, headers: Mapping[str, str]) -> bytes:
     """:func:`read_body` of a request no Starlette ``Request`` was made for: its ASGI messages
-    read as ``Request.stream`` reads them (a hang-up raises its ClientDisconnect)."""
+    read as ``Request.stream`` reads them (a hang-up raises its ClientDisconnect); *headers*: the
+    request's, looked up case-insensitively."""
     _check_declared(headers.get("content-length"), limit)
     chunks, size = [], 0
     while True:

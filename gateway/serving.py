@@ -116,7 +116,7 @@ async def serve_proxy(app: ASGIApp, scope: Scope, receive: Receive, send: Send, 
         try:
             tenant = await accepted_tenant(gw, sent)
             raw = await receive_body(receive, gw.settings.max_body_bytes, sent)
-            response = await _proxied(gw, scope["headers"], raw, started, route[0], route[1], sent, tenant)
+            response = await _proxied(gw, sent, raw, started, route[0], route[1], tenant)
         except NextstateError as exc:
             response = respond(Request(scope, receive), exc)
         await response(scope, receive, send)
@@ -192,13 +192,13 @@ async def proxy(request: Request, fmt: str, path_session: str | None, *, tenant:
     gw = gateway_of(request)
     started = time.perf_counter()
     raw = await read_body(request, gw.settings.max_body_bytes)
-    return await _proxied(gw, request.scope["headers"], raw, started, fmt, path_session, None, tenant)
+    return await _proxied(gw, _Headers(request.scope["headers"]), raw, started, fmt, path_session, tenant)
 
 
-async def _proxied(gw: Gateway, raw_headers: list[tuple[bytes, bytes]], raw: bytes, started: float, fmt: str,
-                   path_session: str | None, sent: _Headers | None, tenant: str | None) -> Response:
-    """The reply to the call of body *raw* (`proxy`); *sent*: the request's headers, when the
-    caller read them."""
+async def _proxied(gw: Gateway, sent: _Headers, raw: bytes, started: float, fmt: str, path_session: str | None,
+                   tenant: str | None) -> Response:
+    """The reply to the call of body *raw* with headers *sent* (`proxy`), begun at *started*
+    (``time.perf_counter``)."""
     reply: Reply | None = None
     if fmt in (WireFormat.RESPONSES, WireFormat.MESSAGES):
         await load_translators()
@@ -213,8 +213,6 @@ async def _proxied(gw: Gateway, raw_headers: list[tuple[bytes, bytes]], raw: byt
     else:
         body = parse_body(raw, _SCHEMAS[fmt])
     endpoint = Endpoint.COMPLETIONS if fmt == WireFormat.COMPLETIONS else Endpoint.CHAT
-    if sent is None:
-        sent = _Headers(raw_headers)
     texts = Texts(body.get("messages"))  # what the client, session and side-turn rules read, found once
     client = recognise(gw.client_profiles, sent, body, fmt, texts)
     session_id, source = _session(gw, sent, path_session, body, client, texts)
