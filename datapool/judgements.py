@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, and_, exists, func, select, update
+from sqlalchemy import Engine, and_, bindparam, exists, func, select, text, update
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import as_utc, chunked, dialect_insert, utcnow
+from datapool.db import UTCDateTime, as_utc, utcnow
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from base.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
@@ -28,18 +29,32 @@ def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     """Record that these turns must be (re)scored; returns them. Call inside the transaction that
     made them ready, then send the tasks after it commits."""
     ids = list(dict.fromkeys(turn_ids))
+    if not ids:
+        return ids
     now = utcnow()
-    # one multi-row upsert per chunk (the capture writer marks a batch's worth at a time); the
-    # ids are distinct, so no row is upserted twice in one statement
-    for chunk in chunked(ids):
-        rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "retries": 0, "enqueued_at": now,
-                 "updated_at": now}
-                for tid in chunk]
-        stmt = dialect_insert(db)(Judgement).values(rows)
-        db.execute(stmt.on_conflict_do_update(
-            index_elements=["turn_id"], set_={"status": JudgementStatus.PENDING, "dead_reason": None,
-                                              "enqueued_at": now, "updated_at": now}))
+    # the capture writer marks a batch's worth at a time: one statement whose text never changes,
+    # not a multi-row VALUES that SQLAlchemy compiled anew for every batch (~30 µs per turn marked,
+    # benchmarks/gateway/README.md); the ids are distinct, so no row is upserted twice
+    if db.get_bind().dialect.name == "postgresql":
+        db.execute(_MARK_PENDING_PG, {"ids": ids, "status": JudgementStatus.PENDING, "now": now})
+        return ids
+    rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "retries": 0, "enqueued_at": now,
+             "updated_at": now} for tid in ids]
+    db.execute(_MARK_PENDING_SQLITE, rows)
     return ids
+
+
+_MARK_PENDING_PG = text(
+    "INSERT INTO judgements (turn_id, status, attempts, retries, enqueued_at, updated_at) "
+    "SELECT u.id, :status, 0, 0, :now, :now FROM unnest(CAST(:ids AS varchar[])) WITH ORDINALITY AS u(id, n) "
+    "ORDER BY u.n ON CONFLICT (turn_id) DO UPDATE SET status = :status, dead_reason = NULL, enqueued_at = :now, "
+    "updated_at = :now"
+).bindparams(bindparam("now", type_=UTCDateTime()))
+_mark_sqlite = sqlite_insert(Judgement)
+_MARK_PENDING_SQLITE = _mark_sqlite.on_conflict_do_update(
+    index_elements=["turn_id"], set_={"status": _mark_sqlite.excluded.status, "dead_reason": None,
+                                      "enqueued_at": _mark_sqlite.excluded.enqueued_at,
+                                      "updated_at": _mark_sqlite.excluded.updated_at})
 
 
 def effective_next_state(db: OrmSession, turn: Turn, session: Session) -> dict[str, Any] | None:
