@@ -364,10 +364,17 @@ def pair_continuations(r: Any) -> list[Continuation]:
     if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
     messages = r.messages
-    tail = request_tail(messages)
-    out = [Continuation(tail, TAIL_INDEX, len(messages))] if tail else []
-    if r.status == TurnStatus.OK:
-        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(reply_pairs(messages, r.replies))]
+    # request_tail and reply_pairs, with the last non-system message's loose form made once
+    found = [i for i in range(len(messages) - 1, -1, -1)
+             if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES][:2]
+    last = loose_form_at(messages, found[0]) if found else None
+    out: list[Continuation] = []
+    if last is not None and len(found) == 2:
+        before = loose_form_at(messages, found[1])
+        out.append(Continuation(tail_key(before, last), TAIL_INDEX, len(messages)))  # type: ignore[arg-type]
+    if r.status == TurnStatus.OK and last is not None:
+        out += [Continuation(pair_key(last, _digest(_loose(reply))), reply_pair_index(i), 0)
+                for i, reply in enumerate(x for x in r.replies if isinstance(x, dict))]
     return out
 
 

@@ -1,0 +1,56 @@
+"""The capture writer's per-turn hashes, made with less work, are the hashes made before:
+datapool.edits.pair_continuations against its former composition of request_tail and reply_pairs
+(which made the last non-system message's loose form twice), on random histories."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from base.vocab import Endpoint, TurnKind, TurnStatus
+from datapool.canonical import Continuation
+from datapool.edits import TAIL_INDEX, pair_continuations, reply_pair_index, reply_pairs, request_tail
+
+_text = st.sampled_from(["", "hi", "[Thu 2026-11-26 14:03 UTC] list the files", "4", "x\nRuntime: a sessionId=1",
+                         "<system-reminder>d</system-reminder>ok"])
+_content = st.one_of(st.none(), _text, st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _text}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.just({"url": "u", "detail": None})})),
+    max_size=3))
+_call = st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2", "", "call-3"]), "type": st.just("function"),
+                               "function": st.fixed_dictionaries({"name": st.sampled_from(["calc", "exec"]),
+                                                                  "arguments": st.sampled_from(
+                                                                      ['{"e":"2+2"}', '{"e": "2+2"}', "", "nojson"])})})
+
+
+@st.composite
+def _message(draw: Any) -> Any:
+    if draw(st.integers(0, 30)) == 0:
+        return draw(st.sampled_from(["a string", None, 3]))
+    m: dict[str, Any] = {"role": draw(st.sampled_from(["system", "developer", "user", "assistant", "tool"])),
+                         "content": draw(_content)}
+    if m["role"] == "assistant" and draw(st.booleans()):
+        m["tool_calls"] = draw(st.lists(_call, max_size=2))
+    if m["role"] == "tool":
+        m["tool_call_id"] = draw(st.sampled_from(["c1", "c2", "call-3", "other"]))
+    return m
+
+
+def _former(r: Any) -> list[Continuation]:
+    tail = request_tail(r.messages)
+    out = [Continuation(tail, TAIL_INDEX, len(r.messages))] if tail else []
+    if r.status == TurnStatus.OK:
+        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(reply_pairs(r.messages, r.replies))]
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(messages=st.lists(_message(), max_size=8), replies=st.lists(_message(), max_size=3),
+       status=st.sampled_from([TurnStatus.OK, "error"]))
+def test_pair_continuations_are_those_made_before(messages: list[Any], replies: list[Any], status: str) -> None:
+    r = SimpleNamespace(turn_type=TurnKind.MAIN, endpoint=Endpoint.CHAT, status=status, messages=messages,
+                        replies=replies)
+    assert pair_continuations(r) == _former(r)
