@@ -172,16 +172,47 @@ class Prefixes:
     or stores a turn under, is read from these, so a request's messages are canonicalized once,
     not once per kind of key."""
 
-    __slots__ = ("messages", "digests", "end")
+    __slots__ = ("messages", "digests", "end", "encoded", "source")
 
     def __init__(self, messages: Sequence[Message]) -> None:
         self.messages = messages
         h = CanonicalHistory()
         self.digests: list[str] = []
+        self.encoded: list[bytes] = []  # each message's canonical form as hashed
         for m in messages:
-            h.add(m)
+            e = canonical_dumps(h.canonical(m)).encode()
+            h._hash.update(e)
+            h._hash.update(b"\x1e")
+            self.encoded.append(e)
             self.digests.append(h.hexdigest())
         self.end = h
+        # the Prefixes whose tool-call numbering this one's shares at every message (see kept)
+        self.source: Prefixes = self
+
+    def kept(self, indices: Sequence[int]) -> Prefixes:
+        """``Prefixes([messages[i] for i in indices])``. Where the messages left out carry no tool
+        calls (the system messages prepare leaves out), the tool calls are numbered as in this one
+        at every kept message, so their canonical forms are this one's: hashed again, not made again."""
+        chosen = set(indices)
+        if any(isinstance(m.get("tool_calls"), list) and m.get("tool_calls")
+               for i, m in enumerate(self.messages) if i not in chosen):
+            return Prefixes([self.messages[i] for i in indices])
+        out = Prefixes.__new__(Prefixes)
+        out.messages = [self.messages[i] for i in indices]
+        h = CanonicalHistory()
+        h._calls = dict(self.end._calls)
+        h._count = self.end._count
+        out.digests = []
+        out.encoded = []
+        for i in indices:
+            e = self.encoded[i]
+            h._hash.update(e)
+            h._hash.update(b"\x1e")
+            out.encoded.append(e)
+            out.digests.append(h.hexdigest())
+        out.end = h
+        out.source = self.source
+        return out
 
     def links(self) -> list[tuple[int, str]]:
         """:func:`link_candidates`."""
@@ -198,14 +229,20 @@ class Prefixes:
         """:func:`request_hash`."""
         return _salted(self.end.hexdigest())
 
-    def continuations(self, replies: Sequence[Message]) -> list[str]:
-        """:func:`continuation_hashes`."""
+    def continuations(self, replies: Sequence[Message], encoded: Sequence[bytes] | None = None) -> list[str]:
+        """:func:`continuation_hashes`; *encoded*: the replies' canonical forms as another Prefixes
+        of the same ``source`` made them (``replies_encoded``)."""
         out = []
-        for reply in replies:
-            h = self.end.copy()
-            h.add(reply)
+        for n, reply in enumerate(replies):
+            h = self.end._hash.copy()
+            h.update(encoded[n] if encoded is not None else canonical_dumps(self.end.copy().canonical(reply)).encode())
+            h.update(b"\x1e")
             out.append(h.hexdigest())
         return out
+
+    def replies_encoded(self, replies: Sequence[Message]) -> list[bytes]:
+        """Each reply's canonical form after these messages, as ``continuations`` hashes it."""
+        return [canonical_dumps(self.end.copy().canonical(reply)).encode() for reply in replies]
 
 
 def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
@@ -269,13 +306,16 @@ def continuations_of(r: TurnRecord, prefixes: Prefixes | None = None,
     out = [Continuation(whole.request(), _RETRY, len(messages))] if messages else []
     if r.status != TurnStatus.OK:
         return out
-    out += [Continuation(h, i, len(messages) + 1) for i, h in enumerate(whole.continuations(r.replies))]
+    replies = r.replies
+    encoded = whole.replies_encoded(replies)
+    out += [Continuation(h, i, len(messages) + 1) for i, h in enumerate(whole.continuations(replies, encoded))]
     if system_free is None:
         kept = _without_system(messages)
-        system_free = Prefixes([messages[i] for i in kept]) if len(kept) < len(messages) else None
+        system_free = whole.kept(kept) if len(kept) < len(messages) else None
     if system_free is not None and system_free.messages:
+        same = encoded if system_free.source is whole.source else None
         out += [Continuation(h, system_free_index(i), len(system_free.messages) + 1)
-                for i, h in enumerate(system_free.continuations(r.replies))]
+                for i, h in enumerate(system_free.continuations(replies, same))]
     return out
 
 
@@ -330,7 +370,7 @@ def prepare(r: TurnRecord) -> Prepared:
     them without the system messages (when it has any)."""
     whole = Prefixes(r.messages)
     kept = _without_system(r.messages)
-    rest = Prefixes([r.messages[i] for i in kept]) if len(kept) < len(r.messages) else None
+    rest = whole.kept(kept) if len(kept) < len(r.messages) else None
     return Prepared(r, whole.links(), continuations_of(r, whole, rest),
                     whole.retries() if r.turn_type == TurnKind.MAIN else [],
                     _system_free_links(kept, rest) if rest is not None else [])
