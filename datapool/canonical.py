@@ -113,9 +113,31 @@ class CanonicalHistory:
     def add(self, message: Message) -> dict[str, Any]:
         """Feed one message; returns its canonical form."""
         canon = self.canonical(message)
-        self._hash.update(canonical_dumps(canon).encode())
-        self._hash.update(b"\x1e")
+        self.feed(canonical_dumps(canon).encode())
         return canon
+
+    def encode(self, message: Message) -> bytes:
+        """The message's canonical form as the hash takes it (:meth:`canonical`: numbers its calls)."""
+        return canonical_dumps(self.canonical(message)).encode()
+
+    def feed(self, encoded: bytes) -> None:
+        """Feed a message :meth:`encode` made, here or in a history that numbers calls as this one."""
+        self._hash.update(encoded)
+        self._hash.update(b"\x1e")
+
+    def digest_after(self, encoded: bytes) -> str:
+        """The hash after one more encoded message, this history left as it is."""
+        h = self._hash.copy()
+        h.update(encoded)
+        h.update(b"\x1e")
+        return h.hexdigest()
+
+    def numbering(self) -> CanonicalHistory:
+        """An empty history that numbers tool calls as this one does after its messages."""
+        other = CanonicalHistory()
+        other._calls = dict(self._calls)
+        other._count = self._count
+        return other
 
     def canonical(self, message: Message) -> dict[str, Any]:
         """The parts of a message that identify it; numbers the message's tool calls.
@@ -180,9 +202,8 @@ class Prefixes:
         self.digests: list[str] = []
         self.encoded: list[bytes] = []  # each message's canonical form as hashed
         for m in messages:
-            e = canonical_dumps(h.canonical(m)).encode()
-            h._hash.update(e)
-            h._hash.update(b"\x1e")
+            e = h.encode(m)
+            h.feed(e)
             self.encoded.append(e)
             self.digests.append(h.hexdigest())
         self.end = h
@@ -199,16 +220,11 @@ class Prefixes:
             return Prefixes([self.messages[i] for i in indices])
         out = Prefixes.__new__(Prefixes)
         out.messages = [self.messages[i] for i in indices]
-        h = CanonicalHistory()
-        h._calls = dict(self.end._calls)
-        h._count = self.end._count
+        h = self.end.numbering()
         out.digests = []
-        out.encoded = []
-        for i in indices:
-            e = self.encoded[i]
-            h._hash.update(e)
-            h._hash.update(b"\x1e")
-            out.encoded.append(e)
+        out.encoded = [self.encoded[i] for i in indices]
+        for e in out.encoded:
+            h.feed(e)
             out.digests.append(h.hexdigest())
         out.end = h
         out.source = self.source
@@ -232,17 +248,12 @@ class Prefixes:
     def continuations(self, replies: Sequence[Message], encoded: Sequence[bytes] | None = None) -> list[str]:
         """:func:`continuation_hashes`; *encoded*: the replies' canonical forms as another Prefixes
         of the same ``source`` made them (``replies_encoded``)."""
-        out = []
-        for n, reply in enumerate(replies):
-            h = self.end._hash.copy()
-            h.update(encoded[n] if encoded is not None else canonical_dumps(self.end.copy().canonical(reply)).encode())
-            h.update(b"\x1e")
-            out.append(h.hexdigest())
-        return out
+        encoded = self.replies_encoded(replies) if encoded is None else encoded
+        return [self.end.digest_after(e) for e in encoded]
 
     def replies_encoded(self, replies: Sequence[Message]) -> list[bytes]:
         """Each reply's canonical form after these messages, as ``continuations`` hashes it."""
-        return [canonical_dumps(self.end.copy().canonical(reply)).encode() for reply in replies]
+        return [self.end.copy().encode(reply) for reply in replies]
 
 
 def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:

@@ -150,13 +150,19 @@ def tail_key(before: str, last: str) -> str:
     return hashlib.sha256(f"request-tail\x1e{before}\x1e{last}".encode()).hexdigest()
 
 
-def request_tail(messages: Sequence[Message]) -> str | None:
-    """The tail key of a turn's request (None with fewer than two non-system messages)."""
+def _last_two(messages: Sequence[Message]) -> tuple[str | None, str | None]:
+    """The loose forms of a request's last two non-system messages (before, last); None where
+    there is no such message."""
     found = [i for i in range(len(messages) - 1, -1, -1)
              if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES][:2]
-    if len(found) < 2:
-        return None
-    return tail_key(loose_form_at(messages, found[1]), loose_form_at(messages, found[0]))  # type: ignore[arg-type]
+    forms = [loose_form_at(messages, i) for i in found] + [None, None]
+    return forms[1], forms[0]
+
+
+def request_tail(messages: Sequence[Message]) -> str | None:
+    """The tail key of a turn's request (None with fewer than two non-system messages)."""
+    before, last = _last_two(messages)
+    return tail_key(before, last) if before is not None and last is not None else None
 
 
 def request_tails(messages: Sequence[Message], forms: Sequence[str | None]) -> list[tuple[int, str]]:
@@ -182,11 +188,12 @@ def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list
     when the turn sent no other message)."""
     last = next((i for i in range(len(messages) - 1, -1, -1)
                  if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES), None)
-    if last is None:
-        return []
-    prompt = loose_form_at(messages, last)
-    return [pair_key(prompt, _digest(_loose(reply))) for reply in replies  # type: ignore[arg-type]
-            if isinstance(reply, dict)]
+    return [] if last is None else _pairs(loose_form_at(messages, last), replies)  # type: ignore[arg-type]
+
+
+def _pairs(prompt: str, replies: Sequence[Message]) -> list[str]:
+    """The pair key of *prompt* (a loose form) and each reply."""
+    return [pair_key(prompt, _digest(_loose(reply))) for reply in replies if isinstance(reply, dict)]
 
 
 def request_pairs(messages: Sequence[Message], forms: Sequence[str | None] | None = None) -> list[tuple[int, str]]:
@@ -363,18 +370,13 @@ def pair_continuations(r: Any) -> list[Continuation]:
     (choice_index TAIL_INDEX), and if it answered, its reply pairs (:func:`reply_pair_index`)."""
     if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
-    messages = r.messages
     # request_tail and reply_pairs, with the last non-system message's loose form made once
-    found = [i for i in range(len(messages) - 1, -1, -1)
-             if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES][:2]
-    last = loose_form_at(messages, found[0]) if found else None
+    before, last = _last_two(r.messages)
     out: list[Continuation] = []
-    if last is not None and len(found) == 2:
-        before = loose_form_at(messages, found[1])
-        out.append(Continuation(tail_key(before, last), TAIL_INDEX, len(messages)))  # type: ignore[arg-type]
+    if before is not None and last is not None:
+        out.append(Continuation(tail_key(before, last), TAIL_INDEX, len(r.messages)))
     if r.status == TurnStatus.OK and last is not None:
-        out += [Continuation(pair_key(last, _digest(_loose(reply))), reply_pair_index(i), 0)
-                for i, reply in enumerate(x for x in r.replies if isinstance(x, dict))]
+        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(_pairs(last, r.replies))]
     return out
 
 
