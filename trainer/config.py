@@ -99,6 +99,10 @@ class ObjectiveConfig:
             pulled less hard into the hinted teacher's mode; 1 is the KL to the teacher as it is.
         opd_topk_tail_weight: the weight of the tail's term in the top-k KL (1: the KL); under
             1 the student keeps more of its mass outside the teacher's top k.
+        opd_topk_from: top-k OPD from this reply position on (0: every position); a top-k sample's
+            first positions take the sampled token's OPD advantage instead. A reply's opening
+            tokens decide what it is about, its later ones how long it runs: distilling the hinted
+            teacher's whole top k on the opening is where short replies leave the topic.
     """
 
     objective: Objective = Objective.RL
@@ -122,6 +126,7 @@ class ObjectiveConfig:
     opd_topk_tail: bool = True
     opd_topk_temperature: float = 1.0
     opd_topk_tail_weight: float = 1.0
+    opd_topk_from: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in ADV_ESTIMATOR_FOR_OBJECTIVE:
@@ -146,6 +151,8 @@ class ObjectiveConfig:
                              f"{self.opd_topk_temperature}, {self.opd_topk_tail_weight}")
         if self.opd_topk and self.objective == Objective.RL:
             raise ValueError("opd_topk distils the teacher: it needs objective opd or combined, not rl")
+        if self.opd_topk_from < 0:
+            raise ValueError(f"opd_topk_from is a reply position >= 0 (0: every position), got {self.opd_topk_from}")
 
 
 #: torch.compile modes LocalConfig.compile_mode takes (None: torch's default)

@@ -515,10 +515,12 @@ class LocalTrainer:
         teacher = teacher_mask = None
         if cfg.objective != "rl":
             teacher = self._padded([s.teacher_logprobs for s in samples], student)
-            # a sample distilled on the teacher's top-k takes no sampled-token OPD advantage
-            sampled_only = [[float(s.teacher_logprobs is not None and (topk is None or not topk[3][i]))]
-                            for i, s in enumerate(samples)]
-            teacher_mask = chunked.to_device(torch.tensor(sampled_only), mask.device) * mask
+            # a sample distilled on the teacher's top-k takes no sampled-token OPD advantage, except on
+            # the positions before opd_topk_from
+            has = torch.tensor([[float(s.teacher_logprobs is not None)] for s in samples])
+            on_topk = has * (topk[3][:, None].float() if topk is not None else torch.zeros_like(has))
+            has, on_topk = chunked.to_device(has, mask.device), chunked.to_device(on_topk, mask.device)
+            teacher_mask = (has - on_topk) * mask + on_topk * (mask - objectives.positions_from(mask, cfg.opd_topk_from))
         token_rewards = objectives.scores_to_token_rewards(
             objectives.sample_rewards(samples, by_group=cfg.integrated_norm == "group").to(mask.device), mask)
         groups = [s.group_id for s in samples]
@@ -540,7 +542,8 @@ class LocalTrainer:
         if batch.topk is not None:
             _, lps, valid, rows = batch.topk
             topk_on_device = (chunked.to_device(lps, self.device), chunked.to_device(valid, self.device),
-                              chunked.to_device(rows[:, None].float(), self.device) * batch.mask)
+                              chunked.to_device(rows[:, None].float(), self.device)
+                              * objectives.positions_from(batch.mask, self.objective.opd_topk_from))
         for part in batch.parts:
             loss, metrics, ran = self._micro_batch_loss(batch, part, topk_on_device)
             share = (part.stop - part.start) / n

@@ -135,6 +135,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
+def positions_from(mask: torch.Tensor, start: int) -> torch.Tensor:
+    """``mask`` (``(n, width)``, response-aligned) where the response position is ≥ *start*, else 0:
+    where top-k OPD applies under ``ObjectiveConfig.opd_topk_from``."""
+    if start <= 0:
+        return mask
+    return mask * (torch.arange(mask.shape[-1], device=mask.device) >= start).to(mask.dtype)
+
+
 def _group_index(index: Any, batch: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Normalise group ids: None / NaN entries become unique singleton ids. Returns the ids as
     an object array and, per sample, the size of its group; None when no sample has a group."""
@@ -579,7 +587,11 @@ def compute_loss(
         term = term_fn(cfg, inputs)
         if term is None:
             continue
-        value = ca.agg_loss(loss_mat=term.loss_mat, loss_mask=term.mask, loss_agg_mode=cfg.loss_agg_mode,
+        # a term over no position (a micro-batch without top-k samples, or replies shorter than
+        # opd_topk_from) is 0 with a zero gradient, not 0 / 0 (decided on the device: no sync)
+        empty = ~term.mask.to(torch.bool).any()
+        value = ca.agg_loss(loss_mat=torch.where(empty, torch.zeros_like(term.loss_mat), term.loss_mat),
+                            loss_mask=term.mask.to(torch.bool) | empty, loss_agg_mode=cfg.loss_agg_mode,
                             **actor_cfg.global_batch_info)
         metrics |= term.report | {name: value}
         if term.coef > 0:

@@ -504,7 +504,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     baseline takes *rl_baseline*, else ``ObjectiveConfig``'s default. Options: ``topk[=K]``
     (top-k OPD: the teacher keeps its K most likely tokens per position, default
     :data:`TOPK_DEFAULT`), ``topkrounds=N`` (with topk: top-k OPD for the first N rounds, the
-    sampled-token OPD after: ``OnlineConfig.opd_topk_rounds``),
+    sampled-token OPD after: ``OnlineConfig.opd_topk_rounds``), ``topkfrom=P`` (with topk: top-k OPD
+    from reply position P on, the sampled-token OPD on the first P: ``ObjectiveConfig.opd_topk_from``),
     ``kl[=C]`` (the KL anchor to the base policy: ``kl_coef``, default
     :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
@@ -582,16 +583,22 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
                 raise ValueError(f"klh is the KL controller's horizon in rounds, in (0, 100], not {value!r}")
         elif name == "klfloor" and not eq:
             kl_floor = True
+        elif name == "topkfrom" and eq:
+            kw["opd_topk_from"] = int(value)
+            if not 1 <= kw["opd_topk_from"] <= 4096:
+                raise ValueError(f"topkfrom is a reply position, 1 to 4096, not {value!r}")
         elif name == "topkrounds" and eq:
             topk_rounds = int(value)
             if not 1 <= topk_rounds <= 100:
                 raise ValueError(f"topkrounds is 1 to 100 rounds of top-k OPD, not {value!r}")
         else:
-            raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, kl[=C], kltarget=T, klh=H, "
+            raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, topkfrom=P, kl[=C], kltarget=T, klh=H, "
                              "klfloor, tau=T, "
                              "tail=W, topic[=M], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
     if topk_rounds and not top_k:
         raise ValueError("topkrounds ends top-k OPD after N rounds: it needs +topk")
+    if "opd_topk_from" in kw and not top_k:
+        raise ValueError("topkfrom starts top-k OPD at a reply position: it needs +topk")
     if ("opd_topk_temperature" in kw or "opd_topk_tail_weight" in kw) and not top_k:
         raise ValueError("tau and tail temper top-k OPD: they need +topk")
     if kl_target is not None and not kw.get("kl_coef"):
@@ -708,7 +715,8 @@ def main() -> None:
                         "after a colon (rl:none, combined:batch), combined also w_rl after another "
                         "(combined:batch:0.5), to run the variants side by side; then options after a +: "
                         f"topk[=K] (top-k OPD, K {TOPK_DEFAULT} by default: opd+topk), topkrounds=N (with topk: "
-                        "top-k for the first N rounds, then sampled-token OPD), tau=T / tail=W (with topk: "
+                        "top-k for the first N rounds, then sampled-token OPD), topkfrom=P (with topk: top-k from "
+                        "reply position P on, sampled-token OPD on the first P), tau=T / tail=W (with topk: "
                         f"the teacher tempered / its tail's weight), kl[=C] (the KL anchor to the base policy, C "
                         f"{KL_DEFAULT} by default: opd+topk+kl), kltarget=T (with kl: its coefficient adapted each "
                         "round toward a KL to the base of T per reply token), klh=H (with kltarget: the controller's "

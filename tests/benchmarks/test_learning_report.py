@@ -144,6 +144,17 @@ def test_an_arm_may_end_top_k_opd_after_n_rounds():
             arm_spec(bad)
 
 
+def test_an_arm_may_start_top_k_opd_at_a_reply_position():
+    """``topkfrom=P`` with ``topk``: top-k OPD from reply position P on, the sampled token's before
+    (ObjectiveConfig.opd_topk_from); without top-k, or out of range, it is refused."""
+    arm = arm_spec("combined+topk+topkfrom=8+kl=0.1+kltarget=0.3+replay=4+seq+steps=6")
+    assert (arm.objective.opd_topk_from, arm.objective.opd_topk, arm.top_k) == (8, True, TOPK_DEFAULT)
+    assert arm_spec("combined+topk").objective.opd_topk_from == 0
+    for bad in ("combined+topkfrom=8", "combined+topk+topkfrom=0", "combined+topk+topkfrom", "opd+topk+topkfrom=x"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
+
+
 def test_an_arm_may_adapt_its_kl_anchor_toward_a_target():
     """``kltarget=T`` with ``kl[=C]``: the anchor starts at C and follows a KL to the base of T per
     reply token (OnlineConfig.kl_target); without an anchor to start from it is refused."""

@@ -369,3 +369,39 @@ def test_topk_off_is_the_old_step_exactly(tiny_model: Path) -> None:
     # and on: the same samples move the weights differently
     _, p3 = _step(tiny_model, ObjectiveConfig(objective="combined", opd_topk=True), with_topk, micro_batch_size=2)
     assert any(not torch.equal(p1[k], p3[k]) for k in p1)
+
+
+@pytest.mark.parametrize("micro_batch_size", [8, 2], ids=["fused", "micro-batches"])
+def test_top_k_opd_from_a_reply_position(tiny_model: Path, micro_batch_size: int) -> None:
+    """ObjectiveConfig.opd_topk_from = P: the top-k term covers reply positions P on only (its KL is the
+    one recomputed there), and the first P positions take the sampled token's OPD advantage: with P past
+    every reply the step is the sampled-token OPD step, weight for weight."""
+    samples = _samples(4, 3, topk=True, seed=3)
+    start = 2
+    trainer = LocalTrainer(LocalConfig(model_dir=tiny_model, device="cpu", micro_batch_size=8),
+                           ObjectiveConfig(objective="opd", opd_topk=True, opd_topk_from=start))
+    kls, n_tok = 0.0, 0
+    with torch.no_grad():
+        for s in samples:
+            if s.teacher_topk_ids is None or len(s.response_ids) <= start:
+                continue
+            logits = trainer.model(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float()
+            logp = torch.log_softmax(logits, -1)[len(s.prompt_ids) - 1: -1]
+            student = logp.gather(-1, torch.tensor(s.teacher_topk_ids))
+            kls += float(topk_opd_kl(student[start:], torch.tensor(s.teacher_topk_logprobs)[start:]).sum())
+            n_tok += len(s.response_ids) - start
+    assert n_tok > 0
+    assert trainer.step(samples)["topk_kl"] == pytest.approx(kls / n_tok, rel=1e-4)
+    # past every reply: no top-k position is left, every position is sampled-token OPD
+    past = max(len(s.response_ids) for s in samples)
+    m_past, p_past = _step(tiny_model, ObjectiveConfig(objective="opd", opd_topk=True, opd_topk_from=past),
+                           samples, micro_batch_size=micro_batch_size)
+    m_plain, p_plain = _step(tiny_model, ObjectiveConfig(objective="opd"), samples, micro_batch_size=micro_batch_size)
+    assert m_past.get("topk_kl", 0.0) == 0.0 and m_past["loss"] == pytest.approx(m_plain["loss"], rel=1e-5)
+    assert all(torch.allclose(p_past[k], p_plain[k], atol=1e-6) for k in p_plain)
+    # and from position 1: the weights move differently from both
+    _, p_one = _step(tiny_model, ObjectiveConfig(objective="opd", opd_topk=True, opd_topk_from=1), samples,
+                     micro_batch_size=micro_batch_size)
+    assert any(not torch.allclose(p_one[k], p_plain[k], atol=1e-6) for k in p_plain)
+    with pytest.raises(ValueError, match="opd_topk_from"):
+        ObjectiveConfig(objective="opd", opd_topk=True, opd_topk_from=-1)

@@ -48,6 +48,9 @@ def _check(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, batch_size
     if objective.opd_topk and cfg.fused_kernels:
         raise ValueError("top-k OPD (opd_topk) needs the actor's logits, which veRL's fused kernels never "
                          "materialise: turn them off (--no-verl-fused-kernels, VerlConfig.fused_kernels=False) or use the local backend")
+    if objective.opd_topk_from:
+        raise ValueError("opd_topk_from (top-k OPD from a reply position on) is not supported on the veRL backend "
+                         "yet; use the local backend or opd_topk_from 0")
     if objective.kl_coef > 0:
         raise ValueError("kl_coef > 0 is not supported on the veRL backend yet (it needs a reference worker); "
                          "use the local backend or kl_coef 0")
