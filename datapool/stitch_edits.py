@@ -6,11 +6,12 @@ history continues, so a conversation sent as it was costs nothing here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import select
+from sqlalchemy import Select, TextualSelect, select
 
 from datapool.canonical import Message, Prepared, tenant_hash
 from datapool.edits import (
@@ -45,6 +46,16 @@ def replies_of(response: dict[str, Any] | None) -> list[Message]:
     return [c.get("message") or {} for c in (response or {}).get("choices") or []]
 
 
+@functools.lru_cache(maxsize=16)
+def _with_turns(statement: TextualSelect) -> Select[Any]:
+    """EditedTurns' query over one of per_hash's statements: the turns, their request, reply and
+    client; made once per statement."""
+    pairs = statement.subquery("pairs")
+    return (select(pairs.c.hash, pairs.c.choice_index, *_COLUMNS, Turn.request, Turn.response, Session.client)
+            .join(Turn, Turn.id == pairs.c.turn_id)
+            .join(Session, Session.id == Turn.session_id))
+
+
 class EditedTurns:
     """The lookups of edited histories over a batch's KnownTurns."""
 
@@ -75,14 +86,9 @@ class EditedTurns:
             return
         # the latest CANDIDATES pair and tail rows of these keys: the latest of each key, then of all
         rows: list[Any] = []
-        for statement in per_hash(self.known.db, sorted(todo), ((False, False), (False, True)), limit=CANDIDATES,
-                                  latest=True, where=f"c.choice_index <= {TAIL_INDEX}"):
-            pairs = statement.subquery("pairs")
-            rows += self.known.db.execute(
-                select(pairs.c.hash, pairs.c.choice_index, *_COLUMNS, Turn.request, Turn.response, Session.client)
-                .join(Turn, Turn.id == pairs.c.turn_id)
-                .join(Session, Session.id == Turn.session_id)
-            )
+        for statement, params in per_hash(self.known.db, sorted(todo), ((False, False), (False, True)),
+                                          limit=CANDIDATES, latest=True, where=f"c.choice_index <= {TAIL_INDEX}"):
+            rows += self.known.db.execute(_with_turns(statement), params)
         rows.sort(key=lambda row: (clock(row.created_at), row.id), reverse=True)
         for row in rows[:CANDIDATES]:
             turn = self._loaded(row)

@@ -6,13 +6,14 @@ datapool.sessions decides the links over these turns; datapool.stitch_writes wri
 
 from __future__ import annotations
 
+import functools
 from bisect import insort
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Integer, Row, Select, String, column, func, or_, select, text
+from sqlalchemy import Integer, Row, Select, String, TextualSelect, column, func, or_, select, text
 from sqlalchemy.orm import Session as OrmSession, aliased
 
 from datapool.canonical import Message, Prepared
@@ -119,39 +120,59 @@ _per_hash_columns = (column("hash", String), column("choice_index", Integer), co
 
 
 def per_hash(db: OrmSession, hashes: list[str], kinds: Sequence[tuple[bool, bool]], *, limit: int,
-             latest: bool = False, where: str = "TRUE") -> list[Any]:
+             latest: bool = False, where: str = "TRUE") -> list[tuple[TextualSelect, dict[str, Any]]]:
     """Statements reading, for each hash and kind (system_free, answered), the first *limit*
     continuation rows by their turn's (created_at, id), or the last with *latest*, that also meet
     *where* (SQL on the row ``c``): one range of ix_turn_continuations_first each, however many
-    rows share the hash. Each yields (hash, choice_index, turn_id); use it as a subquery."""
+    rows share the hash. Each yields (hash, choice_index, turn_id); use it as a subquery, executed
+    with the parameters beside it. The statements are of a few constant texts (_per_hash_text)."""
+    postgresql = db.get_bind().dialect.name == "postgresql"
+    if postgresql:
+        statement = _per_hash_text(True, 0, tuple(kinds), limit, latest, where)
+        return [(statement, {"hashes": chunk}) for chunk in chunked(hashes)]
+    out = []
+    for chunk in chunked(hashes, _SQLITE_BUCKETS[-1]):
+        count = next(b for b in _SQLITE_BUCKETS if b >= len(chunk))
+        padded = chunk + chunk[-1:] * (count - len(chunk))  # a repeated hash finds the same rows
+        out.append((_per_hash_text(False, count, tuple(kinds), limit, latest, where),
+                    {f"h{i}": h for i, h in enumerate(padded)}))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _per_hash_text(postgresql: bool, count: int, kinds: tuple[tuple[bool, bool], ...], limit: int, latest: bool,
+                   where: str) -> TextualSelect:
+    """per_hash's statement for its dialect (SQLite: for *count* hashes), made once: SQLAlchemy's
+    text() parses every bind name of SQLite's compound SELECT (400 members at 100 hashes) each time
+    it is made, which was a fifth of the SQLite writer's CPU when made per batch."""
     order = "DESC" if latest else "ASC"
     probe = ("SELECT c.hash, c.choice_index, c.turn_id FROM turn_continuations c WHERE c.hash = {h} "
              "AND c.system_free = {free} AND c.answered = {ok} AND " + where +
              f" ORDER BY c.created_at {order}, c.turn_id {order} LIMIT {limit}")
-    if db.get_bind().dialect.name == "postgresql":
+    if postgresql:
         values = ", ".join(f"({str(free).lower()}, {str(ok).lower()})" for free, ok in kinds)
         sql = (f"SELECT f.hash, f.choice_index, f.turn_id FROM unnest(CAST(:hashes AS varchar[])) AS h(hash) "
                f"CROSS JOIN (VALUES {values}) AS k(free, ok) CROSS JOIN LATERAL ("
                + probe.format(h="h.hash", free="k.free", ok="k.ok") + ") AS f")
-        return [text(sql).bindparams(hashes=chunk).columns(*_per_hash_columns) for chunk in chunked(hashes)]
-    statements = []
-    for chunk in chunked(hashes, _SQLITE_BUCKETS[-1]):  # SQLite has no LATERAL: one member per probe
-        count = next(b for b in _SQLITE_BUCKETS if b >= len(chunk))
-        padded = chunk + chunk[-1:] * (count - len(chunk))  # a repeated hash finds the same rows
-        members = [f"SELECT * FROM ({probe.format(h=f':h{i}', free=int(free), ok=int(ok))})"
-                   for i in range(count) for free, ok in kinds]
-        statements.append(text(" UNION ALL ".join(members)).bindparams(**{f"h{i}": h for i, h in enumerate(padded)})
-                          .columns(*_per_hash_columns))
-    return statements
+        return text(sql).columns(*_per_hash_columns)
+    # SQLite has no LATERAL: one member per probe
+    members = [f"SELECT * FROM ({probe.format(h=f':h{i}', free=int(free), ok=int(ok))})"
+               for i in range(count) for free, ok in kinds]
+    return text(" UNION ALL ".join(members)).columns(*_per_hash_columns)
 
 
 def first_in_pool(db: OrmSession, hashes: list[str]) -> Iterator[Row[Any]]:
     """For each hash, the first PARENTS_KEPT turns by (created_at, id) of each kind over the
     whole pool."""
-    for statement in per_hash(db, hashes, KINDS, limit=PARENTS_KEPT):
-        firsts = statement.subquery("firsts")
-        yield from db.execute(select(firsts.c.hash, firsts.c.choice_index, *_COLUMNS)
-                              .join(Turn, Turn.id == firsts.c.turn_id))
+    for statement, params in per_hash(db, hashes, KINDS, limit=PARENTS_KEPT):
+        yield from db.execute(_with_turns(statement), params)
+
+
+@functools.lru_cache(maxsize=16)
+def _with_turns(statement: TextualSelect) -> Select[Any]:
+    """first_in_pool's query over one of per_hash's statements, made once per statement."""
+    firsts = statement.subquery("firsts")
+    return select(firsts.c.hash, firsts.c.choice_index, *_COLUMNS).join(Turn, Turn.id == firsts.c.turn_id)
 
 
 def first_in_sessions(hashes: list[str], named: list[str] | None) -> Select[Any]:

@@ -152,7 +152,8 @@ def test_the_database_reads_an_index_range_per_hash_and_kind(database_url: str, 
     else:
         kinds, limit, where = ((False, False), (False, True)), 64, f"c.choice_index <= {TAIL_INDEX}"
     with OrmSession(engine) as db, db.begin():
-        (statement,) = per_hash(db, [key], kinds, limit=limit, latest=reader == "pairs", where=where)
+        ((statement, params),) = per_hash(db, [key], kinds, limit=limit, latest=reader == "pairs", where=where)
+        statement = statement.bindparams(**params)
         rows = db.execute(statement).all()
         plan = _plan(db, statement)
     engine.dispose()
