@@ -194,21 +194,25 @@ class Prefixes:
     or stores a turn under, is read from these, so a request's messages are canonicalized once,
     not once per kind of key."""
 
-    __slots__ = ("messages", "digests", "end", "encoded", "source")
+    __slots__ = ("messages", "digests", "end", "canon", "encoded", "source", "replied")
 
     def __init__(self, messages: Sequence[Message]) -> None:
         self.messages = messages
         h = CanonicalHistory()
         self.digests: list[str] = []
-        self.encoded: list[bytes] = []  # each message's canonical form as hashed
+        self.canon: list[dict[str, Any]] = []  # each message's canonical form (CanonicalHistory.canonical)
+        self.encoded: list[bytes] = []  # the same as hashed
         for m in messages:
-            e = h.encode(m)
+            c = h.canonical(m)
+            e = canonical_dumps(c).encode()
             h.feed(e)
+            self.canon.append(c)
             self.encoded.append(e)
             self.digests.append(h.hexdigest())
         self.end = h
         # the Prefixes whose tool-call numbering this one's shares at every message (see kept)
         self.source: Prefixes = self
+        self.replied: tuple[list[Message], list[bytes]] | None = None  # see replies_encoded
 
     def kept(self, indices: Sequence[int]) -> Prefixes:
         """``Prefixes([messages[i] for i in indices])``. Where the messages left out carry no tool
@@ -222,12 +226,14 @@ class Prefixes:
         out.messages = [self.messages[i] for i in indices]
         h = self.end.numbering()
         out.digests = []
+        out.canon = [self.canon[i] for i in indices]
         out.encoded = [self.encoded[i] for i in indices]
         for e in out.encoded:
             h.feed(e)
             out.digests.append(h.hexdigest())
         out.end = h
         out.source = self.source
+        out.replied = None
         return out
 
     def links(self) -> list[tuple[int, str]]:
@@ -252,8 +258,15 @@ class Prefixes:
         return [self.end.digest_after(e) for e in encoded]
 
     def replies_encoded(self, replies: Sequence[Message]) -> list[bytes]:
-        """Each reply's canonical form after these messages, as ``continuations`` hashes it."""
-        return [self.end.copy().encode(reply) for reply in replies]
+        """Each reply's canonical form after these messages, as ``continuations`` hashes it. Made
+        once for the same reply objects: a turn's continuations and its reply pairs
+        (datapool.edits.pair_continuations) both read them."""
+        if self.replied is not None and len(self.replied[0]) == len(replies) \
+                and all(a is b for a, b in zip(self.replied[0], replies)):
+            return self.replied[1]
+        out = [self.end.copy().encode(reply) for reply in replies]
+        self.replied = (list(replies), out)
+        return out
 
 
 def link_candidates(messages: Sequence[Message]) -> list[tuple[int, str]]:
@@ -376,12 +389,12 @@ def tenant_hash(tenant: str | None, h: str) -> str:
     return h if tenant is None else hashlib.sha256(f"tenant\x1e{tenant}\x1e{h}".encode()).hexdigest()
 
 
-def prepare(r: TurnRecord) -> Prepared:
-    """Every hash stitching needs of a record, from one pass over its messages and one over
-    them without the system messages (when it has any)."""
-    whole = Prefixes(r.messages)
-    kept = _without_system(r.messages)
-    rest = whole.kept(kept) if len(kept) < len(r.messages) else None
+def prepare(r: TurnRecord, whole: Prefixes | None = None) -> Prepared:
+    """Every hash stitching needs of a record, from one pass over its messages (*whole*, if the
+    caller made it) and one over them without the system messages (when it has any)."""
+    whole = Prefixes(r.messages) if whole is None else whole
+    kept = _without_system(whole.messages)
+    rest = whole.kept(kept) if len(kept) < len(whole.messages) else None
     return Prepared(r, whole.links(), continuations_of(r, whole, rest),
                     whole.retries() if r.turn_type == TurnKind.MAIN else [],
                     _system_free_links(kept, rest) if rest is not None else [])

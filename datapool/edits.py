@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from base.jsonfast import canonical_dumps
 from base.vocab import Endpoint, TurnKind, TurnStatus
-from datapool.canonical import Continuation, Message, Prepared, canonical_message, continuations_of
+from datapool.canonical import Continuation, Message, Prefixes, Prepared, canonical_message, continuations_of
 
 _SYSTEM_ROLES = ("system", "developer")
 
@@ -132,6 +132,43 @@ def loose_form_at(messages: Sequence[Message], i: int) -> str | None:
     return _digest(canon)
 
 
+def loose_form_in(prefixes: Prefixes, i: int) -> str | None:
+    """``loose_form_at(prefixes.messages, i)`` from the canonical forms *prefixes* made of the
+    messages: a loose form is the message's canonical form, changed only in a user message's text
+    (_words) and a tool result's call, so mostly it is hashed as it is and nothing is made again."""
+    messages = prefixes.messages
+    m = messages[i]
+    if not isinstance(m, dict) or m.get("role") in _SYSTEM_ROLES:
+        return None
+    canon = prefixes.canon[i]
+    if "tool_call_id" in canon:
+        if m.get("tool_calls"):  # its own calls name the id on its own (canonical_message): made anew
+            return loose_form_at(messages, i)
+        call_id = m.get("tool_call_id")
+        canon = dict(canon, tool_call_id=_call_in(prefixes, i, call_id) or ["unknown", call_id])
+    if m.get("role") == "user":
+        content = canon["content"]
+        words = _words(content) if isinstance(content, str) else [
+            _words(c) if isinstance(c, str) else c for c in content]
+        if words != content:
+            canon = dict(canon, content=words)
+    if canon is prefixes.canon[i]:
+        return hashlib.sha256(prefixes.encoded[i]).hexdigest()[:32]
+    return _digest(canon)
+
+
+def _call_in(prefixes: Prefixes, i: int, call_id: str) -> list[Any] | None:
+    """_call_of over the messages before *i*, its call's canonical form read from *prefixes*; None
+    where no call has that id."""
+    for j in range(i - 1, -1, -1):
+        calls = prefixes.messages[j].get("tool_calls")
+        if isinstance(calls, list):
+            for k, call in enumerate(calls):
+                if isinstance(call, dict) and call.get("id") == call_id:
+                    return [k, *prefixes.canon[j]["tool_calls"][k]]
+    return None
+
+
 def system_of(messages: Sequence[Message]) -> str | None:
     """A digest of a history's system and developer messages in canonical form; None without any."""
     system = [canonical_message(m) for m in messages if isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES]
@@ -150,12 +187,15 @@ def tail_key(before: str, last: str) -> str:
     return hashlib.sha256(f"request-tail\x1e{before}\x1e{last}".encode()).hexdigest()
 
 
-def _last_two(messages: Sequence[Message]) -> tuple[str | None, str | None]:
+def _last_two(messages: Sequence[Message], prefixes: Prefixes | None = None) -> tuple[str | None, str | None]:
     """The loose forms of a request's last two non-system messages (before, last); None where
-    there is no such message."""
+    there is no such message. *prefixes*: the Prefixes of *messages*, to make them from."""
     found = [i for i in range(len(messages) - 1, -1, -1)
              if isinstance(messages[i], dict) and messages[i].get("role") not in _SYSTEM_ROLES][:2]
-    forms = [loose_form_at(messages, i) for i in found] + [None, None]
+    if prefixes is None:
+        forms = [loose_form_at(messages, i) for i in found] + [None, None]
+    else:
+        forms = [loose_form_in(prefixes, i) for i in found] + [None, None]
     return forms[1], forms[0]
 
 
@@ -191,9 +231,15 @@ def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list
     return [] if last is None else _pairs(loose_form_at(messages, last), replies)  # type: ignore[arg-type]
 
 
-def _pairs(prompt: str, replies: Sequence[Message]) -> list[str]:
-    """The pair key of *prompt* (a loose form) and each reply."""
-    return [pair_key(prompt, _digest(_loose(reply))) for reply in replies if isinstance(reply, dict)]
+def _pairs(prompt: str, replies: Sequence[Message], prefixes: Prefixes | None = None) -> list[str]:
+    """The pair key of *prompt* (a loose form) and each reply; *prefixes*: the Prefixes of the
+    request's messages, whose canonical forms of the replies (Prefixes.replies_encoded) are each
+    reply's loose form unless it is a user message or names a tool call."""
+    if prefixes is None or not all(isinstance(reply, dict) for reply in replies):
+        return [pair_key(prompt, _digest(_loose(reply))) for reply in replies if isinstance(reply, dict)]
+    return [pair_key(prompt, _digest(_loose(reply)) if reply.get("role") == "user" or reply.get("tool_call_id")
+                     else hashlib.sha256(encoded).hexdigest()[:32])
+            for reply, encoded in zip(replies, prefixes.replies_encoded(replies))]
 
 
 def request_pairs(messages: Sequence[Message], forms: Sequence[str | None] | None = None) -> list[tuple[int, str]]:
@@ -365,18 +411,21 @@ def transcript_overlap(transcript: str, history: Sequence[Message], reply: Messa
 # -- what a turn stores for this -----------------------------------------------------------------------
 
 
-def pair_continuations(r: Any) -> list[Continuation]:
+def pair_continuations(r: Any, prefixes: Prefixes | None = None) -> list[Continuation]:
     """The keys a main chat turn is found by here (turn_continuations rows): its request tail
-    (choice_index TAIL_INDEX), and if it answered, its reply pairs (:func:`reply_pair_index`)."""
+    (choice_index TAIL_INDEX), and if it answered, its reply pairs (:func:`reply_pair_index`).
+    *prefixes*: the Prefixes of its messages, if made (prepare): the loose forms come from its
+    canonical forms instead of canonicalising the messages again."""
     if r.turn_type != TurnKind.MAIN or r.endpoint != Endpoint.CHAT:
         return []
+    messages = r.messages if prefixes is None else prefixes.messages
     # request_tail and reply_pairs, with the last non-system message's loose form made once
-    before, last = _last_two(r.messages)
+    before, last = _last_two(messages, prefixes)
     out: list[Continuation] = []
     if before is not None and last is not None:
-        out.append(Continuation(tail_key(before, last), TAIL_INDEX, len(r.messages)))
+        out.append(Continuation(tail_key(before, last), TAIL_INDEX, len(messages)))
     if r.status == TurnStatus.OK and last is not None:
-        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(_pairs(last, r.replies))]
+        out += [Continuation(h, reply_pair_index(i), 0) for i, h in enumerate(_pairs(last, r.replies, prefixes))]
     return out
 
 
@@ -385,7 +434,7 @@ def stored_continuations(r: Any) -> list[Continuation]:
     return [*continuations_of(r), *pair_continuations(r)]
 
 
-def with_pairs(p: Prepared) -> Prepared:
-    """*p* with its record's reply pairs among its continuations."""
-    pairs = pair_continuations(p.record)
+def with_pairs(p: Prepared, prefixes: Prefixes | None = None) -> Prepared:
+    """*p* with its record's reply pairs among its continuations (*prefixes*: see pair_continuations)."""
+    pairs = pair_continuations(p.record, prefixes)
     return p._replace(continuations=[*p.continuations, *pairs]) if pairs else p

@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session as OrmSession
 
 from datapool.canonical import (
     Message,
+    Prefixes,
     Prepared,
     after_last_assistant,
     link_candidates,
@@ -429,7 +430,10 @@ class Stitcher:
         else:
             stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
-        prepared = [tenant_scoped(with_pairs(prepare(r))) for r in fresh]
+        prepared = []
+        for r in fresh:  # one pass over a record's messages for every hash, its reply pairs' loose forms too
+            whole = Prefixes(r.messages)
+            prepared.append(tenant_scoped(with_pairs(prepare(r, whole), whole)))
         self._lock(prepared)
         batch = _Batch(self.db, prepared)
         batch.run()

@@ -1,6 +1,7 @@
 """The capture writer's per-turn hashes, made with less work, are the hashes made before, on random
 histories: datapool.edits.pair_continuations against its former composition of request_tail and
-reply_pairs (which made the last non-system message's loose form twice); datapool.canonical.prepare,
+reply_pairs (which made the last non-system message's loose form twice), and made from a Prefixes' canonical
+forms (datapool.edits.loose_form_in) instead of canonicalising the messages again; datapool.canonical.prepare,
 whose system-free pass hashes the whole pass's canonical forms (Prefixes.kept), against each message
 canonicalised by a pass of its own."""
 
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 
 from base.vocab import Endpoint, TurnKind, TurnStatus
 from datapool.canonical import CanonicalHistory, Continuation, Prefixes, continuations_of, prepare
-from datapool.edits import TAIL_INDEX, pair_continuations, reply_pair_index, reply_pairs, request_tail
+from datapool.edits import (TAIL_INDEX, loose_form_at, loose_form_in, pair_continuations, reply_pair_index,
+                            reply_pairs, request_tail)
 from tests.support.records import turn_record
 
 _text = st.sampled_from(["", "hi", "[Thu 2026-11-26 14:03 UTC] list the files", "4", "x\nRuntime: a sessionId=1",
@@ -38,7 +40,7 @@ def _message(draw: Any) -> Any:
                          "content": draw(_content)}
     if m["role"] == "assistant" and draw(st.booleans()):
         m["tool_calls"] = draw(st.lists(_call, max_size=2))
-    if m["role"] == "tool":
+    if m["role"] == "tool" or (m.get("tool_calls") and draw(st.integers(0, 5)) == 0):
         m["tool_call_id"] = draw(st.sampled_from(["c1", "c2", "call-3", "other"]))
     return m
 
@@ -58,6 +60,13 @@ def test_pair_continuations_are_those_made_before(messages: list[Any], replies: 
     r = SimpleNamespace(turn_type=TurnKind.MAIN, endpoint=Endpoint.CHAT, status=status, messages=messages,
                         replies=replies)
     assert pair_continuations(r) == _former(r)
+    if all(isinstance(m, dict) for m in messages + replies):  # what a Prefixes takes
+        prefixes = Prefixes(messages)
+        if status == TurnStatus.OK:
+            prefixes.continuations(replies)  # replies_encoded made first, as prepare makes it
+        assert pair_continuations(r, prefixes) == _former(r)
+        assert [loose_form_in(prefixes, i) for i in range(len(messages))] == [
+            loose_form_at(messages, i) for i in range(len(messages))]
 
 
 # -- prepare: the system-free pass hashes the whole pass's canonical forms instead of making them again --
