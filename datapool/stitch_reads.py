@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Integer, Row, Select, String, TextualSelect, column, func, or_, select, text
+from sqlalchemy import (ARRAY, Integer, Row, Select, String, TextualSelect, any_, bindparam, cast, column, func, or_,
+                        select, text)
 from sqlalchemy.orm import Session as OrmSession, aliased
 
 from datapool.canonical import Message, Prepared
@@ -116,6 +117,7 @@ KINDS = ((False, False), (False, True), (True, False), (True, True))
 # SQLite: hashes per statement of per_hash (one LIMIT subquery per hash and kind; its compound
 # SELECT holds at most 500), padded up to one of these counts so that a few statement texts repeat
 _SQLITE_BUCKETS = (1, 4, 16, 64, 100)
+_VARCHARS = ARRAY(String)
 _per_hash_columns = (column("hash", String), column("choice_index", Integer), column("turn_id", String))
 
 
@@ -243,19 +245,24 @@ class KnownTurns:
         not the turn that hash continues (none, or an earlier ancestor because the parent was
         not written yet): the turns a record of this batch may adopt. One query before
         stitching finds all of them."""
+        if not hashes:
+            return
         exact = (
             select(TurnContinuation.turn_id)
             .where(TurnContinuation.turn_id == Turn.parent_turn_id, TurnContinuation.hash == Turn.link_hash)
             .correlate(Turn)
             .exists()
         )
-        for chunk in chunked(hashes):
-            rows = self.db.execute(
-                select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
-                .join(Session, Session.id == Turn.session_id)
-                .where(Turn.link_hash.in_(chunk), or_(Turn.parent_turn_id.is_(None), ~exact))
-            )
-            for row in rows:
+        query = (select(*_COLUMNS, Turn.link_hash, Turn.request, Session.source)
+                 .join(Session, Session.id == Turn.session_id)
+                 .where(or_(Turn.parent_turn_id.is_(None), ~exact)))
+        if self.db.get_bind().dialect.name == "postgresql":
+            # one array: an IN list of a batch's ~1,000 hashes is rendered, and parsed by psycopg, anew per batch
+            statements = [query.where(Turn.link_hash == any_(cast(bindparam("hashes", list(hashes)), _VARCHARS)))]
+        else:
+            statements = [query.where(Turn.link_hash.in_(chunk)) for chunk in chunked(hashes)]
+        for statement in statements:
+            for row in self.db.execute(statement):
                 turn = self.known(row)
                 turn.messages = list((row.request or {}).get("messages") or [])
                 turn.exact = row.parent_turn_id is None
