@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sqlalchemy import DateTime, Engine, Table, create_engine, event, insert
+from sqlalchemy import JSON, DateTime, Engine, Null, Table, create_engine, event, insert
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Dialect, make_url
 from sqlalchemy.exc import DBAPIError
@@ -134,7 +134,7 @@ def insert_rows(db: Session, table: Table, rows: Sequence[Mapping[str, Any]]) ->
         return
     fixed = [d.arg for d in defaults.values()]
     names = given + list(defaults)
-    processors = [table.c[n].type.dialect_impl(dialect).bind_processor(dialect) for n in names]
+    processors = [_copy_processor(table.c[n].type, dialect) for n in names]
     quote = dialect.identifier_preparer.quote
     sql = f"COPY {dialect.identifier_preparer.format_table(table)} ({', '.join(map(quote, names))}) FROM STDIN"
     raw = db.connection().connection.dbapi_connection
@@ -148,6 +148,28 @@ def insert_rows(db: Session, table: Table, rows: Sequence[Mapping[str, Any]]) ->
                 copy.write_row([v if p is None else p(v) for v, p in zip(values, processors)])
     except error as exc:
         raise DBAPIError.instance(sql, None, exc, error, dialect=dialect) from exc
+
+
+def _copy_processor(type_: Any, dialect: Dialect) -> Callable[[Any], Any] | None:
+    """A column's bind processing for insert_rows' COPY: its type's, except that a JSON column's value
+    goes as the text the engine's serializer writes (COPY's text format takes it for json and jsonb as
+    it is) instead of wrapped in psycopg's ``Jsonb`` for psycopg's dumper to call that same serializer
+    (SQLAlchemy's processor, psycopg's Python dumper: a third of the COPY's CPU); SQL NULL and JSON
+    null as SQLAlchemy's JSON type makes them."""
+    impl = type_.dialect_impl(dialect)
+    serialize = getattr(dialect, "_json_serializer", None)
+    if not isinstance(impl, JSON) or serialize is None:
+        return impl.bind_processor(dialect)
+    json_null, none_as_null = impl.NULL, impl.none_as_null
+
+    def process(value: Any) -> Any:
+        if value is json_null:
+            value = None
+        elif value is None and none_as_null or isinstance(value, Null):
+            return None
+        return serialize(value)
+
+    return process
 
 
 def alembic_config(url: str):  # type: ignore[no-untyped-def]
