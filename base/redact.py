@@ -217,6 +217,14 @@ class Redactor:
         self._lock = threading.Lock()
         for name, expr in (custom or {}).items():
             self.detectors.append(Detector(_slug(name), "custom", re.compile(expr)))
+        # each distinct substring the detectors need (Detector.needs), whether it is looked for in the
+        # lowercased text, and the detectors it lets run: a text is searched once per substring (30 for
+        # the secrets), not walked detector by detector (34, with 55 needs)
+        runs: dict[str, set[int]] = {}
+        for k, d in enumerate(self.detectors):
+            for n in d.needs or ():
+                runs.setdefault(n, set()).add(k)
+        self._needles = [(n, n.islower(), frozenset(ks)) for n, ks in runs.items()]
         # a text shorter than every detector's shortest match is passed over: the built-in ones match
         # 6 characters or more; a custom expression may match fewer (a 4-digit PIN), so with one every
         # text is scanned
@@ -241,21 +249,17 @@ class Redactor:
     def _scan(self, text: str) -> list[tuple[int, int, str]]:
         found: list[tuple[int, int, str]] = []
         lower: str | None = None
-        present: dict[str, bool] = {}
-        for d in self.detectors:
-            if d.needs is not None:
-                for n in d.needs:
-                    hit = present.get(n)
-                    if hit is None:
-                        if n.islower():
-                            lower = lower if lower is not None else text.lower()
-                            hit = present[n] = n in lower
-                        else:
-                            hit = present[n] = n in text
-                    if hit:
-                        break
-                else:
-                    continue
+        runs: set[int] = set()  # the detectors one of whose needs the text holds
+        for n, in_lower, ks in self._needles:
+            if in_lower:
+                lower = lower if lower is not None else text.lower()
+                if n in lower:
+                    runs |= ks
+            elif n in text:
+                runs |= ks
+        for k, d in enumerate(self.detectors):
+            if d.needs is not None and k not in runs:
+                continue
             pos = 0
             while (m := d.pattern.search(text, pos)) is not None:
                 start, end = m.span(d.group)
