@@ -65,6 +65,14 @@ def chunked(values: Iterable[T], size: int = BIND_CHUNK) -> Iterator[list[T]]:
         yield items[i : i + size]
 
 
+def pg_array(values: Iterable[str | int]) -> str:
+    """PostgreSQL's text of an array of strings or integers, for a ``CAST(:param AS type[])``: one
+    parameter psycopg sends as it is, where it dumps a list value by value in Python (the capture
+    writer passes a batch's ids, hashes and lock keys so, up to ~1,000 a statement: 5 % of its profile)."""
+    return "{" + ",".join(str(v) if isinstance(v, int) else
+                          '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+
+
 def make_engine(url: str, *, pool_size: int = 5) -> Engine:
     """An engine for ``url`` tuned for the pool: WAL and a busy timeout on SQLite,
     short connect timeouts, pre-ping (so a restarted server is noticed), no JIT, SSD-priced

@@ -19,7 +19,7 @@ from sqlalchemy import Engine, and_, bindparam, exists, func, select, text, upda
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool.db import UTCDateTime, as_utc, utcnow
+from datapool.db import UTCDateTime, as_utc, pg_array, utcnow
 from datapool.models import Judgement, Session, Turn
 from datapool.models import Vote as VoteRow
 from base.vocab import DeadReason, JudgementStatus, TurnKind, TurnStatus, VoteKind
@@ -36,7 +36,7 @@ def mark_pending(db: OrmSession, turn_ids: Iterable[str]) -> list[str]:
     # not a multi-row VALUES that SQLAlchemy compiled anew for every batch (~30 µs per turn marked,
     # benchmarks/gateway/README.md); the ids are distinct, so no row is upserted twice
     if db.get_bind().dialect.name == "postgresql":
-        db.execute(_MARK_PENDING_PG, {"ids": ids, "status": JudgementStatus.PENDING, "now": now})
+        db.execute(_MARK_PENDING_PG, {"ids": pg_array(ids), "status": JudgementStatus.PENDING, "now": now})
         return ids
     rows = [{"turn_id": tid, "status": JudgementStatus.PENDING, "attempts": 0, "retries": 0, "enqueued_at": now,
              "updated_at": now} for tid in ids]

@@ -38,7 +38,7 @@ from datapool.canonical import (
     tenant_hash,
     tenant_scoped,
 )
-from datapool.db import chunked
+from datapool.db import chunked, pg_array
 from datapool.edits import (
     COMPACTION_REPLACE,
     FORK,
@@ -426,7 +426,7 @@ class Stitcher:
             unique.setdefault(r.id, r)
         if self.dialect == "postgresql":  # one array: an IN list's parameters are rendered and parsed anew per batch
             stored = set(self.db.scalars(text("SELECT id FROM turns WHERE id = ANY(CAST(:ids AS varchar[]))"),
-                                         {"ids": list(unique)}))
+                                         {"ids": pg_array(unique)}))
         else:
             stored = {i for chunk in chunked(unique) for i in self.db.scalars(select(Turn.id).where(Turn.id.in_(chunk)))}
         fresh = [r for r in unique.values() if r.id not in stored]
@@ -459,5 +459,5 @@ class Stitcher:
             # one statement, taking the locks in key order so that two writers cannot deadlock
             self.db.execute(
                 text("SELECT pg_advisory_xact_lock(k) FROM unnest(CAST(:keys AS bigint[])) AS k ORDER BY k"),
-                {"keys": sorted(keys)},
+                {"keys": pg_array(sorted(keys))},
             )

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session as OrmSession, aliased
 
 from datapool.canonical import Message, Prepared
 from datapool.edits import is_pair_index, is_system_free_index
-from datapool.db import BIND_CHUNK, as_utc, chunked
+from datapool.db import BIND_CHUNK, as_utc, chunked, pg_array
 from datapool.models import Session, Turn, TurnContinuation
 from base.vocab import TurnKind, TurnStatus
 
@@ -131,7 +131,7 @@ def per_hash(db: OrmSession, hashes: list[str], kinds: Sequence[tuple[bool, bool
     postgresql = db.get_bind().dialect.name == "postgresql"
     if postgresql:
         statement = _per_hash_text(True, 0, tuple(kinds), limit, latest, where)
-        return [(statement, {"hashes": chunk}) for chunk in chunked(hashes)]
+        return [(statement, {"hashes": pg_array(chunk)}) for chunk in chunked(hashes)]
     out = []
     for chunk in chunked(hashes, _SQLITE_BUCKETS[-1]):
         count = next(b for b in _SQLITE_BUCKETS if b >= len(chunk))
@@ -258,7 +258,7 @@ class KnownTurns:
                  .where(or_(Turn.parent_turn_id.is_(None), ~exact)))
         if self.db.get_bind().dialect.name == "postgresql":
             # one array: an IN list of a batch's ~1,000 hashes is rendered, and parsed by psycopg, anew per batch
-            statements = [query.where(Turn.link_hash == any_(cast(bindparam("hashes", list(hashes)), _VARCHARS)))]
+            statements = [query.where(Turn.link_hash == any_(cast(bindparam("hashes", pg_array(hashes)), _VARCHARS)))]
         else:
             statements = [query.where(Turn.link_hash.in_(chunk)) for chunk in chunked(hashes)]
         for statement in statements:
