@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, insert, select, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.orm import Session as OrmSession
 
 from base.vocab import SessionMode, TurnStatus
-from datapool.db import insert_rows, make_engine
+from datapool.db import insert_rows, make_engine, pg_array
 from datapool.models import Session, Turn, TurnContinuation
 
 _turns, _sessions, _continuations = Turn.__table__, Session.__table__, TurnContinuation.__table__
@@ -107,3 +107,17 @@ def test_a_rejected_row_is_sqlalchemys_error_and_sqlite_inserts(pg_engine: Any, 
             assert db.execute(select(_sessions.c.mode)).scalar_one() == SessionMode.ONLINE
     finally:
         engine.dispose()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(_text | st.sampled_from(["NULL", "null", "", " ", "{}", "a,b", '"', "\\", "{\"x\"}"]),
+                      max_size=12),
+       numbers=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=12))
+def test_an_array_parameter_is_the_list_it_was_made_of(pg_engine: Any, texts: list[str], numbers: list[int]) -> None:
+    """datapool.db.pg_array: the writer's ids, hashes and lock keys as one PostgreSQL array text each; what
+    PostgreSQL reads back is the list, element for element (quotes, backslashes, braces, commas, the word
+    NULL, empty strings, any script; bigints to their bounds)."""
+    with pg_engine.connect() as db:
+        got_texts = db.execute(text("SELECT CAST(:a AS varchar[])"), {"a": pg_array(texts)}).scalar_one()
+        got_numbers = db.execute(text("SELECT CAST(:a AS bigint[])"), {"a": pg_array(numbers)}).scalar_one()
+    assert got_texts == texts and got_numbers == numbers
