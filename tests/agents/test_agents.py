@@ -63,6 +63,7 @@ DEFAULT_BUDGET = 128  # the gateway's default_output_budget here: every forced r
 TOOL_TASK = "Read the file notes.txt."
 THEN = "Say goodbye."
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+RUN_TIMEOUT_S = 420  # one agent run
 
 
 @dataclass
@@ -157,7 +158,11 @@ def _codex_setup(home: Path, url: str, key: str) -> dict[str, str]:
 
 
 def _qwen_setup(home: Path, url: str, key: str) -> dict[str, str]:
-    return {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key, "OPENAI_MODEL": MODEL}
+    # Qwen Code gives up on a request after 120 s and sends it again; on a loaded two-core host the
+    # CPU vLLM's first reply to its long prompt has taken longer, so the run waits as long as the
+    # run itself may (the other agents' own limits are 5 minutes or more)
+    return {"OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": key, "OPENAI_MODEL": MODEL,
+            "QWEN_CODE_API_TIMEOUT_MS": str(RUN_TIMEOUT_S * 1000)}
 
 
 def _continue_setup(home: Path, url: str, key: str) -> dict[str, str]:
@@ -238,7 +243,8 @@ def _drive(name: str, steered: SteeredVLLM, gateway: tuple[GatewayProcess, Path,
     plan = [(TOOL_TASK, False, f"{THEN}\n\n")] if agent.typed else [(TOOL_TASK, False, None), (THEN, True, None)]
     for message, more, typed in plan:
         # the run's exit code is the agent's own verdict; what it sent is what is checked
-        run = run_agent(install, agent.args(message, more), home=home, env=env, cwd=work, timeout_s=420, stdin=typed)
+        run = run_agent(install, agent.args(message, more), home=home, env=env, cwd=work, timeout_s=RUN_TIMEOUT_S,
+                        stdin=typed)
         agent.runs.append(run)
         print(f"\n{name}: run {message!r}: {run.seconds:.1f}s rc={run.returncode}")
         if run.returncode != 0:
