@@ -6,12 +6,11 @@ history continues, so a conversation sent as it was costs nothing here.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, TextualSelect, select
+from sqlalchemy import select
 
 from datapool.canonical import Message, Prepared, tenant_hash
 from datapool.edits import (
@@ -28,7 +27,7 @@ from datapool.edits import (
     transcript_overlap,
 )
 from datapool.models import Session, Turn
-from datapool.stitch_reads import _COLUMNS, KnownTurns, StitchTurn, clock, per_hash
+from datapool.stitch_reads import _COLUMNS, KnownTurns, StitchTurn, clock, per_hash, with_turns
 from base.vocab import TurnKind, TurnStatus
 
 # at most this many stored turns are read (newest first) for one request's reply pairs, and for a
@@ -46,14 +45,8 @@ def replies_of(response: dict[str, Any] | None) -> list[Message]:
     return [c.get("message") or {} for c in (response or {}).get("choices") or []]
 
 
-@functools.lru_cache(maxsize=16)
-def _with_turns(statement: TextualSelect) -> Select[Any]:
-    """EditedTurns' query over one of per_hash's statements: the turns, their request, reply and
-    client; made once per statement."""
-    pairs = statement.subquery("pairs")
-    return (select(pairs.c.hash, pairs.c.choice_index, *_COLUMNS, Turn.request, Turn.response, Session.client)
-            .join(Turn, Turn.id == pairs.c.turn_id)
-            .join(Session, Session.id == Turn.session_id))
+# what EditedTurns reads of a stored turn beside _COLUMNS: its request, reply and client
+_EDITED = (Turn.request, Turn.response, Session.client)
 
 
 class EditedTurns:
@@ -88,7 +81,7 @@ class EditedTurns:
         rows: list[Any] = []
         for statement, params in per_hash(self.known.db, sorted(todo), ((False, False), (False, True)),
                                           limit=CANDIDATES, latest=True, where=f"c.choice_index <= {TAIL_INDEX}"):
-            rows += self.known.db.execute(_with_turns(statement), params)
+            rows += self.known.db.execute(with_turns(statement, _EDITED), params)
         rows.sort(key=lambda row: (clock(row.created_at), row.id), reverse=True)
         for row in rows[:CANDIDATES]:
             turn = self._loaded(row)

@@ -167,14 +167,19 @@ def first_in_pool(db: OrmSession, hashes: list[str]) -> Iterator[Row[Any]]:
     """For each hash, the first PARENTS_KEPT turns by (created_at, id) of each kind over the
     whole pool."""
     for statement, params in per_hash(db, hashes, KINDS, limit=PARENTS_KEPT):
-        yield from db.execute(_with_turns(statement), params)
+        yield from db.execute(with_turns(statement), params)
 
 
-@functools.lru_cache(maxsize=16)
-def _with_turns(statement: TextualSelect) -> Select[Any]:
-    """first_in_pool's query over one of per_hash's statements, made once per statement."""
-    firsts = statement.subquery("firsts")
-    return select(firsts.c.hash, firsts.c.choice_index, *_COLUMNS).join(Turn, Turn.id == firsts.c.turn_id)
+@functools.lru_cache(maxsize=32)
+def with_turns(statement: TextualSelect, columns: tuple[Any, ...] = ()) -> Select[Any]:
+    """The query over one of per_hash's statements: each row's hash and choice_index, _COLUMNS of its
+    turn and *columns* (of Turn, or of Session: then joined to the turn's session). Made once per
+    statement and columns, so pass *columns* as a constant tuple."""
+    found = statement.subquery("found")
+    query = select(found.c.hash, found.c.choice_index, *_COLUMNS, *columns).join(Turn, Turn.id == found.c.turn_id)
+    if any(getattr(c, "class_", None) is Session for c in columns):
+        query = query.join(Session, Session.id == Turn.session_id)
+    return query
 
 
 def first_in_sessions(hashes: list[str], named: list[str] | None) -> Select[Any]:
