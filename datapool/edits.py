@@ -232,14 +232,17 @@ def reply_pairs(messages: Sequence[Message], replies: Sequence[Message]) -> list
 
 
 def _pairs(prompt: str, replies: Sequence[Message], prefixes: Prefixes | None = None) -> list[str]:
-    """The pair key of *prompt* (a loose form) and each reply; *prefixes*: the Prefixes of the
-    request's messages, whose canonical forms of the replies (Prefixes.replies_encoded) are each
-    reply's loose form unless it is a user message or names a tool call."""
-    if prefixes is None or not all(isinstance(reply, dict) for reply in replies):
-        return [pair_key(prompt, _digest(_loose(reply))) for reply in replies if isinstance(reply, dict)]
+    """The pair key of *prompt* (a loose form) and each reply that is a dict. A reply's loose form is
+    its canonical form hashed as it is unless it is a user message or names a tool call (_loose, a
+    tool result's call); its canonical form is *prefixes*' (the Prefixes of the request's messages:
+    Prefixes.replies_encoded, made once for a turn's continuations and its pairs) or, without one,
+    its own: the same, as only a tool_call_id's number depends on the messages before it."""
+    replies = [reply for reply in replies if isinstance(reply, dict)]
+    encoded = (prefixes.replies_encoded(replies) if prefixes is not None
+               else [canonical_dumps(canonical_message(reply)).encode() for reply in replies])
     return [pair_key(prompt, _digest(_loose(reply)) if reply.get("role") == "user" or reply.get("tool_call_id")
-                     else hashlib.sha256(encoded).hexdigest()[:32])
-            for reply, encoded in zip(replies, prefixes.replies_encoded(replies))]
+                     else hashlib.sha256(e).hexdigest()[:32])
+            for reply, e in zip(replies, encoded)]
 
 
 def request_pairs(messages: Sequence[Message], forms: Sequence[str | None] | None = None) -> list[tuple[int, str]]:
