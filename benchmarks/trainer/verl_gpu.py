@@ -47,7 +47,10 @@ fp32 master weights (veRL: FSDP mixed precision, bf16 compute; local: ``fp32_mas
 after the timed ones (itself not timed) of each veRL run (its ``global_profiler``,
 :func:`profile_overrides`); the traces stay beside the run's JSON, and :func:`trace_summary` puts in
 it, and in the tables, the GPU's busy share of the traced window and the kernels and CPU ops that
-took longest: what an MFU far below the card's peak is spent on.
+took longest: what an MFU far below the card's peak is spent on. ``--profile-stacks`` (with it):
+the profiler also records Python stacks, and each of those ops (and the host syncs and dtype
+copies of :data:`WATCHED_OPS`) is attributed to the code that called it: the innermost Python frame
+outside torch itself (:func:`op_callers`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -187,7 +191,7 @@ def run(args: argparse.Namespace) -> None:
         gpus = args.gpus
         remove_padding = {"auto": None, "on": True, "off": False}[args.remove_padding]
         trace_dir = Path(args.json).with_name(Path(args.json).stem + "-trace")  # beside the run's JSON
-        profiling = profile_overrides(args.profile_step, trace_dir) if args.profile_step else []
+        profiling = profile_overrides(args.profile_step, trace_dir, args.profile_stacks) if args.profile_step else []
         cfg = VerlConfig(model_dir=model_dir, n_gpus_per_node=gpus, lora=lora, lr=args.lr,
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
                          gradient_checkpointing=args.gradient_checkpointing, fused_kernels=args.fused_kernels,
@@ -270,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------ profile
 
 
-def profile_overrides(step: int, save_path: Path) -> list[str]:
+def profile_overrides(step: int, save_path: Path, stacks: bool = False) -> list[str]:
     """veRL's own torch profiler on the actor (``VerlConfig.overrides``) for step *step*: a chrome
     trace per rank, ``*.json.gz`` in *save_path*. Steps count from 0 as :func:`run`'s do (veRL's
     ``global_steps``, which our driver, ``trainer.verl.ppo``, advances after each step from 0, and
@@ -282,7 +286,60 @@ def profile_overrides(step: int, save_path: Path) -> list[str]:
     # worker gets actor_rollout_ref alone, where they resolve to null (a no-op profiler, no trace)
     return ["global_profiler.tool=torch", f"global_profiler.steps=[{step}]", f"global_profiler.save_path={save_path}",
             "actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.all_ranks=true",
-            "actor_rollout_ref.actor.profiler.tool=torch", f"actor_rollout_ref.actor.profiler.save_path={save_path}"]
+            "actor_rollout_ref.actor.profiler.tool=torch", f"actor_rollout_ref.actor.profiler.save_path={save_path}",
+            # veRL's torch profiler records Python stacks only when its contents name them (empty: none)
+            *(["actor_rollout_ref.actor.profiler.tool_config.torch.contents=[cuda,stack]"] if stacks else [])]
+
+
+#: CPU ops whose callers a traced step with stacks names whether or not they are among the longest: the
+#: host's waits on the GPU (a nonzero's or an item's result read back) and the dtype copies
+WATCHED_OPS = ("aten::_to_copy", "aten::nonzero", "aten::_local_scalar_dense", "aten::item")
+
+
+def _trace_events(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    for path in paths:
+        raw = gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
+        with raw as f:
+            events = json.load(f)
+        yield from events.get("traceEvents", events) if isinstance(events, dict) else events
+
+
+def _own_frame(name: str) -> bool:
+    """A Python frame of the code that calls torch, not of torch itself or a built-in."""
+    return not name.startswith(("<", "torch/"))
+
+
+def op_callers(events: list[dict[str, Any]], names: set[str], top: int = 4) -> dict[str, list[dict[str, Any]]]:
+    """For each CPU op named in *names*, the Python frames that called it, most time first: the
+    innermost frame outside torch and the built-ins (``_own_frame``) of the ``python_function``
+    events enclosing the op on its thread (torch's profiler with ``with_stack``), "(no Python
+    frame)" where none encloses it (autograd's backward runs on a thread of its own); and, where it
+    is torch's own (an FSDP hook's cast, an optimizer's copy), the innermost frame that is not a
+    built-in (``via``)."""
+    threads: dict[tuple[Any, Any], list[tuple[float, int, float, str]]] = {}
+    for ev in events:
+        cat = ev.get("cat")
+        if cat == "python_function" or (cat == "cpu_op" and ev.get("name") in names):
+            ts, dur = float(ev["ts"]), float(ev["dur"])
+            # at one instant: frames before ops, the outer (longer) frame first
+            threads.setdefault((ev.get("pid"), ev.get("tid")), []).append(
+                (ts, 1 if cat == "cpu_op" else 0, -dur, ev.get("name", "?")))
+    found: dict[str, dict[tuple[str, str], list[float]]] = {}
+    for items in threads.values():
+        items.sort()
+        stack: list[tuple[float, str]] = []  # the enclosing frames: (end, name), innermost last
+        for ts, is_op, neg_dur, name in items:
+            while stack and stack[-1][0] <= ts:
+                stack.pop()
+            if not is_op:
+                stack.append((ts - neg_dur, name))
+                continue
+            caller = next((frame for _, frame in reversed(stack) if _own_frame(frame)), "(no Python frame)")
+            via = next((frame for _, frame in reversed(stack) if not frame.startswith("<")), caller)
+            found.setdefault(name, {}).setdefault((caller, via), []).append(-neg_dur)
+    return {op: [{"frame": frame, **({"via": via} if via != frame else {}), "calls": len(durs), "ms": sum(durs) / 1e3}
+                 for (frame, via), durs in sorted(frames.items(), key=lambda kv: -sum(kv[1]))[:top]]
+            for op, frames in found.items()}
 
 
 def trace_summary(paths: list[Path], top: int = 12) -> dict[str, Any]:
@@ -290,26 +347,28 @@ def trace_summary(paths: list[Path], top: int = 12) -> dict[str, Any]:
     the traced window, the GPU's busy time in it (the union of its kernels' intervals, so kernels
     overlapping on streams count once), and the kernels and CPU ops (each with its callees) that
     took longest in all. A GPU busy for a small share of the window is waiting on the CPU: on the
-    host's launches, Python, or the data pipeline."""
+    host's launches, Python, or the data pipeline. A trace with Python stacks adds ``callers``:
+    :func:`op_callers` of the six longest CPU ops and of :data:`WATCHED_OPS`."""
     kernels: dict[str, list[float]] = {}
     ops: dict[str, list[float]] = {}
     spans: list[tuple[float, float]] = []
     start, end = float("inf"), float("-inf")
-    for path in paths:
-        raw = gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
-        with raw as f:
-            events = json.load(f)
-        for ev in events.get("traceEvents", events) if isinstance(events, dict) else events:
-            if ev.get("ph") != "X" or "dur" not in ev:
-                continue
-            ts, dur = float(ev["ts"]), float(ev["dur"])
-            start, end = min(start, ts), max(end, ts + dur)
-            cat = ev.get("cat", "")
-            table = kernels if cat == "kernel" else ops if cat == "cpu_op" else None
-            if table is not None:
-                table.setdefault(ev.get("name", "?"), []).append(dur)
-            if cat == "kernel":
-                spans.append((ts, ts + dur))
+    events = list(_trace_events(paths))
+    stacks = False
+    for ev in events:
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat = ev.get("cat", "")
+        if cat == "python_function":  # a frame of the stacks: not a span of the step's own work
+            stacks = True
+            continue
+        ts, dur = float(ev["ts"]), float(ev["dur"])
+        start, end = min(start, ts), max(end, ts + dur)
+        table = kernels if cat == "kernel" else ops if cat == "cpu_op" else None
+        if table is not None:
+            table.setdefault(ev.get("name", "?"), []).append(dur)
+        if cat == "kernel":
+            spans.append((ts, ts + dur))
     busy, reach = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > reach:
@@ -321,8 +380,12 @@ def trace_summary(paths: list[Path], top: int = 12) -> dict[str, Any]:
         rows = sorted(table.items(), key=lambda kv: -sum(kv[1]))[:top]
         return [{"name": name, "calls": len(durs), "ms": sum(durs) / 1e3} for name, durs in rows]
 
-    return {"traces": len(paths), "window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3,
-            "gpu_busy": busy / window if window else 0.0, "kernels": ranked(kernels), "cpu_ops": ranked(ops)}
+    summary = {"traces": len(paths), "window_ms": window / 1e3, "gpu_busy_ms": busy / 1e3,
+               "gpu_busy": busy / window if window else 0.0, "kernels": ranked(kernels), "cpu_ops": ranked(ops)}
+    if stacks:
+        named = {row["name"] for row in summary["cpu_ops"][:6]} | (set(WATCHED_OPS) & ops.keys())
+        summary["callers"] = op_callers(events, named)
+    return summary
 
 
 # ---------------------------------------------------------------------------------------- all
@@ -423,8 +486,9 @@ def run_all(args: argparse.Namespace) -> None:
                     argv += ["--variant", variant, *VARIANTS[variant], *(f"--override={o}" for o in args.override)]
                     if args.max_tokens_per_gpu:
                         argv += ["--max-tokens-per-gpu", str(args.max_tokens_per_gpu)]
-                    if args.profile:  # one more step after the timed ones, traced
+                    if args.profile or args.profile_stacks:  # one more step after the timed ones, traced
                         argv += ["--profile-step", str(args.warmup + args.steps)]
+                        argv += ["--profile-stacks"] if args.profile_stacks else []
                     if args.push and (mode == "lora" or gpus == max(args.gpus)):
                         argv += ["--push"]
                 elif args.local_compile:
@@ -543,6 +607,12 @@ def tables(results: list[dict]) -> str:
             g = prof["kernels"][k] if k < len(prof["kernels"]) else None
             c = prof["cpu_ops"][k] if k < len(prof["cpu_ops"]) else None
             lines.append(f"| {_cell(g)} | {_cell(c)} |")
+        if prof.get("callers"):
+            lines += ["", "| CPU op | called from (innermost frame outside torch) | via (torch's own frame) "
+                          "| calls | ms |", "|---|---|---|---|---|"]
+            for op, frames in sorted(prof["callers"].items(), key=lambda kv: -sum(f["ms"] for f in kv[1])):
+                lines += [f"| {op} | {f['frame'][:90]} | {f.get('via', '')[:90]} | {f['calls']} | {f['ms']:,.1f} |"
+                          for f in frames]
     return "\n".join(lines)
 
 
@@ -609,6 +679,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-step", type=int, default=0,
                    help="veRL: its torch profiler on this step (from 0; >= 1), run after the timed ones if beyond "
                         "them and not timed: traces beside --json, summed up in it")
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="with --profile-step: Python stacks in the trace, and each long or watched CPU op's "
+                        "callers in the summary")
     p.add_argument("--json", required=True)
     p = sub.add_parser("all")
     p.add_argument("--out", required=True)
@@ -638,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="veRL runs: one more step after the timed ones, traced by torch's profiler, and where its "
                         "time went")
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="--profile with Python stacks: which code calls the longest CPU ops, the dtype copies "
+                        "and the host's waits on the GPU (implies --profile)")
     p.add_argument("--run-timeout", type=float, default=240)
     p.add_argument("--prepare-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")

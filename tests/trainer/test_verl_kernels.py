@@ -20,6 +20,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -401,6 +402,88 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     got = verl_gpu.trace_summary(traces)
     assert got["gpu_busy"] == 0.0 and got["kernels"] == [] and got["window_ms"] > 0
     assert any(op["name"] == "aten::matmul" and op["calls"] == 3 for op in got["cpu_ops"])
+
+
+def _cast_for_the_trace(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16)
+
+
+def test_a_traced_step_with_stacks_names_who_called_each_op(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """``--profile-stacks``: veRL's actor profiler records Python stacks (an override its config
+    validates), and each long or watched CPU op is put down to the innermost Python frame outside
+    torch that encloses it on its thread; an op no frame encloses (autograd's backward thread) is
+    "(no Python frame)"."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.profiler import DistProfiler, ProfilerConfig
+
+    overrides = verl_gpu.profile_overrides(2, tmp_path / "trace", stacks=True)
+    assert overrides[:len(verl_gpu.profile_overrides(2, tmp_path / "trace"))] == \
+        verl_gpu.profile_overrides(2, tmp_path / "trace")
+    conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(overrides)), ObjectiveConfig(),
+                        batch_size=4, total_steps=3)
+    alone = OmegaConf.create(OmegaConf.to_container(conf.actor_rollout_ref, resolve=False)).actor.profiler
+    tool_config = omega_conf_to_dataclass(alone.tool_config[alone.get("tool")])
+    assert "stack" in tool_config.contents
+    profiler = DistProfiler(rank=0, config=omega_conf_to_dataclass(alone, dataclass_type=ProfilerConfig),
+                            tool_config=tool_config, save_file_prefix="actor_rollout")
+    profiler.start(role="train", profile_step=2)
+    x = torch.ones(32, 32)
+    for _ in range(3):
+        _cast_for_the_trace(x)
+    torch.nonzero(x @ x)
+    profiler.stop()
+    traces = sorted((tmp_path / "trace").glob("*.json*"))
+    got = verl_gpu.trace_summary(traces)
+    frames = got["callers"]["aten::_to_copy"]
+    assert frames[0]["frame"].endswith("_cast_for_the_trace") and frames[0]["calls"] == 3, frames
+    assert "via" not in frames[0]  # called from the test's own code directly
+    assert "test_a_traced_step_with_stacks_names_who_called_each_op" in got["callers"]["aten::nonzero"][0]["frame"]
+    # without stacks: no callers, as before
+    plain = verl_gpu.trace_summary([_trace(tmp_path / "plain.json", [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "ts": 0, "dur": 10}])])
+    assert "callers" not in plain
+    # nesting, ties and threads, on events written out: a frame of torch's own and a built-in are passed
+    # over; an op at the instant its frame starts is inside it; one past its frame's end is not
+    events = [{"ph": "X", "cat": "python_function", "name": "trainer/step.py(10): step", "ts": 0, "dur": 100,
+               "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "model.py(5): forward", "ts": 10, "dur": 40,
+               "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "torch/nn/modules/module.py(1): _call_impl", "ts": 20,
+               "dur": 20, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "python_function", "name": "<built-in method to of Tensor object>", "ts": 25,
+               "dur": 5, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "ts": 25, "dur": 4, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "ts": 60, "dur": 2, "pid": 1, "tid": 1},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::_to_copy", "ts": 30, "dur": 1, "pid": 1, "tid": 2},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 12, "dur": 8, "pid": 1, "tid": 1}]
+    got = verl_gpu.trace_summary([_trace(tmp_path / "written.json", events)])
+    assert got["window_ms"] == 0.05  # the frames are not the step's work: 12 to 62 µs
+    assert got["callers"]["aten::_to_copy"] == [
+        {"frame": "model.py(5): forward", "via": "torch/nn/modules/module.py(1): _call_impl", "calls": 1, "ms": 0.004},
+        {"frame": "trainer/step.py(10): step", "calls": 1, "ms": 0.002},
+        {"frame": "(no Python frame)", "calls": 1, "ms": 0.001}]
+    assert got["callers"]["aten::mm"] == [{"frame": "model.py(5): forward", "calls": 1, "ms": 0.008}]
+    text = verl_gpu.tables([{**_result("verl", 1, 2.0, batch=64), "profile": {"step": 2, **got}}])
+    assert "| aten::_to_copy | model.py(5): forward | torch/nn/modules/module.py(1): _call_impl | 1 | 0.0 |" in text
+    assert "| aten::mm | model.py(5): forward |  | 1 | 0.0 |" in text
+    # `all --profile-stacks` traces each veRL run's extra step with stacks
+    calls: list[list[str]] = []
+    orig_sub = verl_gpu._sub
+    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
+    try:
+        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
+                       "--warmup", "1", "--profile-stacks"])
+    finally:
+        verl_gpu._sub = orig_sub
+    runs = {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
+    assert "--profile-stacks" in runs["verl"] and runs["verl"][runs["verl"].index("--profile-step") + 1] == "5"
+    assert "--profile-stacks" not in runs["local"]
+
+
+def _trace(path: Path, events: list[dict[str, Any]]) -> Path:
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
 
 
 # ----------------------------------------------------------------------- top-k OPD on veRL
