@@ -48,7 +48,9 @@ on a reply on topic but too long (rl and combined: ``preference.graded_judge``).
 own process with its own pool, gateway and trainer (its adapters carry its own names), --jobs of them at a time against
 the shared vLLM(s). Each training round's drift from the base policy (``trainer.drift``: KL on
 the round's tokens, entropy, the teacher's top-k mass) and the gate's decision are kept per
-arm and seed (``rounds``), printed as it goes and tabled at the end. The base policy's held-out answers use the same per-request seeds at every checkpoint,
+arm and seed (``rounds``), printed as it goes and tabled at the end; so are, per checkpoint, a few held-out replies
+short but off topic (``short_off_topic``: what the topic share loses). The base policy's held-out answers use the
+same per-request seeds at every checkpoint,
 so they are measured once per seed, before any adapter exists: that is the `none` arm's value
 at every checkpoint and every trained arm's checkpoint 0. A trained arm starts by serving its
 untrained adapter (LoRA B = 0: exactly the base model's outputs), so its requests never take
@@ -177,11 +179,24 @@ class Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
 
 
-def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, float]:
+#: how many held-out replies that are short but off topic a checkpoint keeps, and their length kept
+OFF_TOPIC_KEPT, REPLY_CHARS = 4, 160
+
+
+def short_off_topic(pairs: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """Held-out (question, reply) pairs whose reply is short but misses the topic, the first
+    OFF_TOPIC_KEPT of them, each reply cut to REPLY_CHARS: what "off topic" means at a checkpoint
+    (a correct answer that never names the question's subject, or no answer at all)."""
+    return [{"question": q, "reply": r[:REPLY_CHARS]} for q, r in pairs
+            if preference.short(r) and not preference.on_topic(q, r)][:OFF_TOPIC_KEPT]
+
+
+def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
     """The held-out prompts answered by *model* (the version the `policy` alias serves, or the
     base model's served name), --samples-per-prompt times each (temperature 0.7, a fixed seed
     per prompt and sample): every request at once, straight to the --upstream vLLM. Returns the
-    share meeting the preference, the shares short and on topic apart, and the mean words per reply."""
+    share meeting the preference, the shares short and on topic apart, the mean words per reply,
+    and examples of the replies short but off topic (:func:`short_off_topic`)."""
     prompts = HELD_OUT[: args.heldout]
     jobs = [(i, j) for i in range(len(prompts)) for j in range(args.samples_per_prompt)]
     client = OpenAI(base_url=args.upstream, api_key="unused", max_retries=2, timeout=300)
@@ -199,7 +214,8 @@ def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, float]
     return {"curve": sum(preference.meets(q, r) for q, r in pairs) / n,
             "short": sum(preference.short(r) for _, r in pairs) / n,
             "on_topic": sum(preference.on_topic(q, r) for q, r in pairs) / n,
-            "words": statistics.fmean(preference.words(r) for _, r in pairs)}
+            "words": statistics.fmean(preference.words(r) for _, r in pairs),
+            "short_off_topic": short_off_topic(pairs)}
 
 
 #: why an arm that words or grades the python judge's votes (+ask, +graded) runs with --judge python only
@@ -371,7 +387,8 @@ class Job:
                 point = pending.result()
             for key, value in point.items():
                 curves[key].append(value)
-            log.info("%s seed %d: after %d interactions %s", arm, seed, upto, point)
+            log.info("%s seed %d: after %d interactions %s", arm, seed, upto,
+                     {key: value for key, value in point.items() if key != "short_off_topic"})
             # what a job stopped early (--deadline-min, an interrupted run, a dead vLLM) still reports
             tmp = self.work / "progress.tmp"
             tmp.write_text(json.dumps(snapshot() | {"stopped_after": upto}, default=str))
@@ -671,7 +688,27 @@ def tables(results: list[dict[str, Any]], k: int) -> str:
     return ("Share of held-out replies meeting the preference (short and on topic):\n\n" + table(results, k)
             + "\n\nShare short (under 25 words):\n\n" + table(results, k, "short")
             + "\n\nShare on topic:\n\n" + table(results, k, "on_topic")
-            + "\n\nMean words per held-out reply:\n\n" + table(results, k, "words", ".1f"))
+            + "\n\nMean words per held-out reply:\n\n" + table(results, k, "words", ".1f")
+            + off_topic_examples(results, k))
+
+
+def off_topic_examples(results: list[dict[str, Any]], k: int, at: tuple[int, ...] = (18, 36)) -> str:
+    """Per arm, the held-out replies short but off topic of its first seed's checkpoints after
+    *at* interactions (as ``short_off_topic`` kept them; runs from before it kept none: "")."""
+    lines = []
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        row = next(r for r in results if r["arm"] == arm)
+        kept = row.get("short_off_topic") or []
+        for after in at:
+            i = after // k if after % k == 0 else None
+            for ex in (kept[i] if i is not None and i < len(kept) else []):
+                reply = " ".join(ex["reply"].split()).replace("|", "/")
+                lines.append(f"| {arm} | {row['seed']} | {after} | {ex['question']} | {reply} |")
+    if not lines:
+        return ""
+    return ("\n\nHeld-out replies short but off topic (the first seed of each arm, up to "
+            f"{OFF_TOPIC_KEPT} a checkpoint):\n\n| arm | seed | after | question | reply |\n|---|---|---|---|---|\n"
+            + "\n".join(lines))
 
 
 def plot(results: list[dict[str, Any]], k: int, path: Path, title: str) -> None:

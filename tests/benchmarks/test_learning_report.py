@@ -487,3 +487,51 @@ def test_a_stalled_job_says_where_it_waited(tmp_path: Path):
         for proc in running:
             proc.kill()
             proc.wait()
+
+
+def test_a_checkpoint_keeps_its_short_replies_that_miss_the_topic(monkeypatch):
+    """What "off topic" means at a checkpoint: the held-out replies short but not naming the
+    question's subject are kept (at most OFF_TOPIC_KEPT, cut to REPLY_CHARS) — a long reply off topic,
+    or a short one on topic, is not — and the report lists the first seed's at 18 and 36."""
+    pairs = [("What is a calorie?", "It is a unit of energy."),           # short, off topic
+             ("What is a calorie?", "A calorie is a unit of energy."),    # short, on topic
+             ("Why is the sky blue?", "word " * 40),                      # long, off topic
+             ("Why is the sky blue?", "Yes. | " + "x" * 300)]             # short, off topic, long text
+    kept = bench.short_off_topic(pairs)
+    assert [k["question"] for k in kept] == ["What is a calorie?", "Why is the sky blue?"]
+    assert kept[0]["reply"] == "It is a unit of energy." and len(kept[1]["reply"]) == bench.REPLY_CHARS
+    assert len(bench.short_off_topic([("What is a calorie?", "Yes.")] * 9)) == bench.OFF_TOPIC_KEPT
+
+    # heldout() returns them beside the shares, from the replies the served model gave
+    class Client:
+        def __init__(self, **kw):
+            self.chat = self
+            self.completions = self
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def create(self, model, messages, **kw):
+            reply = "It is a unit of energy." if "calorie" in messages[0]["content"] else "Blue light scatters."
+            return argparse.Namespace(choices=[argparse.Namespace(message=argparse.Namespace(content=reply))])
+
+    monkeypatch.setattr(bench, "OpenAI", Client)
+    monkeypatch.setattr(bench, "HELD_OUT", ["What is a calorie?", "Why is the sky blue?"])
+    args = argparse.Namespace(heldout=2, samples_per_prompt=2, upstream="http://unused/v1", max_tokens=8)
+    point = bench.heldout(args, "policy", 0)
+    assert point["on_topic"] == 0.5 and point["short"] == 1.0
+    assert point["short_off_topic"] == [{"question": "What is a calorie?", "reply": "It is a unit of energy."}] * 2
+
+    rows = [{"arm": "combined", "seed": 3, "curve": [0.0] * 7, "short": [0.0] * 7, "on_topic": [1.0] * 7,
+             "words": [9.0] * 7, "latencies_s": [],
+             "short_off_topic": [[], [], [], [{"question": "Q?", "reply": "a | b\nc"}], [], [], []]},
+            {"arm": "combined", "seed": 4, "curve": [0.0] * 7, "short": [0.0] * 7, "on_topic": [1.0] * 7,
+             "words": [9.0] * 7, "latencies_s": [], "short_off_topic": [[{"question": "X?", "reply": "no"}]] * 7}]
+    text = bench.tables(rows, 6)
+    assert "| combined | 3 | 18 | Q? | a / b c |" in text and "X?" not in text
+    # a run from before the examples were kept: no section
+    assert "short but off topic" not in bench.tables([{k: v for k, v in r.items() if k != "short_off_topic"}
+                                                      for r in rows], 6)
