@@ -366,15 +366,7 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     assert "step 2 traced (1 trace(s)): window 1.0 ms, GPU busy 0.5 ms (50.0 %)" in text
     assert "| gemm | 2 | 0.5 | aten::mm | 1 | 1.0 |" in text and "| rmsnorm | 1 | 0.1 |" in text
     # `all --profile` asks each veRL run (not the local one) to trace its first timed step
-    calls: list[list[str]] = []
-    orig_sub = verl_gpu._sub
-    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
-    try:
-        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
-                       "--warmup", "1", "--profile"])
-    finally:
-        verl_gpu._sub = orig_sub
-    runs = {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
+    runs = _runs_of_all(tmp_path, "--profile")
     # one step after the 1 + 4 timed (steps count from 0), left out of the timing
     assert runs["verl"][runs["verl"].index("--profile-step") + 1] == "5" and "--profile-step" not in runs["local"]
     traced = {**result, "steps": [*result["steps"], {**result["steps"][-1], "seconds": 60.0, "profiled": True}]}
@@ -402,6 +394,20 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     got = verl_gpu.trace_summary(traces)
     assert got["gpu_busy"] == 0.0 and got["kernels"] == [] and got["window_ms"] > 0
     assert any(op["name"] == "aten::matmul" and op["calls"] == 3 for op in got["cpu_ops"])
+
+
+def _runs_of_all(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
+    """The `run` command lines `all` starts for one veRL and the local run with *flags*, by backend
+    (its subprocesses not started)."""
+    calls: list[list[str]] = []
+    orig_sub = verl_gpu._sub
+    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
+    try:
+        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
+                       "--warmup", "1", *flags])
+    finally:
+        verl_gpu._sub = orig_sub
+    return {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
 
 
 def _cast_for_the_trace(x: torch.Tensor) -> torch.Tensor:
@@ -468,15 +474,7 @@ def test_a_traced_step_with_stacks_names_who_called_each_op(tiny_qwen3: Path, tm
     assert "| aten::_to_copy | model.py(5): forward | torch/nn/modules/module.py(1): _call_impl | 1 | 0.0 |" in text
     assert "| aten::mm | model.py(5): forward |  | 1 | 0.0 |" in text
     # `all --profile-stacks` traces each veRL run's extra step with stacks
-    calls: list[list[str]] = []
-    orig_sub = verl_gpu._sub
-    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
-    try:
-        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
-                       "--warmup", "1", "--profile-stacks"])
-    finally:
-        verl_gpu._sub = orig_sub
-    runs = {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
+    runs = _runs_of_all(tmp_path, "--profile-stacks")
     assert "--profile-stacks" in runs["verl"] and runs["verl"][runs["verl"].index("--profile-step") + 1] == "5"
     assert "--profile-stacks" not in runs["local"]
 
