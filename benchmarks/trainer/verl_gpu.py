@@ -62,8 +62,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
