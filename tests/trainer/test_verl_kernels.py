@@ -15,6 +15,7 @@ backend's advantages, loss and gradients.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -348,6 +349,27 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     assert bf16.actor_rollout_ref.model.use_liger is True
     assert PrecisionType.to_dtype(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).fsdp_config.model_dtype) \
         == torch.float32
+
+    def variant(name: str):  # noqa: ANN202
+        overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
+                          if o.startswith("--override="))
+        conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=overrides), ObjectiveConfig(),
+                            batch_size=4, total_steps=3)
+        return omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
+
+    # liger-fsdp1 reaches the engine as FSDP1 (the default here is FSDP2); fusedadam reaches veRL's optimizer
+    # builder as torch AdamW's own keyword, beside the base it extends
+    plain_actor = omega_conf_to_dataclass(plain.actor_rollout_ref.actor)
+    assert (plain_actor.strategy, plain_actor.fsdp_config.strategy) == ("fsdp2", "fsdp2")
+    fsdp1 = variant("liger-fsdp1")
+    assert (fsdp1.strategy, fsdp1.fsdp_config.strategy) == ("fsdp", "fsdp")
+    fused = variant("liger-noreshard-fusedadam")
+    assert fused.optim.override_optimizer_config == {"fused": True} and not plain_actor.optim.override_optimizer_config
+    assert fused.fsdp_config.reshard_after_forward is False
+    both = variant("liger-fsdp1-fusedadam")
+    assert (both.strategy, both.fsdp_config.strategy, both.optim.override_optimizer_config) == ("fsdp", "fsdp",
+                                                                                                  {"fused": True})
+    assert "fused" in inspect.signature(torch.optim.AdamW).parameters
     # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
