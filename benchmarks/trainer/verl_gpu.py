@@ -147,9 +147,9 @@ VARIANTS: dict[str, list[str]] = {
                                   "--override=actor_rollout_ref.model.use_liger=true",
                                   "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
                                   "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"],
-    # FSDP1 instead of FSDP2: one flat parameter per wrapped layer, so mixed precision casts a layer in one
-    # copy where FSDP2 casts each parameter (DTensor) in its own: the liger step's dtype copies (aten::to,
-    # ~1,900 calls a step) and DTensor dispatch were a third of its host time
+    # FSDP1 instead of FSDP2: one flat parameter per wrapped layer and no DTensors, so no per-parameter casts,
+    # DTensor dispatch or FSDP2 post-backward hooks on the host (the liger steps' traces above: dtype copies,
+    # PythonSubclass, RegisterPostBackwardFunctionBackward)
     "liger-fsdp1": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
                     "--override=actor_rollout_ref.actor.strategy=fsdp",
                     "--override=actor_rollout_ref.actor.fsdp_config.strategy=fsdp"],

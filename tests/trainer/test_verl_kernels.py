@@ -350,26 +350,6 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     assert PrecisionType.to_dtype(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).fsdp_config.model_dtype) \
         == torch.float32
 
-    def variant(name: str):  # noqa: ANN202
-        overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
-                          if o.startswith("--override="))
-        conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=overrides), ObjectiveConfig(),
-                            batch_size=4, total_steps=3)
-        return omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
-
-    # liger-fsdp1 reaches the engine as FSDP1 (the default here is FSDP2); fusedadam reaches veRL's optimizer
-    # builder as torch AdamW's own keyword, beside the base it extends
-    plain_actor = omega_conf_to_dataclass(plain.actor_rollout_ref.actor)
-    assert (plain_actor.strategy, plain_actor.fsdp_config.strategy) == ("fsdp2", "fsdp2")
-    fsdp1 = variant("liger-fsdp1")
-    assert (fsdp1.strategy, fsdp1.fsdp_config.strategy) == ("fsdp", "fsdp")
-    fused = variant("liger-noreshard-fusedadam")
-    assert fused.optim.override_optimizer_config == {"fused": True} and not plain_actor.optim.override_optimizer_config
-    assert fused.fsdp_config.reshard_after_forward is False
-    both = variant("liger-fsdp1-fusedadam")
-    assert (both.strategy, both.fsdp_config.strategy, both.optim.override_optimizer_config) == ("fsdp", "fsdp",
-                                                                                                  {"fused": True})
-    assert "fused" in inspect.signature(torch.optim.AdamW).parameters
     # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
@@ -416,6 +396,33 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     got = verl_gpu.trace_summary(traces)
     assert got["gpu_busy"] == 0.0 and got["kernels"] == [] and got["window_ms"] > 0
     assert any(op["name"] == "aten::matmul" and op["calls"] == 3 for op in got["cpu_ops"])
+
+
+def test_the_fsdp1_and_fused_adam_variants_reach_verls_engine_and_optimizer(tiny_qwen3: Path) -> None:
+    """``liger-fsdp1`` reaches veRL's engine as FSDP1 (the default here is FSDP2), ``...-fusedadam`` reaches
+    veRL's optimizer builder as torch AdamW's own keyword (``optim.override_optimizer_config``), each
+    beside the settings of the variant it extends; a misspelt key would be added and do nothing."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    def variant(name: str | None):  # noqa: ANN202
+        overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
+                          if o.startswith("--override=")) if name else ()
+        conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=overrides), ObjectiveConfig(),
+                            batch_size=4, total_steps=3)
+        return omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
+
+    plain = variant(None)
+    assert (plain.strategy, plain.fsdp_config.strategy) == ("fsdp2", "fsdp2")
+    assert not plain.optim.override_optimizer_config
+    fsdp1 = variant("liger-fsdp1")
+    assert (fsdp1.strategy, fsdp1.fsdp_config.strategy) == ("fsdp", "fsdp")
+    fused = variant("liger-noreshard-fusedadam")
+    assert fused.optim.override_optimizer_config == {"fused": True}
+    assert fused.fsdp_config.reshard_after_forward is False and fused.fsdp_config.strategy == "fsdp2"
+    both = variant("liger-fsdp1-fusedadam")
+    assert (both.strategy, both.fsdp_config.strategy, both.optim.override_optimizer_config) == (
+        "fsdp", "fsdp", {"fused": True})
+    assert "fused" in inspect.signature(torch.optim.AdamW).parameters
 
 
 def _runs_of_all(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
