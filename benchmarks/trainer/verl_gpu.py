@@ -117,6 +117,10 @@ def _direction(lp, mask, rewards) -> tuple[float, float]:  # noqa: ANN001
     return float(per[r > 0].mean()), float(per[r < 0].mean())
 
 
+#: the class veRL's FSDP2 wrap policy names so that the root is the model's only unit with parameters:
+#: Qwen3's rotary embedding, one module without parameters (``liger-onewrap-fusedadam``; Qwen3 models only)
+ONE_UNIT_WRAP = "Qwen3RotaryEmbedding"
+
 #: veRL variants ``all --verl NAME=GPUS`` runs: the ``run`` options of each
 VARIANTS: dict[str, list[str]] = {
     "plain": ["--no-fused-kernels", "--remove-padding", "off"],
@@ -160,6 +164,16 @@ VARIANTS: dict[str, list[str]] = {
                               "--override=actor_rollout_ref.actor.strategy=fsdp",
                               "--override=actor_rollout_ref.actor.fsdp_config.strategy=fsdp",
                               "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"],
+    # liger-noreshard-fusedadam with the whole model as one FSDP2 unit instead of one per decoder layer: on one
+    # GPU sharding buys nothing, and each unit costs the host its hooks per micro-batch (the post-backward
+    # one 2.6 ms a layer in the traced step). veRL wraps the classes its wrap policy names on their own, then
+    # the root; naming Qwen3's rotary embedding (no parameters) leaves every parameter to the root
+    "liger-onewrap-fusedadam": ["--fused-kernels", "--remove-padding", "off",
+                                "--override=actor_rollout_ref.model.use_liger=true",
+                                "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+                                "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true",
+                                "--override=actor_rollout_ref.actor.fsdp_config.wrap_policy."
+                                f"transformer_layer_cls_to_wrap=[{ONE_UNIT_WRAP}]"],
 }
 
 

@@ -423,6 +423,57 @@ def test_the_fsdp1_and_fused_adam_variants_reach_verls_engine_and_optimizer(tiny
     assert (both.strategy, both.fsdp_config.strategy, both.optim.override_optimizer_config) == (
         "fsdp", "fsdp", {"fused": True})
     assert "fused" in inspect.signature(torch.optim.AdamW).parameters
+    one = variant("liger-onewrap-fusedadam")
+    assert one.fsdp_config.wrap_policy["transformer_layer_cls_to_wrap"] == [verl_gpu.ONE_UNIT_WRAP]
+    assert one.optim.override_optimizer_config == {"fused": True} and one.fsdp_config.reshard_after_forward is False
+
+
+_ONE_UNIT = """
+import json, os, sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from transformers import AutoModelForCausalLM
+from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_wrap_policy
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+model, ref = (AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32) for _ in range(2))
+wrap = {"transformer_layer_cls_to_wrap": [sys.argv[3]]} if sys.argv[3] else {}
+assert get_fsdp_wrap_policy(model, wrap) is not None  # the FSDP1 policy veRL's engine also builds resolves
+mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=True)
+apply_fsdp2(model, {"mesh": init_device_mesh("cpu", (1,)), "mp_policy": mp, "offload_policy": None,
+                    "reshard_after_forward": False}, {"wrap_policy": wrap})
+def managed(unit):  # the parameters a unit holds: its subtree's, less those of the units inside it
+    inner = {id(p) for c in unit.modules() if c is not unit and isinstance(c, FSDPModule) for p in c.parameters()}
+    return len({id(p) for p in unit.parameters()} - inner)
+units = {n or "root": managed(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+for m in (model, ref):
+    m(input_ids=ids).logits.float().pow(2).mean().backward()
+grad = lambda m: m.model.layers[0].mlp.up_proj.weight.grad
+g = grad(model).full_tensor() if hasattr(grad(model), "full_tensor") else grad(model)
+print(json.dumps({"units": units, "same_grad": bool(torch.allclose(g, grad(ref), atol=1e-6))}))
+dist.destroy_process_group()
+"""
+
+
+def test_one_fsdp2_unit_when_the_wrap_policy_names_the_rotary_embedding(tiny_qwen3: Path) -> None:
+    """``liger-onewrap-fusedadam``'s wrap policy, applied by veRL's own ``apply_fsdp2`` to a Qwen3 model (CPU,
+    gloo, one rank): the root is the only unit holding parameters (by default each decoder layer is one), and
+    a forward and backward through it gives the plain model's gradients."""
+    import subprocess
+
+    from tests.support.processes import free_port
+
+    def run(wrap: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "-c", _ONE_UNIT, str(tiny_qwen3), str(free_port()), wrap],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    default, one = run(""), run(verl_gpu.ONE_UNIT_WRAP)
+    # by default each decoder layer holds its 11 parameters (4 projections, 3 MLP, 4 norms); the root the rest
+    assert default["units"] == {"model.layers.0": 11, "model.layers.1": 11, "root": 2}
+    assert one["units"] == {"model.rotary_emb": 0, "root": 24}
+    assert one["same_grad"] and default["same_grad"]
 
 
 def _runs_of_all(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
