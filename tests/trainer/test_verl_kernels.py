@@ -434,7 +434,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from transformers import AutoModelForCausalLM
 from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_wrap_policy
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)  # no port to race for
 model, ref = (AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32) for _ in range(2))
 wrap = {"transformer_layer_cls_to_wrap": [sys.argv[3]]} if sys.argv[3] else {}
 assert get_fsdp_wrap_policy(model, wrap) is not None  # the FSDP1 policy veRL's engine also builds resolves
@@ -455,16 +455,15 @@ dist.destroy_process_group()
 """
 
 
-def test_one_fsdp2_unit_when_the_wrap_policy_names_the_rotary_embedding(tiny_qwen3: Path) -> None:
+def test_one_fsdp2_unit_when_the_wrap_policy_names_the_rotary_embedding(tiny_qwen3: Path, tmp_path: Path) -> None:
     """``liger-onewrap-fusedadam``'s wrap policy, applied by veRL's own ``apply_fsdp2`` to a Qwen3 model (CPU,
     gloo, one rank): the root is the only unit holding parameters (by default each decoder layer is one), and
     a forward and backward through it gives the plain model's gradients."""
     import subprocess
 
-    from tests.support.processes import free_port
-
     def run(wrap: str) -> dict[str, Any]:
-        done = subprocess.run([sys.executable, "-c", _ONE_UNIT, str(tiny_qwen3), str(free_port()), wrap],
+        store = tmp_path / f"store-{wrap or 'default'}"  # the process group's rendezvous: a file, not a port
+        done = subprocess.run([sys.executable, "-c", _ONE_UNIT, str(tiny_qwen3), str(store), wrap],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
