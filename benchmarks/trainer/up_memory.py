@@ -21,9 +21,11 @@ All along, every second: the RSS of each of `up`'s process trees (``trainer``: `
 --online`; ``vllm`` and ``vllm-teacher``: each vLLM's API server and engine processes together;
 ``worker``; ``gateway``: the `up` process itself, which serves the gateway), the machine's
 MemAvailable, and whether the gateway's ``/healthz`` and each vLLM's ``/v1/models`` answered within
-2 s (``check_s``: the seconds, negative where the answer came later than 2 s; ``unanswered``: the
-checks with no answer within 2 s, counted only once that target had answered a first time, and not
-while `up` is stopping). The trainer's round (turns, tokens, seconds) is read from its log.
+2 s (``check_s``: the seconds, negative where the answer came later than 2 s, None where none came).
+The summary counts per phase the checks unanswered within 2 s, each target's only once it had
+answered a first time in that phase (each phase starts its own `up`, whose servers take a while to
+come up) and not while `up` is stopping. The trainer's round (turns, tokens, seconds) is read from its
+log. ``--report RESULTS.json`` writes the summary and the table of an earlier run again.
 
 Writes results/up-memory.json (every sample, the phases, the round, the events) and
 results/up-memory.md (the table in benchmarks/trainer/README.md).
@@ -107,7 +109,6 @@ class Watch:
         self.samples: list[dict[str, Any]] = []
         self.phase = "start"
         self.up: psutil.Process | None = None
-        self.answered: set[str] = set()  # targets that answered once (checks count from then on)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=3)
         # one client per target: a new client per check builds an SSL context each time (CPU)
@@ -150,7 +151,6 @@ class Watch:
             r = self._clients[name].get(self.urls[name])
             seconds = time.monotonic() - started
             if r.status_code == 200:
-                self.answered.add(name)
                 return seconds if seconds <= CHECK_TIMEOUT_S else -seconds  # negative: answered too late
         except httpx.HTTPError:
             pass
@@ -164,9 +164,7 @@ class Watch:
             sample: dict[str, Any] = {"t": round(tick - t0, 1), "phase": self.phase,
                                       "rss_gib": {k: round(v, 3) for k, v in self._rss().items()},
                                       "mem_available_gib": round(psutil.virtual_memory().available / GIB, 2)}
-            was = set(self.answered)
             sample["check_s"] = {n: (None if (s := f.result()) is None else round(s, 3)) for n, f in checks.items()}
-            sample["unanswered"] = [n for n, s in sample["check_s"].items() if (s is None or s < 0) and n in was]
             self.samples.append(sample)
             self._stop.wait(max(0.0, 1.0 - (time.monotonic() - tick)))
 
@@ -288,7 +286,7 @@ def traffic(args: argparse.Namespace, env: dict[str, str], watch: Watch) -> dict
     return {"argv": up.argv, "agent": args.agent, "runs": runs, "turns": turns, "up_rc": rc}
 
 
-ROUND_RE = re.compile(r"round (\d+): training on (\d+) turns \(([\d,]+) tokens\)")
+ROUND_RE = re.compile(r"round (\d+): training on (\d+) turns \(([\d,]+) tokens[;)]")
 TRAINED_RE = re.compile(r"round (\d+): trained in ([^;]+);")
 
 
@@ -343,6 +341,22 @@ def train(args: argparse.Namespace, env: dict[str, str], watch: Watch) -> dict[s
 
 
 PROCS = ("trainer", "vllm", "vllm-teacher", "worker", "gateway")
+TARGETS = ("gateway", "vllm", "vllm-teacher")
+
+
+def unanswered_checks(mine: list[dict[str, Any]]) -> dict[str, int]:
+    """Per target, the checks of one phase's samples that got no answer within 2 s once the target
+    had answered a first time in the phase, leaving out those while `up` was stopping."""
+    out = {}
+    for n in TARGETS:
+        answered, count = False, 0
+        for s in mine:
+            seconds = s["check_s"].get(n)
+            if answered and (seconds is None or seconds < 0) and not s["phase"].endswith("stop"):
+                count += 1
+            answered = answered or seconds is not None
+        out[n] = count
+    return out
 
 
 def summarize(samples: list[dict[str, Any]], phase: str) -> dict[str, Any]:
@@ -350,10 +364,9 @@ def summarize(samples: list[dict[str, Any]], phase: str) -> dict[str, Any]:
     stopping included)."""
     mine = [s for s in samples if s["phase"].split("-")[0] == phase]
     peak = {p: max((s["rss_gib"].get(p, 0.0) for s in mine), default=0.0) for p in PROCS}
-    unanswered = {n: sum(n in s["unanswered"] for s in mine if not s["phase"].endswith("stop"))
-                  for n in ("gateway", "vllm", "vllm-teacher")}
+    unanswered = unanswered_checks(mine)
     slowest = {n: max((abs(s["check_s"][n]) for s in mine if s["check_s"].get(n) is not None), default=None)
-               for n in ("gateway", "vllm", "vllm-teacher")}
+               for n in TARGETS}
     return {"samples": len(mine), "peak_rss_gib": {k: round(v, 2) for k, v in peak.items()},
             "min_mem_available_gib": min((s["mem_available_gib"] for s in mine), default=None),
             "unanswered_checks": unanswered, "slowest_answer_s": slowest}
@@ -368,7 +381,7 @@ def table(result: dict[str, Any]) -> str:
             continue
         s = result["summary"][phase]
         rss = " | ".join(f"{s['peak_rss_gib'][p]:.2f} GiB" if s["peak_rss_gib"][p] else "–" for p in PROCS)
-        miss = " / ".join(str(s["unanswered_checks"][n]) for n in ("gateway", "vllm", "vllm-teacher"))
+        miss = " / ".join(str(s["unanswered_checks"][n]) for n in TARGETS)
         slow = " / ".join("–" if v is None else f"{v:.2f}" for v in s["slowest_answer_s"].values())
         lines.append(f"| {phase} ({s['samples']} s) | {rss} | {s['min_mem_available_gib']} GiB | {miss} | {slow} |")
     tr = result.get("train", {})
@@ -382,6 +395,21 @@ def table(result: dict[str, Any]) -> str:
               f"{rnd.get('trained_in', '–')} | {decided.get('action', 'none')} {decided.get('version') or ''} | "
               f"{tr.get('seconds', '–')} s |"]
     return "\n".join(lines) + "\n"
+
+
+def summaries(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {p: summarize(samples, p) for p in ("traffic", "train") if any(s["phase"].startswith(p) for s in samples)}
+
+
+def report(path: Path) -> int:
+    """``--report``: the summary of *path*'s samples and its table written again, the table to the
+    ``.md`` beside it."""
+    result = json.loads(path.read_text())
+    result["summary"] = summaries(result["samples"])
+    path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
+    path.with_suffix(".md").write_text(table(result))
+    print(table(result))
+    return 0
 
 
 def _interrupt(*_: Any) -> None:
@@ -407,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--score-timeout-s", type=float, default=900.0)
     ap.add_argument("--train-timeout-s", type=float, default=2400.0)
     ap.add_argument("--out", default="up-memory", help="results/OUT.json and results/OUT.md")
+    ap.add_argument("--report", type=Path, metavar="RESULTS.json",
+                    help="run nothing: write the summary and table of an earlier run's JSON again (beside it)")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(args.report)
     if args.fresh and args.data_dir.exists():
         shutil.rmtree(args.data_dir)
     args.data_dir.mkdir(parents=True, exist_ok=True)
@@ -430,8 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         watch.stop()
         result["samples"] = watch.samples
-        result["summary"] = {p: summarize(watch.samples, p) for p in ("traffic", "train")
-                             if any(s["phase"].startswith(p) for s in watch.samples)}
+        result["summary"] = summaries(watch.samples)
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
         (RESULTS / f"{args.out}.md").write_text(table(result))
