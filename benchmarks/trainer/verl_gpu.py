@@ -121,59 +121,52 @@ def _direction(lp, mask, rewards) -> tuple[float, float]:  # noqa: ANN001
 #: Qwen3's rotary embedding, one module without parameters (``liger-onewrap-fusedadam``; Qwen3 models only)
 ONE_UNIT_WRAP = "Qwen3RotaryEmbedding"
 
+#: the pieces the variants below are made of: veRL's fused-kernel log-prob path without remove-padding, and
+#: the overrides (``run --override``, VerlConfig.overrides) the variants add to it
+FUSED = ["--fused-kernels", "--remove-padding", "off"]
+LIGER = "--override=actor_rollout_ref.model.use_liger=true"
+NORESHARD = "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"
+FUSED_ADAM = "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"
+FSDP1 = ["--override=actor_rollout_ref.actor.strategy=fsdp",
+         "--override=actor_rollout_ref.actor.fsdp_config.strategy=fsdp"]
+ONE_UNIT = ("--override=actor_rollout_ref.actor.fsdp_config.wrap_policy."
+            f"transformer_layer_cls_to_wrap=[{ONE_UNIT_WRAP}]")
+
 #: veRL variants ``all --verl NAME=GPUS`` runs: the ``run`` options of each
 VARIANTS: dict[str, list[str]] = {
     "plain": ["--no-fused-kernels", "--remove-padding", "off"],
-    "fused": ["--fused-kernels", "--remove-padding", "off"],
+    "fused": [*FUSED],
     "fused-rmpad": ["--fused-kernels", "--remove-padding", "on"],
     # veRL's log-prob pass every step, as before VerlConfig.old_logprob_pass "auto" skipped it here
-    "fused-always": ["--fused-kernels", "--remove-padding", "off", "--old-logprob-pass", "always"],
+    "fused-always": [*FUSED, "--old-logprob-pass", "always"],
     # FSDP2 keeps the gathered parameters from the forward to the backward (memory for fewer all-gathers)
-    "fused-noreshard": ["--fused-kernels", "--remove-padding", "off",
-                        "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
+    "fused-noreshard": [*FUSED, NORESHARD],
     # veRL's torch.compile of the actor (trainer.verl.config turns it off: eager is what was measured)
-    "fused-compile": ["--fused-kernels", "--remove-padding", "off",
-                      "--override=actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"],
+    "fused-compile": [*FUSED, "--override=actor_rollout_ref.actor.fsdp_config.use_torch_compile=true"],
     # Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (veRL's model.use_liger; liger-kernel from
     # benchmarks/gpu/wheels.sh): the profiled fused step (micro-batch 16) spent more GPU time in elementwise
     # kernels (fp32 multiplies, dtype copies: RMSNorm's upcasts) than in its matmuls
-    "fused-liger": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true"],
+    "fused-liger": [*FUSED, LIGER],
     # the liger step still waited on the host a third of the time, most of it dtype copies (aten::to): the
     # model built in bf16 (veRL's fsdp_config.model_dtype; parameters, gradients and Adam's moments in bf16,
     # no fp32 master) leaves FSDP2's mixed precision nothing to cast; and the same kept gathered
-    "liger-bf16": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
-                   "--override=actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"],
-    "liger-noreshard": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
-                        "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"],
+    "liger-bf16": [*FUSED, LIGER, "--override=actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"],
+    "liger-noreshard": [*FUSED, LIGER, NORESHARD],
     # the same with torch's fused AdamW (one kernel for all parameters; veRL builds torch.optim.AdamW with
     # its default, the multi-tensor "foreach" path) through veRL's optim.override_optimizer_config
-    "liger-noreshard-fusedadam": ["--fused-kernels", "--remove-padding", "off",
-                                  "--override=actor_rollout_ref.model.use_liger=true",
-                                  "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
-                                  "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"],
+    "liger-noreshard-fusedadam": [*FUSED, LIGER, NORESHARD, FUSED_ADAM],
     # FSDP1 instead of FSDP2: one flat parameter per wrapped layer and no DTensors, so no per-parameter casts,
     # DTensor dispatch or FSDP2 post-backward hooks on the host (the liger steps' traces above: dtype copies,
     # PythonSubclass, RegisterPostBackwardFunctionBackward)
-    "liger-fsdp1": ["--fused-kernels", "--remove-padding", "off", "--override=actor_rollout_ref.model.use_liger=true",
-                    "--override=actor_rollout_ref.actor.strategy=fsdp",
-                    "--override=actor_rollout_ref.actor.fsdp_config.strategy=fsdp"],
+    "liger-fsdp1": [*FUSED, LIGER, *FSDP1],
     # the two together: FSDP1 (it has no FSDP2 post-backward hook per layer, 2.6 ms of host time each in the
     # traced liger-noreshard step) with the fused AdamW (30.6 % against 24.5-28.3 % without it)
-    "liger-fsdp1-fusedadam": ["--fused-kernels", "--remove-padding", "off",
-                              "--override=actor_rollout_ref.model.use_liger=true",
-                              "--override=actor_rollout_ref.actor.strategy=fsdp",
-                              "--override=actor_rollout_ref.actor.fsdp_config.strategy=fsdp",
-                              "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true"],
+    "liger-fsdp1-fusedadam": [*FUSED, LIGER, *FSDP1, FUSED_ADAM],
     # liger-noreshard-fusedadam with the whole model as one FSDP2 unit instead of one per decoder layer: on one
     # GPU sharding buys nothing, and each unit costs the host its hooks per micro-batch (the post-backward
     # one 2.6 ms a layer in the traced step). veRL wraps the classes its wrap policy names on their own, then
     # the root; naming Qwen3's rotary embedding (no parameters) leaves every parameter to the root
-    "liger-onewrap-fusedadam": ["--fused-kernels", "--remove-padding", "off",
-                                "--override=actor_rollout_ref.model.use_liger=true",
-                                "--override=actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
-                                "--override=actor_rollout_ref.actor.optim.override_optimizer_config.fused=true",
-                                "--override=actor_rollout_ref.actor.fsdp_config.wrap_policy."
-                                f"transformer_layer_cls_to_wrap=[{ONE_UNIT_WRAP}]"],
+    "liger-onewrap-fusedadam": [*FUSED, LIGER, NORESHARD, FUSED_ADAM, ONE_UNIT],
 }
 
 

@@ -315,6 +315,15 @@ def test_runs_take_the_gpus_the_caller_made_visible() -> None:
         verl_gpu.visible_devices(2, "1")
 
 
+def _variant_config(model_dir: Path, name: str | None = None) -> Any:
+    """veRL's config as a run of veRL variant *name* (None: no variant) builds it: the variant's
+    overrides (``run --override``) on the benchmark's config."""
+    overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
+                      if o.startswith("--override=")) if name else ()
+    return build_config(VerlConfig(model_dir=model_dir, overrides=overrides), ObjectiveConfig(),
+                        batch_size=4, total_steps=3)
+
+
 def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Path) -> None:
     """``--profile``: veRL's torch profiler on one step (overrides the workers validate), and the
     trace read back: the GPU's busy time is the union of its kernels (two overlapping kernels count
@@ -332,24 +341,19 @@ def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Pa
     assert actor.profiler.enable and actor.profiler.tool == "torch"
     assert actor.profiler.save_path == str(tmp_path / "trace")
     # the fused-liger variant's override names a key veRL's model config has (a misspelt one would be added)
-    plain = build_config(VerlConfig(model_dir=tiny_qwen3), ObjectiveConfig(), batch_size=4, total_steps=3)
+    plain = _variant_config(tiny_qwen3)
     assert plain.actor_rollout_ref.model.use_liger is False
-    liger = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(o.removeprefix("--override=") for o in
-                                                                         verl_gpu.VARIANTS["fused-liger"][3:])),
-                         ObjectiveConfig(), batch_size=4, total_steps=3)
+    liger = _variant_config(tiny_qwen3, "fused-liger")
     assert liger.actor_rollout_ref.model.use_liger is True
     # liger-bf16's model dtype reaches the engine's config as a precision veRL's engine builds the model in
     from verl.utils.torch_dtypes import PrecisionType
 
-    bf16 = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=tuple(o.removeprefix("--override=") for o in
-                                                                        verl_gpu.VARIANTS["liger-bf16"][3:])),
-                        ObjectiveConfig(), batch_size=4, total_steps=3)
+    bf16 = _variant_config(tiny_qwen3, "liger-bf16")
     engine = omega_conf_to_dataclass(bf16.actor_rollout_ref.actor).fsdp_config
     assert PrecisionType.to_dtype(engine.model_dtype) == torch.bfloat16
     assert bf16.actor_rollout_ref.model.use_liger is True
     assert PrecisionType.to_dtype(omega_conf_to_dataclass(plain.actor_rollout_ref.actor).fsdp_config.model_dtype) \
         == torch.float32
-
     # a window of 1,000 µs: kernels at 0-300 and 200-400 (overlapping: 400 busy) and 600-700
     events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
               {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 200},
@@ -405,11 +409,7 @@ def test_the_fsdp1_and_fused_adam_variants_reach_verls_engine_and_optimizer(tiny
     from verl.utils.config import omega_conf_to_dataclass
 
     def variant(name: str | None):  # noqa: ANN202
-        overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
-                          if o.startswith("--override=")) if name else ()
-        conf = build_config(VerlConfig(model_dir=tiny_qwen3, overrides=overrides), ObjectiveConfig(),
-                            batch_size=4, total_steps=3)
-        return omega_conf_to_dataclass(conf.actor_rollout_ref.actor)
+        return omega_conf_to_dataclass(_variant_config(tiny_qwen3, name).actor_rollout_ref.actor)
 
     plain = variant(None)
     assert (plain.strategy, plain.fsdp_config.strategy) == ("fsdp2", "fsdp2")
