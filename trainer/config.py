@@ -284,6 +284,19 @@ class VerlConfig:
     #: pass is a forward over the batch, a fifth to a quarter of a step. "always": veRL's every step
     #: (OPD reads it as the student's log-probs; black-box turns as their own π_old).
     old_logprob_pass: str = "auto"
+    #: FSDP2 keeps a layer's gathered parameters from its forward to its backward
+    #: (``fsdp_config.reshard_after_forward``; veRL's default True gathers them again for the
+    #: backward): one all-gather a layer and micro-batch fewer, for the unsharded parameters held
+    #: meanwhile (nothing more on one GPU). With fused_adam, 24.5-28.3 → 30.6-32.7 % MFU on one
+    #: H200 (benchmarks/trainer/README.md section 3).
+    reshard_after_forward: bool = False
+    #: torch's fused AdamW (``optim.override_optimizer_config.fused``: one kernel for every parameter)
+    #: instead of veRL's default, the multi-tensor ``foreach`` path; the same update.
+    fused_adam: bool = True
+    #: Liger's Triton kernels for RMSNorm, RoPE and SwiGLU (veRL's ``model.use_liger``; needs the
+    #: ``liger-kernel`` package, which benchmarks/gpu/wheels.sh stages): 19.5 → 26.0 % MFU in
+    #: veRL's step on one H200. Off by default: the package is not a dependency.
+    liger: bool = False
     ray_address: str | None = None  # None: start a local Ray; "auto" or ray://host:10001: join one
     output_dir: Path = Path("verl-runs")
     seed: int = 0

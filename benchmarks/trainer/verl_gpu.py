@@ -3,7 +3,7 @@
     python benchmarks/trainer/verl_gpu.py all --out DIR [--models smollm2 qwen3-1.5b] [--gpus 1 2 4]
     python benchmarks/trainer/verl_gpu.py all --out DIR --models qwen3-1.5b --scaling weak \
         --per-gpu-batch 64 --micro-batch-size 8 --verl fused=1,2 --verl plain=1
-    python benchmarks/trainer/verl_gpu.py table DIR/results.json
+    python benchmarks/trainer/verl_gpu.py table DIR/results.json [MORE.json ...] [--acceptance OUT.json]
 
 ``all`` runs, each in a fresh process (a fresh Ray cluster for veRL), one after another:
 
@@ -51,6 +51,10 @@ took longest: what an MFU far below the card's peak is spent on. ``--profile-sta
 the profiler also records Python stacks, and each of those ops (and the host syncs and dtype
 copies of :data:`WATCHED_OPS`) is attributed to the code that called it: the innermost Python frame
 outside torch itself (:func:`op_callers`).
+
+``all`` writes ``results.json`` (each run), ``results.md`` (the tables) and ``acceptance.json``
+(:func:`acceptance`: ``verl_mfu``, ``verl_weak_scaling_2`` as fractions, and each veRL run's); ``table
+--acceptance`` writes the last for runs of several calls together.
 """
 
 from __future__ import annotations
@@ -121,6 +125,11 @@ def _direction(lp, mask, rewards) -> tuple[float, float]:  # noqa: ANN001
 #: Qwen3's rotary embedding, one module without parameters (``liger-onewrap-fusedadam``; Qwen3 models only)
 ONE_UNIT_WRAP = "Qwen3RotaryEmbedding"
 
+#: VerlConfig's settings at veRL's own defaults: the base every variant below changes (VerlConfig's
+#: defaults since 2026-12-01 are liger-noreshard-fusedadam's without Liger, the fastest measured; the
+#: variants keep the meaning they were measured with)
+VERL_OWN_DEFAULTS = {"reshard_after_forward": True, "fused_adam": False, "liger": False}
+
 #: the pieces the variants below are made of: veRL's fused-kernel log-prob path without remove-padding, and
 #: the overrides (``run --override``, VerlConfig.overrides) the variants add to it
 FUSED = ["--fused-kernels", "--remove-padding", "off"]
@@ -167,6 +176,14 @@ VARIANTS: dict[str, list[str]] = {
     # one 2.6 ms a layer in the traced step). veRL wraps the classes its wrap policy names on their own, then
     # the root; naming Qwen3's rotary embedding (no parameters) leaves every parameter to the root
     "liger-onewrap-fusedadam": [*FUSED, LIGER, NORESHARD, FUSED_ADAM, ONE_UNIT],
+    # the same in micro-batches of 32 turns instead of the run's (16 in the runs on the page): half the
+    # launches and host hooks per token. The run's --micro-batch-size is given again after the run's own,
+    # so the result's JSON records 32 (argparse keeps the last)
+    "liger-onewrap-fusedadam-mb32": [*FUSED, LIGER, NORESHARD, FUSED_ADAM, ONE_UNIT, "--micro-batch-size", "32"],
+    # liger-noreshard-fusedadam in micro-batches of 32 and of 64 (the whole per-GPU batch of the runs on the
+    # page: one forward and backward a step); one FSDP2 unit gained nothing at 16 (32.1 % against 32.7 %)
+    "liger-noreshard-fusedadam-mb32": [*FUSED, LIGER, NORESHARD, FUSED_ADAM, "--micro-batch-size", "32"],
+    "liger-noreshard-fusedadam-mb64": [*FUSED, LIGER, NORESHARD, FUSED_ADAM, "--micro-batch-size", "64"],
 }
 
 
@@ -222,7 +239,7 @@ def run(args: argparse.Namespace) -> None:
                          micro_batch_size=args.micro_batch_size, clip_grad=args.clip_grad,
                          gradient_checkpointing=args.gradient_checkpointing, fused_kernels=args.fused_kernels,
                          remove_padding=remove_padding, max_tokens_per_gpu=args.max_tokens_per_gpu,
-                         old_logprob_pass=args.old_logprob_pass,
+                         old_logprob_pass=args.old_logprob_pass, **VERL_OWN_DEFAULTS,
                          overrides=(*args.override, *profiling),
                          output_dir=Path(args.json).parent / f"verl-{args.mode}-{args.variant or 'x'}-{gpus}",
                          ray_address=None)
@@ -523,6 +540,7 @@ def run_all(args: argparse.Namespace) -> None:
                     results.append(json.loads(res.read_text()))
                     (out / "results.json").write_text(json.dumps(results, indent=1))
                     (out / "results.md").write_text(tables(results) + "\n")
+                    (out / "acceptance.json").write_text(json.dumps(acceptance(results), indent=1))
     print(tables(results), flush=True)
 
 
@@ -556,7 +574,7 @@ def summarise(results: list[dict]) -> list[dict]:
                      "tok_s_gpu": tok_s / r["gpus"]})
     base = {key(r): r for r in rows if r["gpus"] == 1}
     for r in rows:
-        b = base.get(key(r))
+        b = r if r["gpus"] == 1 else base.get(key(r))  # a 1-GPU run against itself, not a repeat of it
         r["efficiency"] = (r["tok_s"] / (r["gpus"] * b["tok_s"])
                            if r["backend"] == "verl" and b is not None else None)
         n, peak = r.get("n_matmul"), r.get("peak_tflops")
@@ -569,6 +587,26 @@ def summarise(results: list[dict]) -> list[dict]:
         known = [r[f"t_{n}"] for n in ("old_log_prob", "update_actor") if r[f"t_{n}"] is not None]
         r["t_other"] = r["s_mean"] - sum(known) if known else None
     return rows
+
+
+def acceptance(results: list[dict]) -> dict:
+    """The fields issue #45's acceptance compares runs by, as fractions: ``verl_mfu``, the best 6N MFU of a
+    veRL full fine-tuning run on one GPU, with its variant, micro-batch and model; ``verl_weak_scaling_2``,
+    the best weak-scaling efficiency of a veRL run on two GPUs against the same variant on one (None where
+    no such pair ran). Per run, the same as ``runs``."""
+    rows = [r for r in summarise(results) if r["backend"] == "verl" and r["mode"] == "full"]
+    runs = [{"model": r["model"], "variant": r.get("variant", ""), "gpus": r["gpus"], "scaling": r.get("scaling"),
+             "micro_batch": r.get("micro_batch"), "verl_mfu": r["mfu"], "efficiency": r["efficiency"]}
+            for r in rows]
+    one = [r for r in runs if r["gpus"] == 1 and r["verl_mfu"] is not None]
+    two = [r for r in runs if r["gpus"] == 2 and r.get("scaling") == "weak" and r["efficiency"] is not None]
+    best = max(one, key=lambda r: r["verl_mfu"], default=None)
+    best2 = max(two, key=lambda r: r["efficiency"], default=None)
+    return {"verl_mfu": best and best["verl_mfu"],
+            "verl_mfu_run": best and {k: best[k] for k in ("model", "variant", "micro_batch")},
+            "verl_weak_scaling_2": best2 and best2["efficiency"],
+            "verl_weak_scaling_2_run": best2 and {k: best2[k] for k in ("model", "variant", "micro_batch")},
+            "runs": runs}
 
 
 def _pct(x: float | None) -> str:
@@ -605,6 +643,8 @@ def tables(results: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mrows:
             label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
+            if r.get("micro_batch") != r0.get("micro_batch"):  # a variant that sets its own (…-mb32)
+                label += f", micro-batch {r['micro_batch']}"
             hfu = _pct1(r["hfu"]) + (" (8N)" if r.get("no_grad_pass") and r["hfu"] is not None else "")
             lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {r['s_mean']:.3f} ({r['s_min']:.3f}–"
                          f"{r['s_max']:.3f}) | {r['tok_s']:,.0f} | {r['tok_s_gpu']:,.0f} | {_pct(r['efficiency'])} | "
@@ -618,6 +658,8 @@ def tables(results: list[dict]) -> str:
                   "|---|---|---|---|---|---|"]
         for r in mrows:
             label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
+            if r.get("micro_batch") != r0.get("micro_batch"):  # a variant that sets its own (…-mb32)
+                label += f", micro-batch {r['micro_batch']}"
             losses = " ".join(f"{s['pg_loss']:+.4f}" for s in r["steps"])
             s0 = r["steps"][0]
             lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {losses} | {s0['lp_pos']:.4f} → "
@@ -744,8 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prepare-timeout", type=float, default=300)
     p.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
     job(p)
-    p = sub.add_parser("table")
-    p.add_argument("results")
+    p = sub.add_parser("table", help="the tables of results.json files (several: their runs together)")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--acceptance", metavar="JSON",
+                   help="also write the acceptance fields (verl_mfu, verl_weak_scaling_2: fractions) of those runs")
     args = ap.parse_args(argv)
     if args.cmd in ("run", "all") and (changed := executable_ray()):
         print(f"made {len(changed)} of Ray's programs executable (their archive had lost the exec bit)", flush=True)
@@ -756,7 +800,10 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "all":
         run_all(args)
     else:
-        print(tables(json.loads(Path(args.results).read_text())))
+        results = [r for path in args.results for r in json.loads(Path(path).read_text())]
+        print(tables(results))
+        if args.acceptance:
+            Path(args.acceptance).write_text(json.dumps(acceptance(results), indent=1) + "\n")
     return 0
 
 

@@ -268,6 +268,15 @@ def test_config_is_what_the_workers_validate(model_dir: Path) -> None:
     assert engine_cfg.backend == BACKEND and CheckpointEngineRegistry.get(BACKEND) is PoolCheckpointEngine
     with pytest.raises(ValueError, match="multiple of the GPU count"):
         build_config(VerlConfig(model_dir=model_dir, n_gpus_per_node=4), cfg, batch_size=6, total_steps=1)
+    # the fastest measured settings are the defaults (the parameters kept gathered, torch's fused AdamW), Liger
+    # opt-in; each reaches the dataclass veRL's workers build, and each can be turned back to veRL's own
+    assert actor.fsdp_config.reshard_after_forward is False and actor.optim.override_optimizer_config == {"fused": True}
+    assert conf.actor_rollout_ref.model.use_liger is False
+    own = build_config(VerlConfig(model_dir=model_dir, reshard_after_forward=True, fused_adam=False, liger=True),
+                       cfg, batch_size=8, total_steps=5)
+    own_actor = omega_conf_to_dataclass(own.actor_rollout_ref.actor)
+    assert own_actor.fsdp_config.reshard_after_forward is True and not own_actor.optim.override_optimizer_config
+    assert own.actor_rollout_ref.model.use_liger is True
     with pytest.raises(ValueError, match="kl_coef"):
         build_config(VerlConfig(model_dir=model_dir), ObjectiveConfig(kl_coef=0.1), batch_size=4, total_steps=1)
 

@@ -256,6 +256,32 @@ def test_weak_scaling_table() -> None:
     assert "strong scaling" in text and "| verl | full | 2 | 2.100 (2.100–2.100) | 46,811 | 23,406 | 95 % |" in text
 
 
+def test_the_acceptance_fields_are_the_best_one_gpu_mfu_and_two_gpu_scaling(tmp_path: Path) -> None:
+    """``verl_mfu``: the fastest veRL run on one GPU (here plain, the faster 1-GPU run of two variants, not the
+    local backend's faster step); ``verl_weak_scaling_2``: a 2-GPU run against its own variant on one; None
+    where no 2-GPU run is among the results. ``table A.json B.json --acceptance`` reads runs of two calls."""
+    results = [_result("local", 1, 0.5, batch=64), _result("verl", 1, 2.0, batch=64),
+               _result("verl", 2, 2.1, batch=128), _result("verl", 1, 1.6, batch=64, variant="plain")]
+    got = verl_gpu.acceptance(results)
+    rows = {(r["backend"], r["variant"], r["gpus"]): r for r in verl_gpu.summarise(results)}
+    assert got["verl_mfu"] == pytest.approx(rows[("verl", "plain", 1)]["mfu"]) and 0 < got["verl_mfu"] < 1
+    assert got["verl_mfu_run"] == {"model": "qwen3-1.5b", "variant": "plain", "micro_batch": 8}
+    assert got["verl_weak_scaling_2"] == pytest.approx(2.0 / 2.1)
+    assert got["verl_weak_scaling_2_run"]["variant"] == "fused"
+    assert len(got["runs"]) == 3  # the veRL runs
+    one = verl_gpu.acceptance(results[:2])
+    assert one["verl_weak_scaling_2"] is None and one["verl_weak_scaling_2_run"] is None
+    assert verl_gpu.acceptance(results[:1])["verl_mfu"] is None  # no veRL run
+    # a repeat of a 1-GPU run: each at 100 % against itself, not one against the other
+    repeat = verl_gpu.acceptance([*results, _result("verl", 1, 1.7, batch=64, variant="plain")])
+    assert [r["efficiency"] for r in repeat["runs"] if r["gpus"] == 1] == [1.0, 1.0, 1.0]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(results[:2]))
+    b.write_text(json.dumps(results[2:]))
+    verl_gpu.main(["table", str(a), str(b), "--acceptance", str(tmp_path / "acc.json")])
+    assert json.loads((tmp_path / "acc.json").read_text()) == json.loads(json.dumps(got))
+
+
 def test_weak_scaling_plan() -> None:
     ap_args = ["all", "--out", "/tmp/x", "--models", "qwen3-1.5b", "--scaling", "weak", "--per-gpu-batch", "64",
                "--verl", "fused=1,2", "--verl", "plain=1"]
@@ -301,6 +327,42 @@ def test_weak_scaling_plan() -> None:
     assert seen["liger-bf16"].override == ["actor_rollout_ref.model.use_liger=true",
                                            "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]
     assert seen["liger-noreshard"].override[1] == "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"
+    assert seen["liger-onewrap-fusedadam-mb32"].micro_batch_size == 32
+
+
+def test_a_variant_with_its_own_micro_batch_overrides_the_runs(tmp_path: Path) -> None:
+    """``liger-onewrap-fusedadam-mb32`` in ``all --micro-batch-size 16``: the `run` it starts trains in
+    micro-batches of 32 (its option follows the run's, and argparse keeps the last), the other variant of
+    the same call in 16, and the table tells the row apart."""
+    calls: list[list[str]] = []
+    orig_sub = verl_gpu._sub
+    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
+    try:
+        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--no-local",
+                       "--verl", "liger-onewrap-fusedadam=1", "--verl", "liger-onewrap-fusedadam-mb32=1",
+                       "--micro-batch-size", "16"])
+    finally:
+        verl_gpu._sub = orig_sub
+    runs = [argv for argv in calls if argv[0] == "run"]
+    assert [argv[argv.index("--variant") + 1] for argv in runs] == [
+        "liger-onewrap-fusedadam", "liger-onewrap-fusedadam-mb32"]
+    seen: list[Any] = []
+    orig_run = verl_gpu.run
+    verl_gpu.run = seen.append
+    try:
+        for argv in runs:
+            verl_gpu.main(argv)
+    finally:
+        verl_gpu.run = orig_run
+    assert [a.micro_batch_size for a in seen] == [16, 32]
+    assert seen[0].override == seen[1].override  # the same veRL settings otherwise
+    rows = [_result("verl", 1, 2.0, batch=64, variant="liger-onewrap-fusedadam"),
+            _result("verl", 1, 1.8, batch=64, variant="liger-onewrap-fusedadam-mb32")]
+    rows[0]["micro_batch"], rows[1]["micro_batch"] = 16, 32
+    text = verl_gpu.tables(rows)
+    assert "micro-batch 16 per GPU" in text
+    assert "| full, liger-onewrap-fusedadam-mb32, micro-batch 32 |" in text
+    assert "| full, liger-onewrap-fusedadam |" in text
 
 
 def test_runs_take_the_gpus_the_caller_made_visible() -> None:
@@ -320,8 +382,8 @@ def _variant_config(model_dir: Path, name: str | None = None) -> Any:
     overrides (``run --override``) on the benchmark's config."""
     overrides = tuple(o.removeprefix("--override=") for o in verl_gpu.VARIANTS[name]
                       if o.startswith("--override=")) if name else ()
-    return build_config(VerlConfig(model_dir=model_dir, overrides=overrides), ObjectiveConfig(),
-                        batch_size=4, total_steps=3)
+    return build_config(VerlConfig(model_dir=model_dir, overrides=overrides, **verl_gpu.VERL_OWN_DEFAULTS),
+                        ObjectiveConfig(), batch_size=4, total_steps=3)
 
 
 def test_a_profiled_step_says_where_its_time_went(tiny_qwen3: Path, tmp_path: Path) -> None:

@@ -101,6 +101,8 @@ def _actor_values(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, bat
         "actor_rollout_ref.actor.fsdp_config.dtype": "bfloat16" if cfg.bf16 else "float32",
         "actor_rollout_ref.actor.fsdp_config.use_torch_compile": False,
         "actor_rollout_ref.actor.fsdp_config.seed": cfg.seed,
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": cfg.reshard_after_forward,
+        "actor_rollout_ref.model.use_liger": cfg.liger,
         "actor_rollout_ref.rollout.n": 1,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": micro,
         "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": dynamic,
@@ -110,6 +112,8 @@ def _actor_values(cfg: VerlConfig, objective: objectives.ObjectiveConfig, *, bat
         "actor_rollout_ref.rollout.checkpoint_manager_class":
             f"{PoolCheckpointManager.__module__}.{PoolCheckpointManager.__qualname__}",
     }
+    if cfg.fused_adam:  # torch.optim.AdamW's own keyword, through veRL's optimizer builder
+        values["actor_rollout_ref.actor.optim.override_optimizer_config"] = {"fused": True}
     if dynamic:  # the token budget per GPU, for the update and the log-prob pass alike
         values["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = cfg.max_tokens_per_gpu
         values["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = cfg.max_tokens_per_gpu
