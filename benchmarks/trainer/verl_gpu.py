@@ -557,13 +557,13 @@ def _mean(xs: list[float]) -> float:
 
 def summarise(results: list[dict]) -> list[dict]:
     """Per run: s/step (mean, min, max), tok/s, tok/s per GPU, scaling efficiency against the same backend,
-    mode and variant on 1 GPU (``efficiency``; None where there is none, and for the local backend), MFU (6N per
-    GPU, ``bench.mfu``), "hfu" (8N where the step ran a no-grad forward too, else = MFU) and veRL's
-    mean phase seconds (log-prob pass, update, the rest)."""
+    mode and variant on 1 GPU of the same card (``efficiency``; None where there is none, and for the local
+    backend), MFU (6N per GPU, ``bench.mfu``), "hfu" (8N where the step ran a no-grad forward too, else = MFU)
+    and veRL's mean phase seconds (log-prob pass, update, the rest)."""
     import bench
 
     def key(r: dict) -> tuple:
-        return (r["model"], r["backend"], r["mode"], r.get("variant", ""), r.get("scaling", "strong"))
+        return (r["model"], r["backend"], r["mode"], r.get("variant", ""), r.get("scaling", "strong"), r.get("device"))
 
     rows = []
     for r in results:
@@ -591,21 +591,21 @@ def summarise(results: list[dict]) -> list[dict]:
 
 def acceptance(results: list[dict]) -> dict:
     """The fields issue #45's acceptance compares runs by, as fractions: ``verl_mfu``, the best 6N MFU of a
-    veRL full fine-tuning run on one GPU, with its variant, micro-batch and model; ``verl_weak_scaling_2``,
+    veRL full fine-tuning run on one GPU, with its variant, micro-batch, model and device; ``verl_weak_scaling_2``,
     the best weak-scaling efficiency of a veRL run on two GPUs against the same variant on one (None where
     no such pair ran). Per run, the same as ``runs``."""
     rows = [r for r in summarise(results) if r["backend"] == "verl" and r["mode"] == "full"]
     runs = [{"model": r["model"], "variant": r.get("variant", ""), "gpus": r["gpus"], "scaling": r.get("scaling"),
-             "micro_batch": r.get("micro_batch"), "verl_mfu": r["mfu"], "efficiency": r["efficiency"]}
-            for r in rows]
+             "micro_batch": r.get("micro_batch"), "device": r.get("device"), "verl_mfu": r["mfu"],
+             "efficiency": r["efficiency"]} for r in rows]
     one = [r for r in runs if r["gpus"] == 1 and r["verl_mfu"] is not None]
     two = [r for r in runs if r["gpus"] == 2 and r.get("scaling") == "weak" and r["efficiency"] is not None]
     best = max(one, key=lambda r: r["verl_mfu"], default=None)
     best2 = max(two, key=lambda r: r["efficiency"], default=None)
     return {"verl_mfu": best and best["verl_mfu"],
-            "verl_mfu_run": best and {k: best[k] for k in ("model", "variant", "micro_batch")},
+            "verl_mfu_run": best and {k: best[k] for k in ("model", "variant", "micro_batch", "device")},
             "verl_weak_scaling_2": best2 and best2["efficiency"],
-            "verl_weak_scaling_2_run": best2 and {k: best2[k] for k in ("model", "variant", "micro_batch")},
+            "verl_weak_scaling_2_run": best2 and {k: best2[k] for k in ("model", "variant", "micro_batch", "device")},
             "runs": runs}
 
 

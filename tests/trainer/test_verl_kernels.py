@@ -265,7 +265,8 @@ def test_the_acceptance_fields_are_the_best_one_gpu_mfu_and_two_gpu_scaling(tmp_
     got = verl_gpu.acceptance(results)
     rows = {(r["backend"], r["variant"], r["gpus"]): r for r in verl_gpu.summarise(results)}
     assert got["verl_mfu"] == pytest.approx(rows[("verl", "plain", 1)]["mfu"]) and 0 < got["verl_mfu"] < 1
-    assert got["verl_mfu_run"] == {"model": "qwen3-1.5b", "variant": "plain", "micro_batch": 8}
+    assert got["verl_mfu_run"] == {"model": "qwen3-1.5b", "variant": "plain", "micro_batch": 8,
+                                   "device": "NVIDIA H100 80GB HBM3"}
     assert got["verl_weak_scaling_2"] == pytest.approx(2.0 / 2.1)
     assert got["verl_weak_scaling_2_run"]["variant"] == "fused"
     assert len(got["runs"]) == 3  # the veRL runs
