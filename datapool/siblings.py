@@ -100,6 +100,18 @@ def add_siblings(db: OrmSession, original: Turn, replies: Sequence[Any], *, mode
     return mark_pending(db, ids)
 
 
+def awaiting(db: OrmSession, turn_ids: Sequence[str]) -> list[str]:
+    """Those of *turn_ids* whose siblings may still come: turns a worker would resample
+    (:func:`candidates`: none yet) and turns with a sibling not scored yet (no reward and no teacher
+    log-probs: what :func:`siblings_of` with *scored* leaves out). A turn that cannot have siblings
+    (black-box, a tool call, redacted ...) is not awaited."""
+    turn_ids = list(turn_ids)
+    pending = set(candidates(db, limit=len(turn_ids), turn_ids=turn_ids)) if turn_ids else set()
+    every, scored = siblings_of(db, turn_ids), siblings_of(db, turn_ids, scored=True)
+    pending |= {tid for tid, sibs in every.items() if len(scored.get(tid, ())) < len(sibs)}
+    return [tid for tid in turn_ids if tid in pending]
+
+
 def siblings_of(db: OrmSession, turn_ids: Sequence[str], *, scored: bool = False) -> dict[str, list[str]]:
     """The siblings of each of *turn_ids* that has any (oldest id order); with *scored*, only
     those whose judgement has a reward or teacher log-probs (what the trainer can use)."""

@@ -303,6 +303,12 @@ class VerlConfig:
     overrides: tuple[str, ...] = ()
 
 
+#: ``nextstate train --online``'s OnlineConfig.siblings_wait_s when the worker makes shadow siblings
+#: (NEXTSTATE_SIBLINGS_K > 0): four of its sweeps at their default interval (30 s), which resample a
+#: round of the default k = 16 turns at the default 4 a sweep
+SIBLINGS_WAIT_S = 120.0
+
+
 @dataclass
 class OnlineConfig:
     """How the loop trains, gates and monitors."""
@@ -355,6 +361,12 @@ class OnlineConfig:
     #: it (GPU runs, 60 interactions: combined+topk 0.64 at 12 against 0.47, on topic 0.65-0.92 against
     #: 0.96 for combined). 0: top-k every round
     opd_topk_rounds: int = 0
+    #: shadow siblings (the worker's NEXTSTATE_SIBLINGS_K): after leasing a round, wait up to this long for
+    #: its turns' siblings to be resampled and scored, so they train in their turn's group; a sibling scored
+    #: after its turn trained never trains (leases never hand one out). On the GPU, four siblings a turn took
+    #: the personal agent's curve from 0.72 to 0.81 at 18 interactions (benchmarks/gpu/results/README.md,
+    #: "Shadow siblings on plain combined"). 0: train on what is scored when the round is leased
+    siblings_wait_s: float = 0.0
     # live monitor
     rollback_window: int = 16  # live scored turns of a version before it is judged
     rollback_threshold: float = 0.5  # roll back when its mean reward is this far below its parent's
@@ -369,6 +381,8 @@ class OnlineConfig:
             raise ValueError(f"kl_target must be > 0 (or None: a fixed kl_coef), got {self.kl_target}")
         if self.kl_horizon <= 0:
             raise ValueError(f"kl_horizon must be > 0, got {self.kl_horizon}")
+        if self.siblings_wait_s < 0:
+            raise ValueError(f"siblings_wait_s must be >= 0 (0: no wait), got {self.siblings_wait_s}")
         if self.opd_topk_rounds < 0:
             raise ValueError(f"opd_topk_rounds is a number of rounds >= 0 (0: every round), got {self.opd_topk_rounds}")
 

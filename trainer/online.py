@@ -54,7 +54,7 @@ import httpx
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session as OrmSession
 
-from datapool import leases, queries, versions
+from datapool import leases, queries, siblings, versions
 from vllm_client.adapters import ensure_loaded
 from base.errors import AdminError, PublishError
 from vllm_client.http import openai_base
@@ -182,6 +182,7 @@ class OnlineTrainer:
         # the samples of the last replay_rounds rounds, trained on again (OnlineConfig.replay_rounds)
         self.replay: deque[list[Sample]] = deque(maxlen=config.replay_rounds)
         self.failures = 0  # rounds in a row a vLLM could not take
+        self._stop: Callable[[], bool] = lambda: False  # loop()'s: a round's waits end when it says so
         self.kl = None  # the adaptive KL anchor (OnlineConfig.kl_target)
         if config.kl_target is not None:
             if objective.kl_coef <= 0:
@@ -287,6 +288,7 @@ class OnlineTrainer:
                            filters=self.filters)
         if not ids:
             return None
+        self._await_siblings(ids)
         trainer = self._trainer()
         parent = self.trainer_version
         lineage = self.lineage()
@@ -354,6 +356,22 @@ class OnlineTrainer:
         return self._done(RoundResult(self.step, ids, dropped, corrected, name, decision, metrics,
                                       self.gate.last_reason))
 
+    def _await_siblings(self, ids: Sequence[str]) -> None:
+        """Wait (``siblings_wait_s``, stopping when the loop is told to) until no leased turn's shadow
+        siblings are still to come: those a worker has yet to resample and those not scored yet."""
+        if self.cfg.siblings_wait_s <= 0:
+            return
+        deadline = time.monotonic() + self.cfg.siblings_wait_s
+        while True:
+            with OrmSession(self.engine) as db:
+                pending = siblings.awaiting(db, ids)
+            if not pending or time.monotonic() >= deadline or self._stop():
+                break
+            time.sleep(self.cfg.poll_s)
+        if pending:
+            log.info("round %d: training without the siblings of %d of %d turns (not scored within %.0f s)",
+                     self.step + 1, len(pending), len(ids), self.cfg.siblings_wait_s)
+
     def _adapt_kl(self, trainer: LocalTrainer, metrics: dict[str, Any]) -> None:
         """The next round's KL anchor from this round's drift (:attr:`OnlineConfig.kl_target`): the
         coefficient this round trained with goes in the metrics as ``kl_coef``, the next one as
@@ -386,6 +404,7 @@ class OnlineTrainer:
     # -- the loop ----------------------------------------------------------------------------------
 
     def loop(self, stop: Callable[[], bool] = lambda: False) -> None:
+        self._stop = stop
         self.recover()
         rounds = 0
         while not stop() and (self.cfg.max_rounds is None or rounds < self.cfg.max_rounds):

@@ -20,6 +20,7 @@ from trainer.config import (
     COMPUTE_DTYPES,
     INTEGRATED_NORMS,
     RL_BASELINES,
+    SIBLINGS_WAIT_S,
     LocalConfig,
     ObjectiveConfig,
     OnlineConfig,
@@ -170,6 +171,10 @@ def online_options() -> Any:
         click.option("--replay-rounds", type=click.IntRange(min=0), default=_oc("replay_rounds"), show_default=True,
                      help="online: also train each round on the turns of the last N rounds (kept in memory, "
                           "corrected with the capped importance ratio as stale turns are); 0: only the new ones."),
+        click.option("--siblings-wait-s", type=click.FloatRange(min=0), default=None,
+                     help="online: after leasing a round, wait up to this long for its turns' shadow siblings "
+                          "(NEXTSTATE_SIBLINGS_K, resampled and scored by the worker) so they train in their "
+                          f"turn's group. Default: {SIBLINGS_WAIT_S:.0f} s when NEXTSTATE_SIBLINGS_K > 0, else 0."),
         click.option("--kl-target", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="online, with --kl-coef > 0: adapt the KL anchor each round toward this KL(candidate || "
                           "base) per reply token (at most 20 % a round); default: the coefficient stays fixed."),
@@ -290,6 +295,7 @@ class TrainOptions:
     max_wait_s: float
     updates_per_round: int
     replay_rounds: int
+    siblings_wait_s: float | None
     kl_target: float | None
     staleness: int
     stale_policy: str
@@ -417,6 +423,8 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
     online_cfg = OnlineConfig(
         k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
         replay_rounds=o.replay_rounds, kl_target=o.kl_target, lease_s=o.lease_s,
+        siblings_wait_s=(o.siblings_wait_s if o.siblings_wait_s is not None
+                         else SIBLINGS_WAIT_S if settings.siblings_k else 0.0),
         staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,

@@ -159,3 +159,27 @@ def test_train_integrated_norm_flags_reach_the_objective(monkeypatch: pytest.Mon
     bad = CliRunner().invoke(main, ["train", "--objective", "rl", "--online", "--kl-target", "0.2",
                                     "--database-url", f"sqlite:///{tmp_path}/pool.db"])
     assert bad.exit_code == 2 and "--kl-coef > 0" in bad.output, bad.output
+
+
+def test_train_online_waits_for_siblings_when_the_worker_makes_them(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--siblings-wait-s`` reaches OnlineConfig; without it the wait is SIBLINGS_WAIT_S where the worker makes
+    shadow siblings (NEXTSTATE_SIBLINGS_K > 0, the settings both read) and none where it does not."""
+    import trainer.online
+    from trainer.config import SIBLINGS_WAIT_S
+
+    seen = []
+    monkeypatch.setattr(trainer.online, "run_online", lambda engine, **kw: seen.append(kw["config"]))
+
+    def online(flags: list[str], siblings_k: str) -> float:
+        monkeypatch.setenv("NEXTSTATE_SIBLINGS_K", siblings_k)
+        result = CliRunner().invoke(main, ["train", "--online", "--objective", "rl", "--model-dir", str(tmp_path),
+                                           "--database-url", f"sqlite:///{tmp_path}/pool.db", *flags])
+        assert result.exit_code == 0, result.output
+        return seen[-1].siblings_wait_s
+
+    assert online([], "0") == 0.0
+    assert online([], "4") == SIBLINGS_WAIT_S
+    assert online(["--siblings-wait-s", "30"], "4") == 30.0
+    assert online(["--siblings-wait-s", "0"], "4") == 0.0
+    assert "--siblings-wait-s" in CliRunner().invoke(main, ["train", "--help"]).output

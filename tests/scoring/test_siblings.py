@@ -363,3 +363,51 @@ def test_siblings_end_to_end_on_vllm(sqlite_url: str, vllm_server: Any) -> None:
             assert s.upstream_model == model and len(s.token_ids) == len(s.logprobs) <= 24
             assert db.get(Judgement, i).reward in (-1.0, 1.0)
     engine.dispose()
+
+
+def test_a_round_waits_for_its_turns_siblings(engine: Engine) -> None:
+    """``OnlineConfig.siblings_wait_s``: the round's turns a worker will resample, or whose siblings are not
+    scored yet, are awaited (``siblings.awaiting``); a turn that cannot have siblings (a tool call) is not. The
+    online trainer's wait ends once none is pending, so the samples it loads then carry every sibling; it ends
+    at once when the loop is told to stop, and at its deadline with what is scored."""
+    from types import SimpleNamespace
+
+    from trainer.config import OnlineConfig
+    from trainer.online import OnlineTrainer
+
+    with OrmSession(engine) as db, db.begin():
+        tid, tool = add_turn(db), add_turn(db, tool_calls=True)
+    with OrmSession(engine) as db:
+        assert siblings.awaiting(db, [tid, tool]) == [tid]  # the worker has yet to resample it
+    cfg = SiblingConfig("http://vllm:8000/v1", k=2, max_running=None)
+    made: list[str] = []
+
+    def worker_sweep() -> bool:  # what a worker does between two of the trainer's polls: resample, then score
+        if not made:
+            made.extend(resample_siblings(engine, cfg, turn_ids=[tid], transport=fake_vllm()))
+            with OrmSession(engine) as db:
+                assert siblings.awaiting(db, [tid, tool]) == [tid]  # resampled, not scored
+            score_turn(engine, made[0], JUDGE, 1)
+        elif len(made) == 2:
+            score_turn(engine, made[1], JUDGE, 1)
+            made.append("scored")
+        return False
+
+    trainer = SimpleNamespace(engine=engine, step=0, _stop=worker_sweep,
+                              cfg=OnlineConfig(siblings_wait_s=600.0, poll_s=0.0))
+    OnlineTrainer._await_siblings(trainer, [tid, tool])
+    assert made[2:] == ["scored"]  # it waited for both, and no longer
+    with OrmSession(engine) as db:
+        assert siblings.awaiting(db, [tid, tool]) == []
+        assert sorted(s.turn_id for s in load_samples(db, [tid, tool])[2:]) == sorted(made[:2])
+    # told to stop, or out of time: it returns with a turn still awaited
+    with OrmSession(engine) as db, db.begin():
+        late = add_turn(db)
+    trainer._stop = lambda: True
+    OnlineTrainer._await_siblings(trainer, [late])
+    trainer._stop, trainer.cfg = (lambda: False), OnlineConfig(siblings_wait_s=0.05, poll_s=0.01)
+    OnlineTrainer._await_siblings(trainer, [late])
+    with OrmSession(engine) as db:
+        assert siblings.awaiting(db, [late]) == [late]
+    with pytest.raises(ValueError, match="siblings_wait_s"):
+        OnlineConfig(siblings_wait_s=-1)
