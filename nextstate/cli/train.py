@@ -196,6 +196,17 @@ def online_options() -> Any:
                           "ungated."),
         click.option("--eval-threshold", type=float, default=_oc("eval_threshold"), show_default=True,
                      help="online: refuse a candidate scoring more than this below the active version."),
+        click.option("--topic-scorer", metavar="MODULE:FN",
+                     help="online: (reply, messages) -> 1 when the reply is on topic, else 0; the eval gate then "
+                          "holds back a candidate whose on-topic share on the held-out prompts is more than "
+                          "--topic-margin below the reference's, whatever its score (needs --eval-prompts or "
+                          "--eval-sessions)."),
+        click.option("--topic-margin", type=click.FloatRange(min=0), default=_oc("topic_margin"), show_default=True,
+                     help="online, with --topic-scorer: how far below the reference's on-topic share a candidate "
+                          "may fall."),
+        click.option("--topic-reference", metavar="SERVED_NAME",
+                     help="online, with --topic-scorer: the version whose on-topic share is the reference "
+                          "(evaluated once); default: the base model."),
         click.option("--rollback-window", type=int, default=_oc("rollback_window"), show_default=True,
                      help="online: live scored turns of a version before the monitor judges it (0: off)."),
         click.option("--rollback-threshold", type=float, default=_oc("rollback_threshold"), show_default=True,
@@ -304,6 +315,9 @@ class TrainOptions:
     eval_sessions: int
     eval_scorer: str | None
     eval_threshold: float
+    topic_scorer: str | None
+    topic_margin: float
+    topic_reference: str | None
     rollback_window: int
     rollback_threshold: float
     rounds: int | None
@@ -420,6 +434,13 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         scorer = load_scorer(o.eval_scorer) if o.eval_scorer else None
     except (ValueError, ImportError, AttributeError) as exc:
         raise click.UsageError(f"--eval-scorer: {exc}") from exc
+    if o.topic_scorer and not (o.eval_prompts or o.eval_sessions):
+        raise click.UsageError("--topic-scorer scores the replies to the held-out prompts: give --eval-prompts "
+                               "or --eval-sessions")
+    try:
+        topic_scorer = load_scorer(o.topic_scorer) if o.topic_scorer else None
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise click.UsageError(f"--topic-scorer: {exc}") from exc
     online_cfg = OnlineConfig(
         k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
         replay_rounds=o.replay_rounds, kl_target=o.kl_target, lease_s=o.lease_s,
@@ -428,6 +449,7 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,
+        topic_scorer=topic_scorer, topic_margin=o.topic_margin, topic_reference=o.topic_reference,
         rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
     run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
                base_model=base_model, output_root=settings.data_dir / "runs", echo=click.echo)

@@ -183,3 +183,36 @@ def test_train_online_waits_for_siblings_when_the_worker_makes_them(monkeypatch:
     assert online(["--siblings-wait-s", "30"], "4") == 30.0
     assert online(["--siblings-wait-s", "0"], "4") == 0.0
     assert "--siblings-wait-s" in CliRunner().invoke(main, ["train", "--help"]).output
+
+
+def test_train_online_topicality_check_from_the_command_line(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--topic-scorer`` (a MODULE:FN loaded like --eval-scorer), ``--topic-margin`` and ``--topic-reference``
+    reach OnlineConfig, which the eval gate holds candidates to; without held-out prompts, or with a scorer that
+    does not load, the command refuses before training."""
+    import trainer.online
+    from benchmarks.learning import preference
+    from trainer.config import OnlineConfig
+
+    seen = []
+    monkeypatch.setattr(trainer.online, "run_online", lambda engine, **kw: seen.append(kw["config"]))
+    prompts = tmp_path / "heldout.txt"
+    prompts.write_text("What is a calorie?\nWhy do onions make us cry?\n")
+    base = ["train", "--online", "--objective", "combined", "--model-dir", str(tmp_path),
+            "--database-url", f"sqlite:///{tmp_path}/pool.db"]
+    ok = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer",
+                                   "benchmarks.learning.preference:topic_scorer", "--topic-margin", "0.03",
+                                   "--topic-reference", "online-v1"])
+    assert ok.exit_code == 0, ok.output
+    cfg = seen[-1]
+    assert cfg.topic_scorer is preference.topic_scorer and cfg.eval_scorer is None
+    assert (cfg.topic_margin, cfg.topic_reference, len(cfg.eval_prompts)) == (0.03, "online-v1", 2)
+    ok = CliRunner().invoke(main, [*base, "--eval-sessions", "4", "--topic-scorer",
+                                   "benchmarks.learning.preference:topic_scorer"])
+    assert ok.exit_code == 0, ok.output
+    assert (seen[-1].topic_margin, seen[-1].topic_reference) == (OnlineConfig().topic_margin, None)
+    no_prompts = CliRunner().invoke(main, [*base, "--topic-scorer", "benchmarks.learning.preference:topic_scorer"])
+    assert no_prompts.exit_code == 2 and "--eval-prompts" in no_prompts.output
+    missing = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer", "nowhere:fn"])
+    assert missing.exit_code == 2 and "--topic-scorer" in missing.output
+    assert len(seen) == 2  # neither refused run trained
