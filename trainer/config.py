@@ -287,8 +287,8 @@ class VerlConfig:
     #: FSDP2 keeps a layer's gathered parameters from its forward to its backward
     #: (``fsdp_config.reshard_after_forward``; veRL's default True gathers them again for the
     #: backward): one all-gather a layer and micro-batch fewer, for the unsharded parameters held
-    #: meanwhile (nothing more on one GPU). With fused_adam, 24.5-28.3 → 30.6-32.7 % MFU on one
-    #: H200 (benchmarks/trainer/README.md section 3).
+    #: meanwhile (nothing more on one GPU): 26.0 → 28.3 % MFU with Liger's kernels on one H200, and
+    #: 30.6-32.7 % with fused_adam besides (benchmarks/trainer/README.md section 3).
     reshard_after_forward: bool = False
     #: torch's fused AdamW (``optim.override_optimizer_config.fused``: one kernel for every parameter)
     #: instead of veRL's default, the multi-tensor ``foreach`` path; the same update.
