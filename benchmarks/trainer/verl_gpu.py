@@ -125,9 +125,9 @@ def _direction(lp, mask, rewards) -> tuple[float, float]:  # noqa: ANN001
 #: Qwen3's rotary embedding, one module without parameters (``liger-onewrap-fusedadam``; Qwen3 models only)
 ONE_UNIT_WRAP = "Qwen3RotaryEmbedding"
 
-#: VerlConfig's settings at veRL's own defaults: the base every variant below changes (VerlConfig's
-#: defaults since 2026-12-01 are liger-noreshard-fusedadam's without Liger, the fastest measured; the
-#: variants keep the meaning they were measured with)
+#: VerlConfig's settings at veRL's own defaults: the base every variant below changes (VerlConfig's own
+#: defaults are liger-noreshard-fusedadam's without Liger, the fastest measured; the variants keep the
+#: meaning they were measured with)
 VERL_OWN_DEFAULTS = {"reshard_after_forward": True, "fused_adam": False, "liger": False}
 
 #: the pieces the variants below are made of: veRL's fused-kernel log-prob path without remove-padding, and
@@ -593,7 +593,7 @@ def acceptance(results: list[dict]) -> dict:
     """The fields issue #45's acceptance compares runs by, as fractions: ``verl_mfu``, the best 6N MFU of a
     veRL full fine-tuning run on one GPU, with its variant, micro-batch, model and device; ``verl_weak_scaling_2``,
     the best weak-scaling efficiency of a veRL run on two GPUs against the same variant on one (None where
-    no such pair ran). Per run, the same as ``runs``."""
+    no such pair ran); ``runs``: each veRL run's MFU and efficiency."""
     rows = [r for r in summarise(results) if r["backend"] == "verl" and r["mode"] == "full"]
     runs = [{"model": r["model"], "variant": r.get("variant", ""), "gpus": r["gpus"], "scaling": r.get("scaling"),
              "micro_batch": r.get("micro_batch"), "device": r.get("device"), "verl_mfu": r["mfu"],
@@ -625,6 +625,15 @@ def _cell(row: dict | None) -> str:
     return f"{row['name'][:60]} | {row['calls']} | {row['ms']:,.1f}" if row else " | | "
 
 
+def _label(r: dict, r0: dict) -> str:
+    """A row's "mode, variant" cell; with its micro-batch where it is not the table's (a variant that sets its
+    own, ``…-mb32``)."""
+    label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
+    if r.get("micro_batch") != r0.get("micro_batch"):
+        label += f", micro-batch {r['micro_batch']}"
+    return label
+
+
 def tables(results: list[dict]) -> str:
     lines = []
     rows = summarise(results)
@@ -642,9 +651,7 @@ def tables(results: list[dict]) -> str:
                    "| setup s |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mrows:
-            label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
-            if r.get("micro_batch") != r0.get("micro_batch"):  # a variant that sets its own (…-mb32)
-                label += f", micro-batch {r['micro_batch']}"
+            label = _label(r, r0)
             hfu = _pct1(r["hfu"]) + (" (8N)" if r.get("no_grad_pass") and r["hfu"] is not None else "")
             lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {r['s_mean']:.3f} ({r['s_min']:.3f}–"
                          f"{r['s_max']:.3f}) | {r['tok_s']:,.0f} | {r['tok_s_gpu']:,.0f} | {_pct(r['efficiency'])} | "
@@ -657,9 +664,7 @@ def tables(results: list[dict]) -> str:
                   "| backend | mode, variant | GPUs | pg_loss per step | lp+ before → after | lp− before → after |",
                   "|---|---|---|---|---|---|"]
         for r in mrows:
-            label = r["mode"] + (f", {r['variant']}" if r.get("variant") else "")
-            if r.get("micro_batch") != r0.get("micro_batch"):  # a variant that sets its own (…-mb32)
-                label += f", micro-batch {r['micro_batch']}"
+            label = _label(r, r0)
             losses = " ".join(f"{s['pg_loss']:+.4f}" for s in r["steps"])
             s0 = r["steps"][0]
             lines.append(f"| {r['backend']} | {label} | {r['gpus']} | {losses} | {s0['lp_pos']:.4f} → "

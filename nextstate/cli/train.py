@@ -430,17 +430,17 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         raise click.UsageError("--online runs the local backend; the veRL backend trains offline (for now)")
     if o.kl_target is not None and cfg.kl_coef <= 0:
         raise click.UsageError("--kl-target adapts the KL anchor from --kl-coef: set --kl-coef > 0 as its start")
-    try:
-        scorer = load_scorer(o.eval_scorer) if o.eval_scorer else None
-    except (ValueError, ImportError, AttributeError) as exc:
-        raise click.UsageError(f"--eval-scorer: {exc}") from exc
+    def scorer_of(option: str, path: str | None) -> Any:
+        try:
+            return load_scorer(path) if path else None
+        except (ValueError, ImportError, AttributeError) as exc:
+            raise click.UsageError(f"{option}: {exc}") from exc
+
+    scorer = scorer_of("--eval-scorer", o.eval_scorer)
     if o.topic_scorer and not (o.eval_prompts or o.eval_sessions):
         raise click.UsageError("--topic-scorer scores the replies to the held-out prompts: give --eval-prompts "
                                "or --eval-sessions")
-    try:
-        topic_scorer = load_scorer(o.topic_scorer) if o.topic_scorer else None
-    except (ValueError, ImportError, AttributeError) as exc:
-        raise click.UsageError(f"--topic-scorer: {exc}") from exc
+    topic_scorer = scorer_of("--topic-scorer", o.topic_scorer)
     online_cfg = OnlineConfig(
         k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
         replay_rounds=o.replay_rounds, kl_target=o.kl_target, lease_s=o.lease_s,

@@ -335,16 +335,8 @@ def test_a_variant_with_its_own_micro_batch_overrides_the_runs(tmp_path: Path) -
     """``liger-onewrap-fusedadam-mb32`` in ``all --micro-batch-size 16``: the `run` it starts trains in
     micro-batches of 32 (its option follows the run's, and argparse keeps the last), the other variant of
     the same call in 16, and the table tells the row apart."""
-    calls: list[list[str]] = []
-    orig_sub = verl_gpu._sub
-    verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
-    try:
-        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--no-local",
-                       "--verl", "liger-onewrap-fusedadam=1", "--verl", "liger-onewrap-fusedadam-mb32=1",
-                       "--micro-batch-size", "16"])
-    finally:
-        verl_gpu._sub = orig_sub
-    runs = [argv for argv in calls if argv[0] == "run"]
+    runs = _run_argvs(tmp_path, "--no-local", "--verl", "liger-onewrap-fusedadam=1",
+                      "--verl", "liger-onewrap-fusedadam-mb32=1", "--micro-batch-size", "16")
     assert [argv[argv.index("--variant") + 1] for argv in runs] == [
         "liger-onewrap-fusedadam", "liger-onewrap-fusedadam-mb32"]
     seen: list[Any] = []
@@ -538,18 +530,23 @@ def test_one_fsdp2_unit_when_the_wrap_policy_names_the_rotary_embedding(tiny_qwe
     assert one["same_grad"] and default["same_grad"]
 
 
-def _runs_of_all(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
-    """The `run` command lines `all` starts for one veRL and the local run with *flags*, by backend
-    (its subprocesses not started)."""
+def _run_argvs(tmp_path: Path, *flags: str) -> list[list[str]]:
+    """The `run` command lines ``all --out TMP --models qwen3-1.5b FLAGS`` starts, in order (its subprocesses
+    not started)."""
     calls: list[list[str]] = []
     orig_sub = verl_gpu._sub
     verl_gpu._sub = lambda argv, env, timeout, log: calls.append(argv) or 0
     try:
-        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", "--verl", "fused=1",
-                       "--warmup", "1", *flags])
+        verl_gpu.main(["all", "--out", str(tmp_path / "all"), "--models", "qwen3-1.5b", *flags])
     finally:
         verl_gpu._sub = orig_sub
-    return {argv[argv.index("--backend") + 1]: argv for argv in calls if argv[0] == "run"}
+    return [argv for argv in calls if argv[0] == "run"]
+
+
+def _runs_of_all(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
+    """The `run` command lines `all` starts for one veRL and the local run with *flags*, by backend."""
+    return {argv[argv.index("--backend") + 1]: argv
+            for argv in _run_argvs(tmp_path, "--verl", "fused=1", "--warmup", "1", *flags)}
 
 
 def _cast_for_the_trace(x: torch.Tensor) -> torch.Tensor:
