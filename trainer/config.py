@@ -338,6 +338,12 @@ class OnlineConfig:
     topic_scorer: Scorer | None = None
     topic_margin: float = 0.05
     topic_reference: str | None = None
+    #: what the loop does with the update of a candidate the gate refused: "drop" it (the next round
+    #: starts again from the version serving, so the refused round's turns teach nothing) or "keep"
+    #: training on top of it while the last promoted version goes on serving, so the gate only decides
+    #: what serves (a restarted trainer starts from the version serving either way). The next
+    #: candidate's metrics name the refused ones it carries (``carried``)
+    refused_update: Literal["drop", "keep"] = "drop"
     # per round, the candidate's drift from the base on the round's tokens (trainer.drift: KL,
     # entropy, top-k mass) into the step's metrics: two no-grad passes over the round's turns
     drift_metrics: bool = False
@@ -383,6 +389,8 @@ class OnlineConfig:
             raise ValueError(f"kl_horizon must be > 0, got {self.kl_horizon}")
         if self.siblings_wait_s < 0:
             raise ValueError(f"siblings_wait_s must be >= 0 (0: no wait), got {self.siblings_wait_s}")
+        if self.refused_update not in ("drop", "keep"):
+            raise ValueError(f"refused_update is 'drop' or 'keep', got {self.refused_update!r}")
         if self.opd_topk_rounds < 0:
             raise ValueError(f"opd_topk_rounds is a number of rounds >= 0 (0: every round), got {self.opd_topk_rounds}")
 

@@ -14,7 +14,8 @@ One loop (``nextstate train --online``), round after round:
 5. eval gate (``trainer.eval_gate``): the candidate and the active version answer the held-out prompts; a candidate
    scoring more than ``eval_threshold`` below the active one, or (``topic_scorer``) whose on-topic
    share falls more than ``topic_margin`` below the base model's, is refused and the round's
-   update dropped, otherwise it is promoted (the alias flips only after the adapter loaded:
+   update dropped (or, ``refused_update="keep"``, trained on while the active version serves on),
+   otherwise it is promoted (the alias flips only after the adapter loaded:
    serving never pauses); ``drift_metrics`` adds the candidate's KL to the base, entropy and
    top-k masses on the round's tokens to the step's metrics (``trainer.drift``);
 6. live monitor (``trainer.monitor``): a version this loop promoted whose live rewards fall more than
@@ -170,6 +171,8 @@ class OnlineTrainer:
         self.on_round = on_round
         self.trainer: LocalTrainer | None = None
         self.trainer_version: str | None = None  # the version the trainer's weights started from
+        #: refused candidates whose updates the weights in memory carry (``refused_update="keep"``)
+        self.carried: list[str] = []
         self.gate = EvalGate(engine, self.urls, base_model, prompts=config.eval_prompts,
                              sessions=config.eval_sessions, scorer=config.eval_scorer,
                              threshold=config.eval_threshold, max_tokens=config.eval_max_tokens,
@@ -256,6 +259,7 @@ class OnlineTrainer:
             log.info("building the trainer from %s", name or "the base model")
             self.trainer = LocalTrainer(self.local, self.objective)
             self.trainer_version = name
+            self.carried = []
         return self.trainer
 
     # -- waiting ---------------------------------------------------------------------------------
@@ -305,6 +309,8 @@ class OnlineTrainer:
         self.step += 1
         metrics: dict[str, Any] = {"turn_ids": ids, "dropped": dropped, "corrected": corrected,
                                    "max_lag": max(lag.values()), "parent": parent}
+        if self.carried:  # refused candidates this one trains on top of (refused_update="keep")
+            metrics["carried"] = list(self.carried)
         if not train:
             leases.record_step(self.engine, self.run_id, self.step, ids, metrics)
             return self._done(RoundResult(self.step, ids, dropped, corrected, None, None, metrics))
@@ -351,6 +357,9 @@ class OnlineTrainer:
         decision = self.gate.decide(name, stats)
         if decision == PolicyAction.PROMOTE:
             self.trainer_version = name  # the weights in memory are the version now served
+            self.carried = []
+        elif self.cfg.refused_update == "keep":
+            self.carried.append(name)  # the next round trains on top of it; the active version serves on
         else:
             self.trainer = None  # drop the refused update: the next round starts from the active version
         return self._done(RoundResult(self.step, ids, dropped, corrected, name, decision, metrics,

@@ -40,7 +40,7 @@ anchor to the base policy (``opd+topk+kl``, ``combined+kl=0.05``; ``ObjectiveCon
 default :data:`KL_DEFAULT`); ``topic[=M]`` turns on the eval gate's topicality check, which
 holds back a candidate whose on-topic share on :data:`GATE` (greedy) falls more than M below the
 untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures the version
-still serving); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
+still serving; ``+keep``: training goes on from the refused candidate, ``OnlineConfig.refused_update``); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
 (``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
 turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``); ``graded`` votes 0 instead of −1
@@ -350,7 +350,8 @@ class Job:
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
                             drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
                             kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor,
-                            opd_topk_rounds=self.spec.topk_rounds, **gate)
+                            opd_topk_rounds=self.spec.topk_rounds,
+                            refused_update="keep" if self.spec.keep else "drop", **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -375,6 +376,7 @@ class Job:
                     "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
+                    "refused_update": "keep" if self.spec.keep else "drop",
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
                     "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode,
                     "python_judge": self.spec.judge if self.args.judge == "python" else None, **curves,
@@ -506,6 +508,8 @@ class Arm:
     kl_floor: bool = False
     #: with topk: top-k OPD for this many rounds, then sampled-token OPD (OnlineConfig.opd_topk_rounds); 0: always
     topk_rounds: int = 0
+    #: with topic: a refused candidate's update is trained on, not dropped (OnlineConfig.refused_update)
+    keep: bool = False
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -526,7 +530,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     ``kl[=C]`` (the KL anchor to the base policy: ``kl_coef``, default
     :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
-    margin M, default :data:`TOPIC_DEFAULT`), ``siblings[=N]`` (N shadow siblings per turn, scored
+    margin M, default :data:`TOPIC_DEFAULT`), ``keep`` (with topic: a refused candidate's update is
+    trained on while the last promoted version serves on: ``OnlineConfig.refused_update``), ``siblings[=N]`` (N shadow siblings per turn, scored
     and trained as its group, default :data:`SIBLINGS_DEFAULT`), ``lr=X`` and ``steps=N`` (the arm's
     learning rate and optimizer steps per round instead of the preset's), ``replay[=N]`` (each
     round also trains on the turns of the last N rounds, default :data:`REPLAY_DEFAULT`:
@@ -550,7 +555,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         kw["w_rl"] = float(rest[1])
     top_k = n_siblings = 0
     margin = lr = steps = None
-    ask = graded = False
+    ask = graded = keep = False
     replay = 0
     kl_target = None
     kl_horizon, kl_floor = 1.0, False
@@ -580,6 +585,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             ask = True
         elif name == "graded" and not eq:
             graded = True
+        elif name == "keep" and not eq:
+            keep = True
         elif name == "seq" and not eq:
             kw["loss_agg_mode"] = SEQ_AGG
         elif name == "steps" and eq:
@@ -611,7 +618,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, topkfrom=P, kl[=C], kltarget=T, klh=H, "
                              "klfloor, tau=T, "
-                             "tail=W, topic[=M], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
+                             "tail=W, topic[=M], keep, siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
     if topk_rounds and not top_k:
         raise ValueError("topkrounds ends top-k OPD after N rounds: it needs +topk")
     if "opd_topk_from" in kw and not top_k:
@@ -622,11 +629,13 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         raise ValueError("kltarget adapts the KL anchor from its starting coefficient: it needs +kl[=C]")
     if (kl_horizon != 1.0 or kl_floor) and kl_target is None:
         raise ValueError("klh and klfloor shape the KL controller: they need +kltarget=T")
+    if keep and margin is None:
+        raise ValueError("keep trains on a candidate the topicality check refused: it needs +topic[=M]")
     if graded and objective == "opd":
         raise ValueError("graded grades the RL reward, which opd does not train on: it needs rl or combined")
     judge = ("graded_" if graded else "") + ("judge_naming_the_question" if ask else "judge")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
-               kl_target, kl_horizon, kl_floor, topk_rounds)
+               kl_target, kl_horizon, kl_floor, topk_rounds, keep)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -759,7 +768,8 @@ def main() -> None:
                         "round toward a KL to the base of T per reply token), klh=H (with kltarget: the controller's "
                         "horizon, rounds; 0.25 moves it up to x1.8 a round), klfloor (with kltarget: never below its "
                         "start), topic[=M] (hold back a candidate whose on-topic share "
-                        f"falls more than M, default {TOPIC_DEFAULT}, below the base's), siblings[=N] (N shadow "
+                        f"falls more than M, default {TOPIC_DEFAULT}, below the base's), keep (with topic: train on from a "
+                        "held-back candidate, the last promoted version serving on), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
                         f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "

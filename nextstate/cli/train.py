@@ -207,6 +207,11 @@ def online_options() -> Any:
         click.option("--topic-reference", metavar="SERVED_NAME",
                      help="online, with --topic-scorer: the version whose on-topic share is the reference "
                           "(evaluated once); default: the base model."),
+        click.option("--refused-update", type=click.Choice(["drop", "keep"]), default=_oc("refused_update"),
+                     show_default=True,
+                     help="online: a candidate the eval gate refused: drop its update (the next round starts again "
+                          "from the version serving) or keep training on top of it while the last promoted "
+                          "version serves on (the gate then only decides what serves)."),
         click.option("--rollback-window", type=int, default=_oc("rollback_window"), show_default=True,
                      help="online: live scored turns of a version before the monitor judges it (0: off)."),
         click.option("--rollback-threshold", type=float, default=_oc("rollback_threshold"), show_default=True,
@@ -318,6 +323,7 @@ class TrainOptions:
     topic_scorer: str | None
     topic_margin: float
     topic_reference: str | None
+    refused_update: str
     rollback_window: int
     rollback_threshold: float
     rounds: int | None
@@ -450,7 +456,7 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,
         topic_scorer=topic_scorer, topic_margin=o.topic_margin, topic_reference=o.topic_reference,
-        rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
+        refused_update=o.refused_update, rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
     run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
                base_model=base_model, output_root=settings.data_dir / "runs", echo=click.echo)
 

@@ -124,6 +124,16 @@ def test_arm_options_with_their_defaults_the_temperature_and_the_topicality_chec
     assert arm_slug("opd+topk+tau=1.5") == "opd-topk-tau-1_5"
 
 
+def test_keep_trains_on_from_a_held_back_candidate_and_needs_the_topicality_check():
+    """``+keep`` (OnlineConfig.refused_update "keep") goes with ``+topic`` only: without a gate
+    nothing is ever held back."""
+    kept = arm_spec("combined+siblings=4+topic=0.05+keep+seq+steps=4")
+    assert (kept.keep, kept.topic_margin, kept.siblings, kept.updates) == (True, 0.05, 4, 4)
+    assert not arm_spec("combined+topic").keep
+    with pytest.raises(ValueError, match="needs \\+topic"):
+        arm_spec("combined+keep")
+
+
 def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
     """``lr=X`` and ``steps=N`` run a faster (or slower) arm beside the preset's; without them
     the arm takes the preset's (None here)."""

@@ -202,15 +202,17 @@ def test_train_online_topicality_check_from_the_command_line(monkeypatch: pytest
             "--database-url", f"sqlite:///{tmp_path}/pool.db"]
     ok = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer",
                                    "benchmarks.learning.preference:topic_scorer", "--topic-margin", "0.03",
-                                   "--topic-reference", "online-v1"])
+                                   "--topic-reference", "online-v1", "--refused-update", "keep"])
     assert ok.exit_code == 0, ok.output
     cfg = seen[-1]
     assert cfg.topic_scorer is preference.topic_scorer and cfg.eval_scorer is None
     assert (cfg.topic_margin, cfg.topic_reference, len(cfg.eval_prompts)) == (0.03, "online-v1", 2)
+    assert cfg.refused_update == "keep"
     ok = CliRunner().invoke(main, [*base, "--eval-sessions", "4", "--topic-scorer",
                                    "benchmarks.learning.preference:topic_scorer"])
     assert ok.exit_code == 0, ok.output
     assert (seen[-1].topic_margin, seen[-1].topic_reference) == (OnlineConfig().topic_margin, None)
+    assert seen[-1].refused_update == "drop"  # the default: a refused round's update is dropped
     no_prompts = CliRunner().invoke(main, [*base, "--topic-scorer", "benchmarks.learning.preference:topic_scorer"])
     assert no_prompts.exit_code == 2 and "--eval-prompts" in no_prompts.output
     missing = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer", "nowhere:fn"])

@@ -33,6 +33,7 @@ from tests.support.holds import HeldTrainingStep
 from tests.support.pg import fresh_database
 from tests.support.processes import GatewayProcess, WorkerProcess, wait_for
 from tests.support.redis_server import unique_queue
+from benchmarks.learning import preference
 from datapool import evals, versions
 from vllm_client.adapters import served_models, unload
 from vllm_client.http import server_root
@@ -475,6 +476,52 @@ def test_replay_trains_each_round_on_the_last_rounds_turns_too(pg: str, servers:
         dict.fromkeys(third, False) | dict.fromkeys(second, True),  # one round back, not two
     ]
     assert [r.metrics["replayed"] for r in rounds] == [0, 2, 2]  # type: ignore[union-attr]
+    online.engine.dispose()
+
+
+@pytest.mark.parametrize("refused_update", ["keep", "drop"])
+def test_a_refused_candidates_update_is_kept_or_dropped(pg: str, servers: list[str], model_dir: Path,
+                                                       tmp_path: Path, cleanup: None, refused_update: str) -> None:
+    """OnlineConfig.refused_update: the topicality check refuses round 1's candidate (its replies
+    off topic); under "keep" round 2 trains on top of it (the same weights in memory, its metrics
+    name the refused one it carries) while the base serves on, and once round 2's candidate is
+    promoted nothing is carried; under "drop" round 2 starts again from the version serving."""
+    from trainer.local import LocalTrainer
+
+    engine = make_engine(pg)
+    _stored_scored_turns(engine, f"refused-{refused_update}", [float(i % 2) for i in range(4)],
+                         prompt_token_ids=[1, 2, 3], token_ids=[4, 5])
+    engine.dispose()
+    prompts = [[{"role": "user", "content": q}] for q in ("What is a cloud?", "Why is the ocean salty?")]
+    online = _online(pg, servers, model_dir, tmp_path, k=2, staleness=10, eval_prompts=prompts,
+                     topic_scorer=preference.topic_scorer, topic_margin=0.1, refused_update=refused_update)
+    off_topic = [True]  # the candidates' replies: off topic in round 1, on topic after
+
+    def answer(model: str, asked: list[list[dict[str, Any]]]) -> list[str]:
+        drifted = model != "smollm2" and off_topic[0]
+        return ["Bathroom scale." if drifted else m[0]["content"].rstrip("?") + "." for m in asked]
+
+    online.gate.answer = answer  # type: ignore[method-assign]
+    trainer = LocalTrainer(LocalConfig(model_dir=model_dir), ObjectiveConfig())
+    online.trainer, online.trainer_version = trainer, None
+    first = online.run_round()
+    assert first is not None and first.decision == "refuse" and first.reason.startswith("off topic")
+    assert versions.active_version(online.engine) is None  # the base serves on
+    if refused_update == "drop":
+        assert online.trainer is None
+    else:
+        assert online.trainer is trainer and online.carried == [first.candidate]
+    off_topic[0] = False
+    second = online.run_round()
+    assert second is not None and second.decision == "promote"
+    assert second.metrics.get("carried") == ([first.candidate] if refused_update == "keep" else None)
+    assert (online.trainer is trainer) == (refused_update == "keep")
+    assert online.trainer_version == second.candidate and online.carried == []
+    assert versions.active_row(online.engine).name == second.candidate  # type: ignore[union-attr]
+    with OrmSession(online.engine) as db:  # the policy event of the second candidate names what it carries
+        published = db.execute(select(PolicyEvent.metrics).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
+                               .where(PolicyVersion.name == second.candidate, PolicyEvent.action == "publish")).scalar_one()
+    assert published.get("carried") == ([first.candidate] if refused_update == "keep" else None)
     online.engine.dispose()
 
 
