@@ -332,6 +332,10 @@ class OnlineConfig:
     eval_scorer: Scorer | None = None
     eval_threshold: float = 0.05  # refuse a candidate scoring more than this below the active one
     eval_max_tokens: int = 64
+    #: replies per held-out prompt, sampled at eval_temperature with the same seeds for every
+    #: version (1 at 0: greedy). Sampled replies are what users get, and what drifts off topic first
+    eval_samples: int = 1
+    eval_temperature: float = 0.0
     # topicality check (trainer.eval_gate): refuse a candidate whose on-topic share on the held-out
     # prompts, scored by topic_scorer (reply, messages) -> [0, 1], is more than topic_margin below
     # that of topic_reference (a served name; None: the base model)
@@ -389,6 +393,12 @@ class OnlineConfig:
             raise ValueError(f"kl_horizon must be > 0, got {self.kl_horizon}")
         if self.siblings_wait_s < 0:
             raise ValueError(f"siblings_wait_s must be >= 0 (0: no wait), got {self.siblings_wait_s}")
+        if self.eval_samples < 1 or self.eval_temperature < 0:
+            raise ValueError(f"eval_samples must be >= 1 and eval_temperature >= 0, got {self.eval_samples}, "
+                             f"{self.eval_temperature}")
+        if self.eval_samples > 1 and self.eval_temperature == 0:
+            raise ValueError("eval_samples > 1 samples each held-out prompt: give an eval_temperature > 0 "
+                             "(at 0 every sample is the greedy reply)")
         if self.refused_update not in ("drop", "keep"):
             raise ValueError(f"refused_update is 'drop' or 'keep', got {self.refused_update!r}")
         if self.opd_topk_rounds < 0:

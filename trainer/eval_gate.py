@@ -2,6 +2,11 @@
 a candidate scoring more than ``eval_threshold`` below the active one is refused (unloaded,
 marked ``refused``), otherwise it is promoted. Every decision is a ``policy_events`` row.
 
+The replies are greedy by default; with ``samples`` > 1 each prompt is answered that many times at
+``temperature``, every version on the same seeds. A user is served sampled replies, and a greedy
+check passed candidates whose sampled replies left the topic (GPU runs: a candidate passing 24
+greedy prompts, its sampled held-out replies 0.86 on topic against the base's 0.98).
+
 The topicality check (``topic_scorer``) holds back a candidate that drifted off what it is asked:
 its share of on-topic replies to the same prompts more than ``topic_margin`` below the reference
 version's (the base model by default, evaluated once) refuses it, whatever its score. The
@@ -28,9 +33,17 @@ from trainer.config import Scorer
 
 log = logging.getLogger("nextstate.online")
 
-def _chat(http: httpx.Client, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
-    resp = http.post(f"{url}/chat/completions", json={"model": model, "messages": messages,
-                                                      "temperature": 0, "max_tokens": max_tokens})
+#: the seed of a held-out prompt's i-th sample is SAMPLE_SEED + i, for every version alike: a
+#: candidate and its reference are compared on the same draws
+SAMPLE_SEED = 1000
+
+
+def _chat(http: httpx.Client, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
+          temperature: float = 0.0, seed: int | None = None) -> str:
+    body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
+    if seed is not None:
+        body["seed"] = seed
+    resp = http.post(f"{url}/chat/completions", json=body)
     resp.raise_for_status()
     return resp.json()["choices"][0]["message"].get("content") or ""
 
@@ -41,7 +54,8 @@ class EvalGate:
     def __init__(self, engine: Engine, urls: Sequence[str], base_model: str, *,
                  prompts: Sequence[list[dict[str, Any]]], sessions: int, scorer: Scorer | None,
                  threshold: float, max_tokens: int, topic_scorer: Scorer | None = None,
-                 topic_margin: float = 0.05, topic_reference: str | None = None):
+                 topic_margin: float = 0.05, topic_reference: str | None = None, samples: int = 1,
+                 temperature: float = 0.0):
         self.engine = engine
         self.urls = list(urls)
         self.base_model = base_model
@@ -53,6 +67,9 @@ class EvalGate:
         self.topic_scorer = topic_scorer
         self.topic_margin = topic_margin
         self.topic_reference = topic_reference or base_model
+        #: replies per held-out prompt, sampled at *temperature* (1 at 0: the greedy reply)
+        self.samples = samples
+        self.temperature = temperature
         self._cache: dict[str, float] = {}  # version -> held-out score
         self._topic: dict[str, float] = {}  # version -> held-out on-topic share
         #: why the last candidate :meth:`decide` saw was refused (None: promoted)
@@ -66,16 +83,23 @@ class EvalGate:
                 prompts += queries.eval_session_prompts(db, self.sessions)
         return prompts
 
+    def per_sample(self, prompts: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+        """*prompts* as :meth:`answer` is asked them: each :attr:`samples` times in a row."""
+        return [p for p in prompts for _ in range(self.samples)]
+
     def answer(self, model: str, prompts: list[list[dict[str, Any]]]) -> list[str]:
-        """The version's replies to *prompts* (greedy, on the first vLLM, 4 at a time)."""
-        with httpx.Client(timeout=300) as http, ThreadPoolExecutor(4) as pool:
-            return list(pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens), prompts))
+        """The version's replies to :meth:`per_sample`'s *prompts* (on the first vLLM, 8 at a time): greedy,
+        or sampled at :attr:`temperature`, the i-th sample of each prompt with seed SAMPLE_SEED + i."""
+        seeds = [SAMPLE_SEED + i % self.samples if self.temperature > 0 else None for i in range(len(prompts))]
+        with httpx.Client(timeout=300) as http, ThreadPoolExecutor(8) as pool:
+            return list(pool.map(lambda m, seed: _chat(http, self.urls[0], model, m, self.max_tokens,
+                                                       self.temperature, seed), prompts, seeds))
 
     def evaluate(self, model: str) -> dict[str, Any]:
-        """The version's mean score on the held-out prompts (greedy, on the first vLLM) and, with
-        a topic scorer, its on-topic share (``on_topic``); each reply and its score is stored
-        (``eval_replies``)."""
-        prompts = self.eval_prompts()
+        """The version's mean score on the held-out prompts (:meth:`answer`'s replies, each prompt
+        :attr:`samples` times) and, with a topic scorer, its on-topic share (``on_topic``); each
+        reply and its score is stored (``eval_replies``)."""
+        prompts = self.per_sample(self.eval_prompts())
         replies = self.answer(model, prompts)
         out: dict[str, Any] = {"n": len(replies)}
         if self.topic_scorer is not None:

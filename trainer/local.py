@@ -595,6 +595,19 @@ class LocalTrainer:
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in self._master], [m for _, m in self._master])
 
+    def release_device_memory(self) -> float | None:
+        """Give the GPU memory the caching allocator holds and no tensor uses back to the device,
+        and return the most it reserved since the last call (GiB; None on a CPU). An online
+        trainer waits between rounds beside vLLM and, in the learning benchmark, 19 other
+        trainers on the same GPU: kept, each one's peak stays reserved while it waits (two
+        trainers of 40 ran out of memory on two H200s, benchmarks/gpu/results/README.md)."""
+        if self.device.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_reserved(self.device) / 2**30
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
     def save(self, out_dir: Path) -> Path:
         """The adapter (LoRA) or the full model, with the tokenizer, in ``out_dir``."""
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -177,7 +177,8 @@ class OnlineTrainer:
                              sessions=config.eval_sessions, scorer=config.eval_scorer,
                              threshold=config.eval_threshold, max_tokens=config.eval_max_tokens,
                              topic_scorer=config.topic_scorer, topic_margin=config.topic_margin,
-                             topic_reference=config.topic_reference)
+                             topic_reference=config.topic_reference, samples=config.eval_samples,
+                             temperature=config.eval_temperature)
         self.monitor = LiveMonitor(engine, self.urls, base_model, window=config.rollback_window,
                                    threshold=config.rollback_threshold)
         self.run_id = self._run()
@@ -339,6 +340,9 @@ class OnlineTrainer:
         if self.objective.opd_topk and 0 < self.cfg.opd_topk_rounds <= self.step:
             self._end_topk(trainer, metrics)
         out = trainer.save(self.output_root / f"run-{self.run_id}" / f"step-{self.step}-{secrets.token_hex(3)}")
+        peak = trainer.release_device_memory()  # nothing cached held while the loop waits for the next round
+        if peak is not None:
+            metrics["device_peak_gib"] = round(peak, 3)
         name = f"{self.cfg.version_prefix}-{self.run_id[:8]}-s{self.step}-{secrets.token_hex(2)}"
         stats = {"run_id": self.run_id, "step": self.step, "turns": len(train), "objective": self.objective.objective,
                  "scored_at": {tid: t.isoformat() for tid, t in scored_at.items()}}

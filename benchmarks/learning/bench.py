@@ -40,7 +40,8 @@ anchor to the base policy (``opd+topk+kl``, ``combined+kl=0.05``; ``ObjectiveCon
 default :data:`KL_DEFAULT`); ``topic[=M]`` turns on the eval gate's topicality check, which
 holds back a candidate whose on-topic share on :data:`GATE` (greedy) falls more than M below the
 untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures the version
-still serving; ``+keep``: training goes on from the refused candidate, ``OnlineConfig.refused_update``); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
+still serving; ``+keep``: training goes on from the refused candidate, ``OnlineConfig.refused_update``;
+``+sampled[=N]``: the gate's replies sampled N times a prompt as the checkpoints' are, ``OnlineConfig.eval_samples``); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
 (``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
 turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``); ``graded`` votes 0 instead of −1
@@ -190,6 +191,9 @@ def short_off_topic(pairs: list[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"question": q, "reply": r[:REPLY_CHARS]} for q, r in pairs
             if preference.short(r) and not preference.on_topic(q, r)][:OFF_TOPIC_KEPT]
 
+#: the held-out replies' temperature at every checkpoint (and the ``+sampled`` gate's)
+HELD_OUT_TEMPERATURE = 0.7
+
 
 def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
     """The held-out prompts answered by *model* (the version the `policy` alias serves, or the
@@ -205,7 +209,7 @@ def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
         i, j = job
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompts[i]}], max_tokens=args.max_tokens,
-            temperature=0.7, seed=seed * 1000 + i * 10 + j)
+            temperature=HELD_OUT_TEMPERATURE, seed=seed * 1000 + i * 10 + j)
         return prompts[i], r.choices[0].message.content or ""
 
     with client, ThreadPoolExecutor(len(jobs)) as pool:
@@ -346,7 +350,8 @@ class Job:
         a, margin = self.args, self.spec.topic_margin
         gate: dict[str, Any] = {} if margin is None else {
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
-            "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init"}
+            "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init",
+            "eval_samples": self.spec.gate_samples, "eval_temperature": HELD_OUT_TEMPERATURE if self.spec.gate_samples > 1 else 0.0}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
                             drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
                             kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor,
@@ -376,7 +381,7 @@ class Job:
                     "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
-                    "refused_update": "keep" if self.spec.keep else "drop",
+                    "refused_update": "keep" if self.spec.keep else "drop", "gate_samples": self.spec.gate_samples,
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
                     "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode,
                     "python_judge": self.spec.judge if self.args.judge == "python" else None, **curves,
@@ -467,6 +472,9 @@ SIBLINGS_DEFAULT = 4
 #: the topicality check's margin of an arm that says ``+topic`` without one: a candidate whose
 #: on-topic share on GATE falls more than this below the base's is held back
 TOPIC_DEFAULT = 0.05
+#: the gate's replies per prompt of an arm that says ``+sampled`` without a number: GATE's 24
+#: prompts × 4, about the 64 replies (16 × 4) a checkpoint measures
+GATE_SAMPLES_DEFAULT = 4
 #: earlier rounds an arm that says ``+replay`` without a number trains on again: with k = 6, a
 #: round then trains on up to 18 turns (the last 18 interactions)
 REPLAY_DEFAULT = 2
@@ -476,10 +484,11 @@ REPLAY_DEFAULT = 2
 #: reply's advantage is centred on the batch (full-python-60-replay.json). Averaging per reply
 #: first makes a failure and a success weigh alike, whatever their lengths.
 SEQ_AGG = "seq-mean-token-mean"
-#: the round metrics kept per round (``rounds`` in the JSON): the drift instruments and the loss's
+#: the round metrics kept per round (``rounds`` in the JSON): the drift instruments, the loss's terms and the
+#: trainer's peak GPU memory in the round (``device_peak_gib``: LocalTrainer.release_device_memory)
 ROUND_KEYS = ("drift_kl_k1", "drift_kl_k3", "entropy_behaviour", "entropy_candidate", "teacher_topk_mass",
               "student_topk_mass", "sampled_in_topk", "loss", "pg_loss", "kl", "kl_loss", "topk_kl",
-              "advantage_mean", "pg_clipfrac", "kl_coef")
+              "advantage_mean", "pg_clipfrac", "kl_coef", "device_peak_gib")
 
 
 @dataclass(frozen=True)
@@ -510,6 +519,8 @@ class Arm:
     topk_rounds: int = 0
     #: with topic: a refused candidate's update is trained on, not dropped (OnlineConfig.refused_update)
     keep: bool = False
+    #: with topic: replies per gate prompt, sampled at the checkpoints' temperature (OnlineConfig.eval_samples)
+    gate_samples: int = 1
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
@@ -531,7 +542,9 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     :data:`KL_DEFAULT`), ``tau=T`` and ``tail=W`` (with topk: the teacher's k+1-way distribution
     tempered, the tail's term weighted), ``topic[=M]`` (the eval gate's topicality check with
     margin M, default :data:`TOPIC_DEFAULT`), ``keep`` (with topic: a refused candidate's update is
-    trained on while the last promoted version serves on: ``OnlineConfig.refused_update``), ``siblings[=N]`` (N shadow siblings per turn, scored
+    trained on while the last promoted version serves on: ``OnlineConfig.refused_update``), ``sampled[=N]``
+    (with topic: each gate prompt answered N times at the checkpoints' temperature, default
+    :data:`GATE_SAMPLES_DEFAULT`: ``OnlineConfig.eval_samples``), ``siblings[=N]`` (N shadow siblings per turn, scored
     and trained as its group, default :data:`SIBLINGS_DEFAULT`), ``lr=X`` and ``steps=N`` (the arm's
     learning rate and optimizer steps per round instead of the preset's), ``replay[=N]`` (each
     round also trains on the turns of the last N rounds, default :data:`REPLAY_DEFAULT`:
@@ -556,6 +569,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
     top_k = n_siblings = 0
     margin = lr = steps = None
     ask = graded = keep = False
+    gate_samples = 1
     replay = 0
     kl_target = None
     kl_horizon, kl_floor = 1.0, False
@@ -587,6 +601,10 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
             graded = True
         elif name == "keep" and not eq:
             keep = True
+        elif name == "sampled":
+            gate_samples = int(value) if eq else GATE_SAMPLES_DEFAULT
+            if not 2 <= gate_samples <= 16:
+                raise ValueError(f"sampled is 2 to 16 replies per gate prompt, not {value!r}")
         elif name == "seq" and not eq:
             kw["loss_agg_mode"] = SEQ_AGG
         elif name == "steps" and eq:
@@ -618,7 +636,7 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, topkfrom=P, kl[=C], kltarget=T, klh=H, "
                              "klfloor, tau=T, "
-                             "tail=W, topic[=M], keep, siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
+                             "tail=W, topic[=M], keep, sampled[=N], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
     if topk_rounds and not top_k:
         raise ValueError("topkrounds ends top-k OPD after N rounds: it needs +topk")
     if "opd_topk_from" in kw and not top_k:
@@ -631,11 +649,13 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         raise ValueError("klh and klfloor shape the KL controller: they need +kltarget=T")
     if keep and margin is None:
         raise ValueError("keep trains on a candidate the topicality check refused: it needs +topic[=M]")
+    if gate_samples > 1 and margin is None:
+        raise ValueError("sampled samples the topicality check's replies: it needs +topic[=M]")
     if graded and objective == "opd":
         raise ValueError("graded grades the RL reward, which opd does not train on: it needs rl or combined")
     judge = ("graded_" if graded else "") + ("judge_naming_the_question" if ask else "judge")
     return Arm(ObjectiveConfig(objective=objective, **kw), top_k, n_siblings, margin, lr, steps, judge, replay,
-               kl_target, kl_horizon, kl_floor, topk_rounds, keep)
+               kl_target, kl_horizon, kl_floor, topk_rounds, keep, gate_samples)
 
 
 def arm_objective(arm: str, rl_baseline: str | None = None) -> ObjectiveConfig:
@@ -769,7 +789,8 @@ def main() -> None:
                         "horizon, rounds; 0.25 moves it up to x1.8 a round), klfloor (with kltarget: never below its "
                         "start), topic[=M] (hold back a candidate whose on-topic share "
                         f"falls more than M, default {TOPIC_DEFAULT}, below the base's), keep (with topic: train on from a "
-                        "held-back candidate, the last promoted version serving on), siblings[=N] (N shadow "
+                        "held-back candidate, the last promoted version serving on), sampled[=N] (with topic: each gate "
+                        "prompt answered N times at the checkpoints' temperature), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
                         f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "

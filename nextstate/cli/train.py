@@ -196,6 +196,12 @@ def online_options() -> Any:
                           "ungated."),
         click.option("--eval-threshold", type=float, default=_oc("eval_threshold"), show_default=True,
                      help="online: refuse a candidate scoring more than this below the active version."),
+        click.option("--eval-samples", type=click.IntRange(min=1), default=_oc("eval_samples"), show_default=True,
+                     help="online: replies per held-out prompt, sampled at --eval-temperature with the same seeds "
+                          "for every version (1: the greedy reply). Users get sampled replies, which leave the "
+                          "topic before the greedy ones do."),
+        click.option("--eval-temperature", type=click.FloatRange(min=0), default=_oc("eval_temperature"),
+                     show_default=True, help="online, with --eval-samples > 1: the held-out replies' temperature."),
         click.option("--topic-scorer", metavar="MODULE:FN",
                      help="online: (reply, messages) -> 1 when the reply is on topic, else 0; the eval gate then "
                           "holds back a candidate whose on-topic share on the held-out prompts is more than "
@@ -320,6 +326,8 @@ class TrainOptions:
     eval_sessions: int
     eval_scorer: str | None
     eval_threshold: float
+    eval_samples: int
+    eval_temperature: float
     topic_scorer: str | None
     topic_margin: float
     topic_reference: str | None
@@ -447,6 +455,9 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         raise click.UsageError("--topic-scorer scores the replies to the held-out prompts: give --eval-prompts "
                                "or --eval-sessions")
     topic_scorer = scorer_of("--topic-scorer", o.topic_scorer)
+    if o.eval_samples > 1 and o.eval_temperature == 0:
+        raise click.UsageError("--eval-samples > 1 samples each held-out prompt: give --eval-temperature > 0 "
+                               "(at 0 every sample is the greedy reply)")
     online_cfg = OnlineConfig(
         k=o.online_k, max_wait_s=o.max_wait_s, updates_per_round=o.updates_per_round,
         replay_rounds=o.replay_rounds, kl_target=o.kl_target, lease_s=o.lease_s,
@@ -455,6 +466,7 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         staleness=o.staleness, stale_policy=o.stale_policy, ratio_cap=o.ratio_cap,
         eval_prompts=load_prompts(o.eval_prompts) if o.eval_prompts else [],
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,
+        eval_samples=o.eval_samples, eval_temperature=o.eval_temperature,
         topic_scorer=topic_scorer, topic_margin=o.topic_margin, topic_reference=o.topic_reference,
         refused_update=o.refused_update, rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
     run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,

@@ -132,6 +132,11 @@ def test_keep_trains_on_from_a_held_back_candidate_and_needs_the_topicality_chec
     assert not arm_spec("combined+topic").keep
     with pytest.raises(ValueError, match="needs \\+topic"):
         arm_spec("combined+keep")
+    sampled = arm_spec("combined+topic+sampled+keep")
+    assert (sampled.gate_samples, arm_spec("combined+topic+sampled=8").gate_samples) == (bench.GATE_SAMPLES_DEFAULT, 8)
+    for bad in ("combined+sampled", "combined+topic+sampled=1"):
+        with pytest.raises(ValueError):
+            arm_spec(bad)
 
 
 def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():

@@ -202,12 +202,13 @@ def test_train_online_topicality_check_from_the_command_line(monkeypatch: pytest
             "--database-url", f"sqlite:///{tmp_path}/pool.db"]
     ok = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer",
                                    "benchmarks.learning.preference:topic_scorer", "--topic-margin", "0.03",
-                                   "--topic-reference", "online-v1", "--refused-update", "keep"])
+                                   "--topic-reference", "online-v1", "--refused-update", "keep",
+                                   "--eval-samples", "4", "--eval-temperature", "0.7"])
     assert ok.exit_code == 0, ok.output
     cfg = seen[-1]
     assert cfg.topic_scorer is preference.topic_scorer and cfg.eval_scorer is None
     assert (cfg.topic_margin, cfg.topic_reference, len(cfg.eval_prompts)) == (0.03, "online-v1", 2)
-    assert cfg.refused_update == "keep"
+    assert (cfg.refused_update, cfg.eval_samples, cfg.eval_temperature) == ("keep", 4, 0.7)
     ok = CliRunner().invoke(main, [*base, "--eval-sessions", "4", "--topic-scorer",
                                    "benchmarks.learning.preference:topic_scorer"])
     assert ok.exit_code == 0, ok.output
@@ -217,4 +218,6 @@ def test_train_online_topicality_check_from_the_command_line(monkeypatch: pytest
     assert no_prompts.exit_code == 2 and "--eval-prompts" in no_prompts.output
     missing = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--topic-scorer", "nowhere:fn"])
     assert missing.exit_code == 2 and "--topic-scorer" in missing.output
-    assert len(seen) == 2  # neither refused run trained
+    greedy = CliRunner().invoke(main, [*base, "--eval-prompts", str(prompts), "--eval-samples", "3"])
+    assert greedy.exit_code == 2 and "--eval-temperature" in greedy.output
+    assert len(seen) == 2  # no refused run trained

@@ -69,3 +69,40 @@ def test_the_reference_may_be_another_version(sqlite_engine: Any) -> None:
     gate = _gate(sqlite_engine, {"init": ON, "cand": ON}, topic_reference="init")
     metrics, why = gate.off_topic("cand", gate.evaluate("cand"))
     assert why is None and metrics["topic_reference"] == "init" and "smollm2" not in gate.asked
+
+
+def test_a_sampled_gate_sees_the_off_topic_samples_a_greedy_one_misses(sqlite_engine: Any,
+                                                                       monkeypatch: Any) -> None:
+    """``samples`` > 1: each held-out prompt is answered that many times at ``temperature``, the
+    i-th sample of every prompt with seed SAMPLE_SEED + i for every version alike, and the on-topic
+    share is over all the samples. A candidate whose greedy replies keep the topic but one sample
+    in three leaves it passes the greedy check and is refused by the sampled one."""
+    import trainer.eval_gate as eval_gate
+
+    sent: list[tuple[str, str, float, int | None]] = []
+
+    def chat(http: Any, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
+             temperature: float = 0.0, seed: int | None = None) -> str:
+        q = messages[0]["content"]
+        sent.append((model, q, temperature, seed))
+        if model == "cand" and temperature > 0 and seed == eval_gate.SAMPLE_SEED + 2:
+            return "Bathroom scale."
+        return ON[q]
+
+    monkeypatch.setattr(eval_gate, "_chat", chat)
+    greedy = EvalGate(sqlite_engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0, scorer=None,
+                      threshold=0.05, max_tokens=16, topic_scorer=preference.topic_scorer, topic_margin=0.1)
+    metrics, why = greedy.off_topic("cand", greedy.evaluate("cand"))
+    assert why is None and metrics["on_topic"] == 1.0
+    assert {(t, s) for _, _, t, s in sent} == {(0.0, None)} and len(sent) == 2 * len(PROMPTS)
+    sent.clear()
+    sampled = EvalGate(sqlite_engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0, scorer=None,
+                       threshold=0.05, max_tokens=16, topic_scorer=preference.topic_scorer, topic_margin=0.1,
+                       samples=3, temperature=0.7)
+    metrics, why = sampled.off_topic("cand", sampled.evaluate("cand"))
+    assert why is not None and why.startswith("off topic")
+    assert metrics["on_topic"] == 2 / 3 and metrics["reference_on_topic"] == 1.0
+    seeds = {m: sorted((q, s) for n, q, _, s in sent if n == m) for m in ("cand", "smollm2")}
+    want = sorted((p[0]["content"], eval_gate.SAMPLE_SEED + i) for p in PROMPTS for i in range(3))
+    assert seeds["cand"] == seeds["smollm2"] == want  # every prompt three times, the same draws for both
+    assert {t for _, _, t, _ in sent} == {0.7}
