@@ -139,6 +139,25 @@ def test_keep_trains_on_from_a_held_back_candidate_and_needs_the_topicality_chec
             arm_spec(bad)
 
 
+def test_a_gated_arm_reaches_the_online_loops_gate(tmp_path: Path):
+    """``+topic=M+sampled+keep``: the job's OnlineConfig asks for the topicality check on GATE against
+    the untrained adapter, each prompt answered GATE_SAMPLES_DEFAULT times at the checkpoints'
+    temperature, and a refused update kept; an arm without ``+topic`` has no gate at all."""
+    from benchmarks.learning import preference
+
+    args = argparse.Namespace(rl_baseline=None, upstream="http://127.0.0.1:9/v1", teacher="http://127.0.0.1:9/v1",
+                              judge="python", votes=3, hint_gate=True, k=6, updates=2, max_tokens=64)
+    cfg = bench.Job(args, tmp_path, "combined+topic=0.03+sampled+keep+steps=4", 0).online_config("b-x")
+    assert (cfg.topic_scorer, cfg.topic_margin, cfg.topic_reference) == (preference.topic_scorer, 0.03, "b-x-init")
+    assert [m[0]["content"] for m in cfg.eval_prompts] == bench.GATE
+    assert (cfg.eval_samples, cfg.eval_temperature) == (bench.GATE_SAMPLES_DEFAULT, bench.HELD_OUT_TEMPERATURE)
+    assert (cfg.refused_update, cfg.updates_per_round) == ("keep", 4)
+    greedy = bench.Job(args, tmp_path, "combined+topic", 0).online_config("b-y")
+    assert (greedy.eval_samples, greedy.eval_temperature, greedy.refused_update) == (1, 0.0, "drop")
+    ungated = bench.Job(args, tmp_path, "combined", 0).online_config("b-z")
+    assert ungated.topic_scorer is None and ungated.eval_prompts == []
+
+
 def test_an_arm_may_set_its_own_learning_rate_and_steps_per_round():
     """``lr=X`` and ``steps=N`` run a faster (or slower) arm beside the preset's; without them
     the arm takes the preset's (None here)."""
