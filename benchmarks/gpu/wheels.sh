@@ -4,10 +4,10 @@
 #
 #   benchmarks/gpu/wheels.sh /tmp/extra && ../shared/tools/gpu-bundle /tmp/bundle \
 #     && rm /tmp/bundle/{jsonschema,jsonschema_specifications,referencing,rpds_py,importlib_metadata}-*.whl \
-#     && GPU_STAGE_CHUNK_MIB=32 ../shared/tools/gpu-stage .dev-NAME/stage /tmp/extra /tmp/bundle
+#     && GPU_STAGE_CHUNK_MIB=28 ../shared/tools/gpu-stage .dev-NAME/stage /tmp/extra /tmp/bundle
 #
-# (32 MiB chunks: each staging call carries the tracked tree too, 30 MB now, and a call carries at
-# most 64 MiB; gpu-stage's default 36 MiB no longer fits beside it.)
+# (28 MiB chunks: each staging call carries the tracked tree too, 34 MB now (`git ls-files -z | xargs -0
+# du -cb | tail -1`), and a call carries at most 64 MiB; 32 MiB chunks stopped fitting beside it.)
 #
 # gpu-bundle (veRL 0.9.1 + Ray: trainer.objectives imports veRL's core_algos) also ships
 # importlib_metadata 10.2, which on Python 3.12 imports `lazy_importer` (not carried): the import
