@@ -38,10 +38,11 @@ tokens and the tail at each position (``opd+topk``, ``combined+topk=8``;
 teacher's k+1-way distribution and ``tail=W`` weighting the tail's term; ``kl[=C]`` adds the KL
 anchor to the base policy (``opd+topk+kl``, ``combined+kl=0.05``; ``ObjectiveConfig.kl_coef``,
 default :data:`KL_DEFAULT`); ``topic[=M]`` turns on the eval gate's topicality check, which
-holds back a candidate whose on-topic share on :data:`GATE` (greedy) falls more than M below the
+holds back a candidate whose on-topic share on :data:`GATE` (greedy replies) falls more than M below the
 untrained adapter's (``OnlineConfig.topic_scorer``; the checkpoint then measures the version
 still serving; ``+keep``: training goes on from the refused candidate, ``OnlineConfig.refused_update``;
-``+sampled[=N]``: the gate's replies sampled N times a prompt as the checkpoints' are, ``OnlineConfig.eval_samples``); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
+``+sampled[=N]``: the gate's replies sampled N times a prompt as the checkpoints' are,
+``OnlineConfig.eval_samples``); ``siblings[=N]`` resamples each turn N times from its exact prompt ids after it
 is scored, scores the replies against the same next state and trains them with it as one group
 (``rl+siblings``; ``datapool.siblings``); ``replay[=N]`` trains each round on the last N rounds'
 turns too (``combined+topk+kl+replay``; ``OnlineConfig.replay_rounds``); ``graded`` votes 0 instead of −1
@@ -351,7 +352,8 @@ class Job:
         gate: dict[str, Any] = {} if margin is None else {
             "eval_prompts": [[{"role": "user", "content": q}] for q in GATE], "eval_max_tokens": a.max_tokens,
             "topic_scorer": preference.topic_scorer, "topic_margin": margin, "topic_reference": f"{prefix}-init",
-            "eval_samples": self.spec.gate_samples, "eval_temperature": HELD_OUT_TEMPERATURE if self.spec.gate_samples > 1 else 0.0}
+            "eval_samples": self.spec.gate_samples,
+            "eval_temperature": HELD_OUT_TEMPERATURE if self.spec.gate_samples > 1 else 0.0}
         return OnlineConfig(k=a.k, updates_per_round=self.spec.updates or a.updates, rollback_window=0, version_prefix=prefix,
                             drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
                             kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor,
@@ -636,7 +638,8 @@ def arm_spec(arm: str, rl_baseline: str | None = None) -> Arm:
         else:
             raise ValueError(f"unknown arm option {option!r}: topk[=K], topkrounds=N, topkfrom=P, kl[=C], kltarget=T, klh=H, "
                              "klfloor, tau=T, "
-                             "tail=W, topic[=M], keep, sampled[=N], siblings[=N], lr=X, steps=N, replay[=N], ask, seq or graded")
+                             "tail=W, topic[=M], keep, sampled[=N], siblings[=N], lr=X, steps=N, replay[=N], ask, "
+                             "seq or graded")
     if topk_rounds and not top_k:
         raise ValueError("topkrounds ends top-k OPD after N rounds: it needs +topk")
     if "opd_topk_from" in kw and not top_k:
@@ -788,9 +791,9 @@ def main() -> None:
                         "round toward a KL to the base of T per reply token), klh=H (with kltarget: the controller's "
                         "horizon, rounds; 0.25 moves it up to x1.8 a round), klfloor (with kltarget: never below its "
                         "start), topic[=M] (hold back a candidate whose on-topic share "
-                        f"falls more than M, default {TOPIC_DEFAULT}, below the base's), keep (with topic: train on from a "
-                        "held-back candidate, the last promoted version serving on), sampled[=N] (with topic: each gate "
-                        "prompt answered N times at the checkpoints' temperature), siblings[=N] (N shadow "
+                        f"falls more than M, default {TOPIC_DEFAULT}, below the base's), keep (with topic: train "
+                        "on from a held-back candidate, the last promoted version serving on), sampled[=N] (with "
+                        "topic: each gate prompt answered N times at the checkpoints' temperature), siblings[=N] (N shadow "
                         f"siblings per turn, {SIBLINGS_DEFAULT} by default: rl+siblings), lr=X and steps=N (the arm's "
                         "learning rate and optimizer steps per round instead of the preset's: combined+lr=2e-3+steps=4), "
                         f"replay[=N] (each round also trains on the last N rounds' turns, {REPLAY_DEFAULT} by "

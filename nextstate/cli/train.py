@@ -468,7 +468,8 @@ def _train_online(o: TrainOptions, settings: Settings, engine: Any, cfg: Objecti
         eval_sessions=o.eval_sessions, eval_scorer=scorer, eval_threshold=o.eval_threshold,
         eval_samples=o.eval_samples, eval_temperature=o.eval_temperature,
         topic_scorer=topic_scorer, topic_margin=o.topic_margin, topic_reference=o.topic_reference,
-        refused_update=o.refused_update, rollback_window=o.rollback_window, rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
+        refused_update=o.refused_update, rollback_window=o.rollback_window,
+        rollback_threshold=o.rollback_threshold, max_rounds=o.rounds)
     run_online(engine, objective=cfg, local=local, filters=filters, config=online_cfg, vllm_urls=urls,
                base_model=base_model, output_root=settings.data_dir / "runs", echo=click.echo)
 

@@ -519,8 +519,9 @@ def test_a_refused_candidates_update_is_kept_or_dropped(pg: str, servers: list[s
     assert online.trainer_version == second.candidate and online.carried == []
     assert versions.active_row(online.engine).name == second.candidate  # type: ignore[union-attr]
     with OrmSession(online.engine) as db:  # the policy event of the second candidate names what it carries
-        published = db.execute(select(PolicyEvent.metrics).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
-                               .where(PolicyVersion.name == second.candidate, PolicyEvent.action == "publish")).scalar_one()
+        published = db.execute(
+            select(PolicyEvent.metrics).join(PolicyVersion, PolicyVersion.id == PolicyEvent.version_id)
+            .where(PolicyVersion.name == second.candidate, PolicyEvent.action == "publish")).scalar_one()
     assert published.get("carried") == ([first.candidate] if refused_update == "keep" else None)
     online.engine.dispose()
 
