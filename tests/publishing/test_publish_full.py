@@ -251,8 +251,11 @@ def test_requests_in_flight_across_reloads(gateway: GatewayProcess, sqlite_engin
                                               vllm_urls=[dev_url], store=tmp_path / "store", pause_mode="wait"))
     published_at = time.monotonic()
     stream.result()
-    assert stream.ended_at <= published_at, "publish returned before the in-flight request finished"
-    assert stream.text == base_text  # every token from the base weights
+    assert stream.ended_at > t0, "the stream was not in flight across the publish"
+    # every token from the base weights: the reload waited for the stream to finish. (Not when the
+    # client saw its end: the last bytes cross vLLM's server and the gateway after the engine
+    # finished it, and publish may return first; under CI's load once by 0.42 s.)
+    assert stream.text == base_text
     (reload,) = events(sqlite_engine)[-1].metrics["reloads"]
     wait_alias(gateway, v["name"])
     tuned = reply(gateway)
