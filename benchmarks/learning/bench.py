@@ -358,7 +358,7 @@ class Job:
                             drift_metrics=True, replay_rounds=self.spec.replay, kl_target=self.spec.kl_target,
                             kl_horizon=self.spec.kl_horizon, kl_floor=self.spec.kl_floor,
                             opd_topk_rounds=self.spec.topk_rounds,
-                            refused_update="keep" if self.spec.keep else "drop", **gate)
+                            refused_update=self.spec.refused_update, **gate)
 
     def run(self, gw: GatewayProcess, base: dict[str, float], trainer: OnlineTrainer) -> dict[str, Any]:
         a, arm, seed, phase = self.args, self.arm, self.seed, self.phases
@@ -383,7 +383,7 @@ class Job:
                     "top_k": self.spec.top_k, "kl_coef": self.objective.kl_coef, "siblings": self.spec.siblings,
                     "topk_temperature": self.objective.opd_topk_temperature,
                     "topk_tail_weight": self.objective.opd_topk_tail_weight, "topic_margin": self.spec.topic_margin,
-                    "refused_update": "keep" if self.spec.keep else "drop", "gate_samples": self.spec.gate_samples,
+                    "refused_update": self.spec.refused_update, "gate_samples": self.spec.gate_samples,
                     "lr": self.spec.lr or self.args.lr, "updates": self.spec.updates or self.args.updates,
                     "replay": self.spec.replay, "loss_agg_mode": self.objective.loss_agg_mode,
                     "python_judge": self.spec.judge if self.args.judge == "python" else None, **curves,
@@ -523,6 +523,11 @@ class Arm:
     keep: bool = False
     #: with topic: replies per gate prompt, sampled at the checkpoints' temperature (OnlineConfig.eval_samples)
     gate_samples: int = 1
+
+    @property
+    def refused_update(self) -> str:
+        """OnlineConfig.refused_update of the arm: "keep" with ``+keep``, else "drop"."""
+        return "keep" if self.keep else "drop"
 
 
 def round_record(after: int, result: Any) -> dict[str, Any]:
