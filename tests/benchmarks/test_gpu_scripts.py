@@ -165,3 +165,26 @@ def test_bg_stop_ends_the_benchmark_and_leaves_the_chain_and_its_tee_running(tmp
     assert (bg / "A.rc").read_text().strip() == "exit 0"  # the chain went on to its next step
     again = subprocess.run(["bash", str(script), "stop", "A"], cwd=tree, env=env, capture_output=True, text=True)
     assert "no benchmark process running" in again.stdout
+
+
+def test_bg_wait_for_a_job_this_machine_never_started_says_so_at_once(tmp_path: Path) -> None:
+    """benchmarks/gpu/bg.sh wait on a fresh machine (the one that ran the job was given back): it
+    says the job is gone and exits, instead of waiting its SECONDS on a job that is not there; a
+    job started by this machine is waited for as before."""
+    import subprocess
+    import time
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "bg.sh"
+    env = {"PATH": "/usr/bin:/bin", "BG_DIR": str(tmp_path / "bg"), "HOME": str(tmp_path)}
+    t0 = time.monotonic()
+    gone = subprocess.run(["bash", str(script), "wait", "300", "L0"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert gone.returncode == 3 and "L0: never started on this machine" in gone.stdout
+    assert time.monotonic() - t0 < 60  # not the 300 s asked for
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    subprocess.run(["bash", str(script), "start", "B", "bash", "-c", "sleep 1; echo done"], cwd=tree, env=env,
+                   check=True, capture_output=True)
+    waited = subprocess.run(["bash", str(script), "wait", "120", "B"], cwd=tree, env=env, capture_output=True,
+                            text=True, check=True)
+    assert "[bg] B: exit 0 after" in waited.stdout and "done" in waited.stdout
