@@ -39,13 +39,21 @@ SAMPLE_SEED = 1000
 
 
 def _chat(http: httpx.Client, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
-          temperature: float = 0.0, seed: int | None = None) -> str:
+          temperature: float = 0.0, seed: int | None = None, n: int = 1) -> list[str]:
+    """The *n* replies of one chat completion request. With a *seed*, vLLM samples the i-th of
+    the n with seed *seed* + i (``vllm/v1/engine/parallel_sampling.py``): the same draws as n
+    requests with those seeds, their prompt read once."""
     body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
     if seed is not None:
         body["seed"] = seed
+    if n > 1:
+        body["n"] = n
     resp = http.post(f"{url}/chat/completions", json=body)
     resp.raise_for_status()
-    return resp.json()["choices"][0]["message"].get("content") or ""
+    choices = sorted(resp.json()["choices"], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise httpx.HTTPError(f"{model} answered {len(choices)} choices to a request for {n}")
+    return [c["message"].get("content") or "" for c in choices]
 
 
 class EvalGate:
@@ -88,12 +96,19 @@ class EvalGate:
         return [p for p in prompts for _ in range(self.samples)]
 
     def answer(self, model: str, prompts: list[list[dict[str, Any]]]) -> list[str]:
-        """The version's replies to :meth:`per_sample`'s *prompts* (on the first vLLM, 8 at a time): greedy,
-        or sampled at :attr:`temperature`, the i-th sample of each prompt with seed SAMPLE_SEED + i."""
-        seeds = [SAMPLE_SEED + i % self.samples if self.temperature > 0 else None for i in range(len(prompts))]
+        """The version's replies to :meth:`per_sample`'s *prompts* (on the first vLLM): greedy, or
+        sampled at :attr:`temperature`, the i-th sample of each prompt with seed SAMPLE_SEED + i.
+        A prompt's samples are one request (``n``; its :attr:`samples` copies stand in a row in
+        *prompts*), 8 requests at a time: a sampled gate asks vLLM as many requests as a greedy one."""
+        k = self.samples
+        distinct = prompts[::k]
+        if [p for p in distinct for _ in range(k)] != prompts:
+            raise ValueError(f"answer() takes per_sample()'s prompts: each {k} times in a row")
+        seed = SAMPLE_SEED if self.temperature > 0 else None
         with httpx.Client(timeout=300) as http, ThreadPoolExecutor(8) as pool:
-            return list(pool.map(lambda m, seed: _chat(http, self.urls[0], model, m, self.max_tokens,
-                                                       self.temperature, seed), prompts, seeds))
+            replies = pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens, self.temperature,
+                                               seed, k), distinct)
+            return [reply for group in replies for reply in group]
 
     def evaluate(self, model: str) -> dict[str, Any]:
         """The version's mean score on the held-out prompts (:meth:`answer`'s replies, each prompt

@@ -199,22 +199,25 @@ HELD_OUT_TEMPERATURE = 0.7
 def heldout(args: argparse.Namespace, model: str, seed: int) -> dict[str, Any]:
     """The held-out prompts answered by *model* (the version the `policy` alias serves, or the
     base model's served name), --samples-per-prompt times each (temperature 0.7, a fixed seed
-    per prompt and sample): every request at once, straight to the --upstream vLLM. Returns the
-    share meeting the preference, the shares short and on topic apart, the mean words per reply,
-    and examples of the replies short but off topic (:func:`short_off_topic`)."""
+    per prompt and sample): one request per prompt for all its samples (``n``; vLLM draws the j-th
+    with the request's seed + j, so seed*1000 + 10i + j, as when each sample was a request of its
+    own), every request at once, straight to the --upstream vLLM. Returns the share meeting the
+    preference, the shares short and on topic apart, the mean words per reply, and examples of the
+    replies short but off topic (:func:`short_off_topic`)."""
     prompts = HELD_OUT[: args.heldout]
-    jobs = [(i, j) for i in range(len(prompts)) for j in range(args.samples_per_prompt)]
+    k = args.samples_per_prompt
     client = OpenAI(base_url=args.upstream, api_key="unused", max_retries=2, timeout=300)
 
-    def one(job: tuple[int, int]) -> tuple[str, str]:
-        i, j = job
+    def one(i: int) -> list[tuple[str, str]]:
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompts[i]}], max_tokens=args.max_tokens,
-            temperature=HELD_OUT_TEMPERATURE, seed=seed * 1000 + i * 10 + j)
-        return prompts[i], r.choices[0].message.content or ""
+            temperature=HELD_OUT_TEMPERATURE, seed=seed * 1000 + i * 10, n=k)
+        if len(r.choices) != k:
+            raise RuntimeError(f"{model} answered {len(r.choices)} choices to a request for {k}")
+        return [(prompts[i], c.message.content or "") for c in sorted(r.choices, key=lambda c: c.index)]
 
-    with client, ThreadPoolExecutor(len(jobs)) as pool:
-        pairs = list(pool.map(one, jobs))
+    with client, ThreadPoolExecutor(len(prompts)) as pool:
+        pairs = [pair for replies in pool.map(one, range(len(prompts))) for pair in replies]
     n = len(pairs)
     return {"curve": sum(preference.meets(q, r) for q, r in pairs) / n,
             "short": sum(preference.short(r) for _, r in pairs) / n,

@@ -536,7 +536,10 @@ def test_a_checkpoint_keeps_its_short_replies_that_miss_the_topic(monkeypatch):
     assert kept[0]["reply"] == "It is a unit of energy." and len(kept[1]["reply"]) == bench.REPLY_CHARS
     assert len(bench.short_off_topic([("What is a calorie?", "Yes.")] * 9)) == bench.OFF_TOPIC_KEPT
 
-    # heldout() returns them beside the shares, from the replies the served model gave
+    # heldout() returns them beside the shares, from the replies the served model gave: one request a
+    # prompt for its samples (n), answered as vLLM answers one (n choices, each with its index)
+    asked = []
+
     class Client:
         def __init__(self, **kw):
             self.chat = self
@@ -548,15 +551,19 @@ def test_a_checkpoint_keeps_its_short_replies_that_miss_the_topic(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-        def create(self, model, messages, **kw):
+        def create(self, model, messages, n=1, seed=None, **kw):
+            asked.append((messages[0]["content"], n, seed))
             reply = "It is a unit of energy." if "calorie" in messages[0]["content"] else "Blue light scatters."
-            return argparse.Namespace(choices=[argparse.Namespace(message=argparse.Namespace(content=reply))])
+            return argparse.Namespace(choices=[argparse.Namespace(index=i, message=argparse.Namespace(content=reply))
+                                               for i in reversed(range(n))])
 
     monkeypatch.setattr(bench, "OpenAI", Client)
     monkeypatch.setattr(bench, "HELD_OUT", ["What is a calorie?", "Why is the sky blue?"])
     args = argparse.Namespace(heldout=2, samples_per_prompt=2, upstream="http://unused/v1", max_tokens=8)
-    point = bench.heldout(args, "policy", 0)
+    point = bench.heldout(args, "policy", 3)
     assert point["on_topic"] == 0.5 and point["short"] == 1.0
+    # seed 3, prompt i: seed 3000 + 10 i, whose j-th sample vLLM draws with 3000 + 10 i + j, as when it was a request
+    assert sorted(asked) == [("What is a calorie?", 2, 3000), ("Why is the sky blue?", 2, 3010)]
     assert point["short_off_topic"] == [{"question": "What is a calorie?", "reply": "It is a unit of energy."}] * 2
 
     rows = [{"arm": "combined", "seed": 3, "curve": [0.0] * 7, "short": [0.0] * 7, "on_topic": [1.0] * 7,

@@ -311,6 +311,31 @@ def test_regressing_candidate_is_refused_and_the_alias_stays(
     online.engine.dispose()
 
 
+def test_a_sampled_gate_draws_on_vllm_what_a_request_per_seed_draws(pg: str, servers: list[str], model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """OnlineConfig.eval_samples: the gate asks the real vLLM once per held-out prompt for all its
+    samples (``n``, seed SAMPLE_SEED) and gets what one request per sample with seed SAMPLE_SEED + i
+    gets: every version is compared on the same draws, however the gate asks for them. vLLM is not
+    batch-invariant: a reply drawn in another batch may take another token at a near tie (bf16 on
+    the CPU: 2 of 16 twelve-token replies did in one check), so most, not all, are
+    the same text; on different seeds at temperature 1 next to none would be."""
+    from trainer.eval_gate import SAMPLE_SEED
+
+    prompts = [[{"role": "user", "content": q}] for q in EVAL_PROMPTS]
+    online = _online(pg, servers, model_dir, tmp_path, eval_prompts=prompts, eval_samples=3, eval_temperature=1.0,
+                     eval_max_tokens=6, eval_scorer=lambda reply, messages: 1.0)
+    gate = online.gate
+    got = gate.answer("smollm2", gate.per_sample(prompts))
+    with httpx.Client(timeout=120) as http:
+        one_by_one = [http.post(f"{servers[0]}/chat/completions", json={
+            "model": "smollm2", "messages": q, "temperature": 1.0, "max_tokens": 6, "seed": SAMPLE_SEED + i})
+            .json()["choices"][0]["message"]["content"] for q in prompts for i in range(3)]
+    assert len(got) == len(one_by_one) == 9
+    assert sum(a == b for a, b in zip(got, one_by_one)) >= 5, list(zip(got, one_by_one))
+    assert all(len(set(got[j:j + 3])) > 1 for j in range(0, 9, 3)), got  # a prompt's samples are three draws
+    online.engine.dispose()
+
+
 def _add_turns(engine: Any, version: str, rewards: list[float]) -> None:
 
     with OrmSession(engine) as db, db.begin():

@@ -73,36 +73,77 @@ def test_the_reference_may_be_another_version(sqlite_engine: Any) -> None:
 
 def test_a_sampled_gate_sees_the_off_topic_samples_a_greedy_one_misses(sqlite_engine: Any,
                                                                        monkeypatch: Any) -> None:
-    """``samples`` > 1: each held-out prompt is answered that many times at ``temperature``, the
-    i-th sample of every prompt with seed SAMPLE_SEED + i for every version alike, and the on-topic
-    share is over all the samples. A candidate whose greedy replies keep the topic but one sample
-    in three leaves it passes the greedy check and is refused by the sampled one."""
+    """``samples`` > 1: each held-out prompt is answered that many times at ``temperature``, in one
+    request for all of them (``n``, seed SAMPLE_SEED: vLLM samples the i-th with seed SAMPLE_SEED + i),
+    for every version alike, and the on-topic share is over all the samples. A candidate whose
+    greedy replies keep the topic but one sample in three leaves it passes the greedy check and is
+    refused by the sampled one. The stand-in answers as vLLM's chat completions do: n choices,
+    each with its index, the i-th drawn with the request's seed + i."""
     import trainer.eval_gate as eval_gate
 
-    sent: list[tuple[str, str, float, int | None]] = []
+    sent: list[tuple[str, str, float, int | None, int]] = []
 
-    def chat(http: Any, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
-             temperature: float = 0.0, seed: int | None = None) -> str:
-        q = messages[0]["content"]
-        sent.append((model, q, temperature, seed))
-        if model == "cand" and temperature > 0 and seed == eval_gate.SAMPLE_SEED + 2:
-            return "Bathroom scale."
-        return ON[q]
+    class Reply:
+        def __init__(self, body: dict[str, Any]):
+            self.body = body
 
-    monkeypatch.setattr(eval_gate, "_chat", chat)
+        def raise_for_status(self) -> None:
+            pass
+
+        def json(self) -> dict[str, Any]:
+            q, model, seed = self.body["messages"][0]["content"], self.body["model"], self.body.get("seed")
+            n = self.body.get("n", 1)
+            drawn = [None if seed is None else seed + i for i in range(n)]
+
+            def text(s: int | None) -> str:
+                sampled = self.body["temperature"] > 0
+                return "Bathroom scale." if model == "cand" and sampled and s == eval_gate.SAMPLE_SEED + 2 else ON[q]
+            # vLLM sends the n choices as they finish: not necessarily in index order
+            return {"choices": [{"index": i, "message": {"role": "assistant", "content": text(drawn[i])}}
+                                for i in reversed(range(n))]}
+
+    def post(self: Any, url: str, json: dict[str, Any]) -> Reply:
+        sent.append((json["model"], json["messages"][0]["content"], json["temperature"], json.get("seed"),
+                     json.get("n", 1)))
+        return Reply(json)
+
+    monkeypatch.setattr(eval_gate.httpx.Client, "post", post)
     greedy = EvalGate(sqlite_engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0, scorer=None,
                       threshold=0.05, max_tokens=16, topic_scorer=preference.topic_scorer, topic_margin=0.1)
     metrics, why = greedy.off_topic("cand", greedy.evaluate("cand"))
     assert why is None and metrics["on_topic"] == 1.0
-    assert {(t, s) for _, _, t, s in sent} == {(0.0, None)} and len(sent) == 2 * len(PROMPTS)
+    assert {(t, s, n) for _, _, t, s, n in sent} == {(0.0, None, 1)} and len(sent) == 2 * len(PROMPTS)
     sent.clear()
     sampled = EvalGate(sqlite_engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0, scorer=None,
                        threshold=0.05, max_tokens=16, topic_scorer=preference.topic_scorer, topic_margin=0.1,
                        samples=3, temperature=0.7)
-    metrics, why = sampled.off_topic("cand", sampled.evaluate("cand"))
+    cand = sampled.evaluate("cand")
+    metrics, why = sampled.off_topic("cand", cand)
+    assert cand["n"] == 3 * len(PROMPTS)
     assert why is not None and why.startswith("off topic")
     assert metrics["on_topic"] == 2 / 3 and metrics["reference_on_topic"] == 1.0
-    seeds = {m: sorted((q, s) for n, q, _, s in sent if n == m) for m in ("cand", "smollm2")}
-    want = sorted((p[0]["content"], eval_gate.SAMPLE_SEED + i) for p in PROMPTS for i in range(3))
-    assert seeds["cand"] == seeds["smollm2"] == want  # every prompt three times, the same draws for both
-    assert {t for _, _, t, _ in sent} == {0.7}
+    # one request per prompt and version, each for all three samples on the same seed: the same draws for both
+    asked = {m: sorted(q for n, q, *_ in sent if n == m) for m in ("cand", "smollm2")}
+    assert asked["cand"] == asked["smollm2"] == sorted(p[0]["content"] for p in PROMPTS)
+    assert {(t, s, n) for _, _, t, s, n in sent} == {(0.7, eval_gate.SAMPLE_SEED, 3)}
+
+
+def test_a_gate_refuses_a_candidate_when_vllm_answers_fewer_samples_than_asked(sqlite_engine: Any,
+                                                                                monkeypatch: Any) -> None:
+    """A server that ignores ``n`` (one choice for three) fails the evaluation, which refuses the
+    candidate with its reason, rather than scoring a third of the samples as all of them."""
+    import trainer.eval_gate as eval_gate
+
+    class One:
+        def raise_for_status(self) -> None:
+            pass
+
+        def json(self) -> dict[str, Any]:
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Rivers carry salt."}}]}
+
+    monkeypatch.setattr(eval_gate.httpx.Client, "post", lambda self, url, json: One())
+    monkeypatch.setattr(eval_gate.EvalGate, "discard", lambda self, name, reason: None)
+    gate = EvalGate(sqlite_engine, ["http://127.0.0.1:9/v1"], "smollm2", prompts=PROMPTS, sessions=0, scorer=None,
+                    threshold=0.05, max_tokens=16, topic_scorer=preference.topic_scorer, samples=3, temperature=0.7)
+    assert gate.decide("cand", {}) == "refuse"
+    assert gate.last_reason == "eval failed: HTTPError: cand answered 1 choices to a request for 3"
