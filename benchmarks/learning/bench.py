@@ -22,8 +22,9 @@ users of the version now serving; the trainer waits for k scored turns either wa
 scored. After every k interactions the trainer runs one round (k scored turns → one candidate,
 promoted; the eval gate is off here so every round's version serves) and, once the gateway's
 `policy` alias serves the new version, the held-out prompts (never trained on) are answered by
-that version (temperature 0.7, a fixed seed per prompt and sample, all requests at once,
-straight to the vLLM, beside the next round's interactions, which the same version serves):
+that version (temperature 0.7, a fixed seed per prompt and sample; one request per prompt for
+its samples, all at once, straight to the vLLM, beside the next round's interactions, which the
+same version serves):
 the share meeting the preference is the curve's next point. The trainer computes in bf16 on a
 CPU with native bf16 (--trainer-dtype; its LoRA masters stay fp32).
 
