@@ -41,8 +41,8 @@ SAMPLE_SEED = 1000
 def _chat(http: httpx.Client, url: str, model: str, messages: list[dict[str, Any]], max_tokens: int,
           temperature: float = 0.0, seed: int | None = None, n: int = 1) -> list[str]:
     """The *n* replies of one chat completion request. With a *seed*, vLLM samples the i-th of
-    the n with seed *seed* + i (``vllm/v1/engine/parallel_sampling.py``): the same draws as n
-    requests with those seeds, their prompt read once."""
+    the n with seed *seed* + i (``vllm/v1/engine/parallel_sampling.py``): the draws of n requests
+    with those seeds (up to vLLM's numerics in another batch), their prompt read once."""
     body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}
     if seed is not None:
         body["seed"] = seed
@@ -99,7 +99,7 @@ class EvalGate:
         """The version's replies to :meth:`per_sample`'s *prompts* (on the first vLLM): greedy, or
         sampled at :attr:`temperature`, the i-th sample of each prompt with seed SAMPLE_SEED + i.
         A prompt's samples are one request (``n``; its :attr:`samples` copies stand in a row in
-        *prompts*), 8 requests at a time: a sampled gate asks vLLM as many requests as a greedy one."""
+        *prompts*), 8 requests at a time: a sampled gate sends as many requests as a greedy one."""
         k = self.samples
         distinct = prompts[::k]
         if [p for p in distinct for _ in range(k)] != prompts:
