@@ -92,30 +92,26 @@ class EvalGate:
         return prompts
 
     def per_sample(self, prompts: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-        """*prompts* as :meth:`answer` is asked them: each :attr:`samples` times in a row."""
+        """*prompts* in the order of :meth:`answer`'s replies to them: each :attr:`samples` times in a row."""
         return [p for p in prompts for _ in range(self.samples)]
 
     def answer(self, model: str, prompts: list[list[dict[str, Any]]]) -> list[str]:
-        """The version's replies to :meth:`per_sample`'s *prompts* (on the first vLLM): greedy, or
-        sampled at :attr:`temperature`, the i-th sample of each prompt with seed SAMPLE_SEED + i.
-        A prompt's samples are one request (``n``; its :attr:`samples` copies stand in a row in
-        *prompts*), 8 requests at a time: a sampled gate sends as many requests as a greedy one."""
-        k = self.samples
-        distinct = prompts[::k]
-        if [p for p in distinct for _ in range(k)] != prompts:
-            raise ValueError(f"answer() takes per_sample()'s prompts: each {k} times in a row")
+        """The version's replies to *prompts* (on the first vLLM), :attr:`samples` a prompt in a row
+        (:meth:`per_sample`'s order): greedy, or sampled at :attr:`temperature`, the i-th sample of
+        each prompt with seed SAMPLE_SEED + i. A prompt's samples are one request (``n``), 8 requests
+        at a time: a sampled gate sends as many requests as a greedy one."""
         seed = SAMPLE_SEED if self.temperature > 0 else None
         with httpx.Client(timeout=300) as http, ThreadPoolExecutor(8) as pool:
             replies = pool.map(lambda m: _chat(http, self.urls[0], model, m, self.max_tokens, self.temperature,
-                                               seed, k), distinct)
+                                               seed, self.samples), prompts)
             return [reply for group in replies for reply in group]
 
     def evaluate(self, model: str) -> dict[str, Any]:
         """The version's mean score on the held-out prompts (:meth:`answer`'s replies, each prompt
         :attr:`samples` times) and, with a topic scorer, its on-topic share (``on_topic``); each
         reply and its score is stored (``eval_replies``)."""
-        prompts = self.per_sample(self.eval_prompts())
-        replies = self.answer(model, prompts)
+        asked = self.eval_prompts()
+        replies, prompts = self.answer(model, asked), self.per_sample(asked)
         out: dict[str, Any] = {"n": len(replies)}
         if self.topic_scorer is not None:
             out["on_topic"] = sum(float(self.topic_scorer(r, m)) for r, m in zip(replies, prompts)) / len(replies)

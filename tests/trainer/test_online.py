@@ -325,7 +325,7 @@ def test_a_sampled_gate_draws_on_vllm_what_a_request_per_seed_draws(pg: str, ser
     online = _online(pg, servers, model_dir, tmp_path, eval_prompts=prompts, eval_samples=3, eval_temperature=1.0,
                      eval_max_tokens=6, eval_scorer=lambda reply, messages: 1.0)
     gate = online.gate
-    got = gate.answer("smollm2", gate.per_sample(prompts))
+    got = gate.answer("smollm2", prompts)
     with httpx.Client(timeout=120) as http:
         one_by_one = [http.post(f"{servers[0]}/chat/completions", json={
             "model": "smollm2", "messages": q, "temperature": 1.0, "max_tokens": 6, "seed": SAMPLE_SEED + i})
